@@ -1,0 +1,41 @@
+# gridserve: `make serve` and `make test` set up everything on a fresh machine.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+PORT ?= 8000
+MODEL ?=
+STAMP := $(VENV)/.installed
+
+.PHONY: serve test install lint demo-model bench clean
+
+# The venv is rebuilt when the project's dependency list changes.
+$(STAMP): pyproject.toml setup.py
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# CPU torch first: a bare `torch` requirement would pull a multi-GB CUDA build.
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e ".[worker,kernels,test]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo-model: install
+	$(PY) -m gridserve.recipe --arch llama --size small
+
+serve: install
+	$(PY) -m gridserve.cli serve $(MODEL) --port $(PORT)
+
+test: install
+	$(PY) -m gridserve.recipe --arch llama --size tiny >/dev/null
+	$(PY) -m ruff check .
+	$(PY) -m pytest -q
+
+lint: install
+	$(PY) -m ruff check .
+
+bench: install
+	$(PY) -m gridserve.cli bench throughput
+
+clean:
+	rm -rf $(VENV) build *.egg-info

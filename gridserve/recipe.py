@@ -1,0 +1,412 @@
+"""Deterministic local recipe for small Hugging Face-format checkpoints and their tokenizer.
+
+Nothing here touches the network: the tokenizer is trained on Python's own standard-library
+sources and the models are randomly initialised, so tests, benchmarks and examples get real
+HF-format folders (``config.json``, ``model.safetensors``, ``generation_config.json`` and the
+tokenizer files) that ``AutoTokenizer`` / ``AutoModelForCausalLM`` load with ``HF_HUB_OFFLINE=1``.
+
+Tokenizer
+    Byte-level BPE (``tokenizers``): ``ByteLevel`` pre-tokenizer (``add_prefix_space=False``) and
+    decoder, trained with ``train_from_iterator`` on a fixed, sorted subset of the stdlib ``*.py``
+    files, so ``decode(encode(s)) == s`` for any text. Special tokens have fixed ids::
+
+        <unk>=0  <s>=1 (bos)  </s>=2 (eos)  <pad>=3  <|im_start|>=4  <|im_end|>=5
+
+    It adds **no** BOS/EOS by itself: a plain ``encode`` returns the BPE tokens only (there is no
+    post-processor). A ChatML ``chat_template`` is saved with it (``add_generation_prompt`` ends
+    the prompt with ``<|im_start|>assistant\\n``).
+
+Checkpoints
+    ``ARCHS`` lists the ``(arch, size)`` pairs: llama tiny/small/base, qwen2 tiny, mistral tiny and
+    opt tiny/small. Weights are float32, initialised with ``torch.manual_seed(0)`` by transformers'
+    default init and then reshaped deterministically so that the random models are useful for
+    testing (see :func:`_make_useful`): greedy decoding produces varied tokens rather than one
+    repeated token, top logprobs are spread out, and biases / norm weights are non-trivial so an
+    engine that drops them disagrees with the reference.
+
+Determinism
+    Building twice gives byte-identical files for a given environment (Python installation, torch,
+    transformers and tokenizers versions); a different Python's stdlib gives a different tokenizer.
+
+Cache
+    :func:`ensure_checkpoint` keeps built folders in ``<cache_dir>/<arch>-<size>`` and tokenizers in
+    ``<cache_dir>/tokenizer-<vocab>``; ``cache_dir`` defaults to ``$GRIDSERVE_MODEL_CACHE`` or
+    ``~/.cache/gridserve/models``. Folders are built in a temporary sibling and renamed into place;
+    a ``.complete`` marker holding :data:`RECIPE_VERSION` makes a changed recipe rebuild.
+
+CLI::
+
+    python -m gridserve.recipe --arch llama --size tiny [--cache-dir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import math
+import os
+import shutil
+import sysconfig
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+#: Bump when anything below changes the files produced; cached folders with another version rebuild.
+RECIPE_VERSION = "1"
+
+MARKER = ".complete"
+CACHE_ENV = "GRIDSERVE_MODEL_CACHE"
+
+UNK_TOKEN, BOS_TOKEN, EOS_TOKEN, PAD_TOKEN = "<unk>", "<s>", "</s>", "<pad>"
+IM_START_TOKEN, IM_END_TOKEN = "<|im_start|>", "<|im_end|>"
+#: Special tokens in id order: the trainer gives them ids 0..5.
+SPECIAL_TOKENS = (UNK_TOKEN, BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, IM_START_TOKEN, IM_END_TOKEN)
+UNK_ID, BOS_ID, EOS_ID, PAD_ID, IM_START_ID, IM_END_ID = range(len(SPECIAL_TOKENS))
+
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{%- if message['content'] is string -%}{%- set content = message['content'] -%}"
+    "{%- else -%}{%- set content = message['content'] | selectattr('type', 'equalto', 'text')"
+    " | map(attribute='text') | join('') -%}{%- endif -%}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + content + '<|im_end|>' + '\\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
+)
+
+# Tokenizer training corpus: the sorted top-level stdlib *.py files, up to this many bytes.
+_CORPUS_MAX_BYTES = 3_000_000
+
+# Weight shaping (see _make_useful): std of the decoder's linear weights times sqrt(fan_in), the
+# target std of the logits, and the relative noise put on norm weights and zero-initialised biases.
+_LINEAR_GAIN = 1.3
+_LOGIT_STD = 3.0
+_NORM_NOISE = 0.1
+_BIAS_STD = 0.02
+
+_TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512,
+         "vocab_size": 4096}
+_SMALL = {"hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 4,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 2048,
+          "vocab_size": 4096}
+_BASE = {"hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 12,
+         "num_attention_heads": 12, "num_key_value_heads": 12, "max_position_embeddings": 2048,
+         "vocab_size": 32000}
+
+#: (arch, size) -> config keyword arguments (before the special-token ids).
+ARCHS: dict[tuple[str, str], dict[str, Any]] = {
+    ("llama", "tiny"): {**_TINY, "rms_norm_eps": 1e-6, "tie_word_embeddings": False},
+    ("llama", "small"): {**_SMALL, "rms_norm_eps": 1e-6, "tie_word_embeddings": False},
+    ("llama", "base"): {**_BASE, "rms_norm_eps": 1e-6, "tie_word_embeddings": False},
+    ("qwen2", "tiny"): {**_TINY, "rms_norm_eps": 1e-6, "tie_word_embeddings": True},
+    ("mistral", "tiny"): {**_TINY, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+                          "sliding_window": None},
+    ("opt", "tiny"): {"hidden_size": 64, "ffn_dim": 128, "num_hidden_layers": 2,
+                      "num_attention_heads": 4, "max_position_embeddings": 512,
+                      "word_embed_proj_dim": 64, "vocab_size": 4096},
+    ("opt", "small"): {"hidden_size": 256, "ffn_dim": 1024, "num_hidden_layers": 4,
+                       "num_attention_heads": 4, "max_position_embeddings": 2048,
+                       "word_embed_proj_dim": 256, "vocab_size": 4096},
+}
+_OPT_FIXED = {"do_layer_norm_before": True, "dropout": 0.0, "attention_dropout": 0.0,
+              "activation_dropout": 0.0, "layerdrop": 0.0, "tie_word_embeddings": True}
+
+
+def default_cache_dir() -> Path:
+    """``$GRIDSERVE_MODEL_CACHE`` if set, else ``~/.cache/gridserve/models``."""
+    env = os.environ.get(CACHE_ENV)
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "gridserve" / "models"
+
+
+# --------------------------------------------------------------------------------------------
+# Tokenizer
+
+
+def _corpus_files(max_bytes: int = _CORPUS_MAX_BYTES) -> list[Path]:
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    files: list[Path] = []
+    total = 0
+    for path in sorted(stdlib.glob("*.py")):
+        if total >= max_bytes:
+            break
+        files.append(path)
+        total += path.stat().st_size
+    if not files:
+        raise RuntimeError(f"no *.py files under the stdlib folder {stdlib} to train a tokenizer on")
+    return files
+
+
+def _corpus(files: Sequence[Path]) -> Iterator[str]:
+    for path in files:
+        yield path.read_text(encoding="utf-8", errors="ignore")
+
+
+def build_tokenizer(out_dir: Path, vocab_size: int) -> None:
+    """Train the byte-level BPE tokenizer with ``vocab_size`` tokens and save it into ``out_dir``.
+
+    The saved folder loads with ``AutoTokenizer.from_pretrained(out_dir)``; encoding adds no BOS.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    start = time.perf_counter()
+    files = _corpus_files()
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(files), trainer=trainer)
+    for i, token in enumerate(SPECIAL_TOKENS):
+        if tok.token_to_id(token) != i:
+            raise RuntimeError(f"special token {token!r} got id {tok.token_to_id(token)}, not {i}")
+
+    hf_tok = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        unk_token=UNK_TOKEN,
+        bos_token=BOS_TOKEN,
+        eos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+        chat_template=CHAT_TEMPLATE,
+        clean_up_tokenization_spaces=False,
+    )
+    out_dir.mkdir(parents=True, exist_ok=True)
+    hf_tok.save_pretrained(str(out_dir))
+    logger.info(
+        "trained a %d-token byte-level BPE tokenizer on %d stdlib files in %.1fs -> %s",
+        tok.get_vocab_size(), len(files), time.perf_counter() - start, out_dir,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Models
+
+
+def _recipe(arch: str, size: str) -> dict[str, Any]:
+    try:
+        return dict(ARCHS[(arch, size)])
+    except KeyError:
+        known = ", ".join(f"{a}/{s}" for a, s in ARCHS)
+        raise ValueError(f"no recipe for arch {arch!r} size {size!r} (known: {known})") from None
+
+
+def _make_config(arch: str, size: str) -> Any:
+    kwargs = _recipe(arch, size)
+    ids = {"bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID}
+    if arch == "llama":
+        from transformers import LlamaConfig
+
+        return LlamaConfig(**kwargs, **ids)
+    if arch == "qwen2":
+        from transformers import Qwen2Config
+
+        return Qwen2Config(**kwargs, **ids)
+    if arch == "mistral":
+        from transformers import MistralConfig
+
+        return MistralConfig(**kwargs, **ids)
+    if arch == "opt":
+        from transformers import OPTConfig
+
+        return OPTConfig(**kwargs, **_OPT_FIXED, **ids)
+    raise ValueError(f"unknown arch {arch!r}")  # pragma: no cover - ARCHS covers every arch
+
+
+def _final_norm(model: Any) -> Any:
+    inner = model.model
+    if hasattr(inner, "decoder"):  # OPT
+        return inner.decoder.final_layer_norm
+    return inner.norm
+
+
+def _make_useful(model: Any, init_std: float) -> None:
+    """Reshape the default (std ``init_std``) random init into a more useful test model.
+
+    With the default init every layer adds little to the residual stream, so the last hidden state
+    is mostly the input embedding: an untied model then maps each token to a fixed next token,
+    and a tied one (qwen2, opt) greedily repeats its last token forever; logits are also nearly
+    uniform (std ~0.16). So, deterministically (plain float multiplies, seeded noise):
+
+    * the decoder's linear weights are scaled to std ``_LINEAR_GAIN / sqrt(fan_in)``, so attention
+      and MLP outputs dominate the embedding and next tokens depend on the context;
+    * the final norm's weight is scaled so the logits have std ~``_LOGIT_STD`` (top logprobs are
+      well separated; scaling the norm rather than the lm_head leaves tied input embeddings alone);
+    * norm weights get ``1 + N(0, _NORM_NOISE)`` and zero biases ``N(0, _BIAS_STD)`` so that a
+      kernel that ignores them gives a different answer than the reference.
+    """
+    import torch
+
+    lm_head = model.get_output_embeddings()
+    hidden = model.config.hidden_size
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear) and module is not lm_head:
+                module.weight.mul_(_LINEAR_GAIN / (init_std * math.sqrt(module.in_features)))
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.normal_(0.0, _BIAS_STD)
+            elif "norm" in name and param.dim() == 1:
+                param.add_(torch.randn_like(param), alpha=_NORM_NOISE)
+        _final_norm(model).weight.mul_(_LOGIT_STD / (init_std * math.sqrt(hidden)))
+
+
+def _tokenizer_vocab_size(tokenizer_dir: Path) -> int:
+    data = json.loads((tokenizer_dir / "tokenizer.json").read_text(encoding="utf-8"))
+    ids = list(data["model"]["vocab"].values()) + [t["id"] for t in data.get("added_tokens", [])]
+    return max(ids) + 1
+
+
+def build_checkpoint(
+    out_dir: Path, arch: str, size: str, *, tokenizer_dir: Path | None = None
+) -> Path:
+    """Build the ``arch``/``size`` checkpoint into ``out_dir`` (created) and return ``out_dir``.
+
+    Writes ``config.json``, ``model.safetensors`` (float32), ``generation_config.json`` and the
+    tokenizer files. The tokenizer is copied from ``tokenizer_dir`` (a :func:`build_tokenizer`
+    folder of the right vocab size) or, without it, trained into ``out_dir``.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    out_dir = Path(out_dir)
+    config = _make_config(arch, size)
+    start = time.perf_counter()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if tokenizer_dir is None:
+        build_tokenizer(out_dir, config.vocab_size)
+    else:
+        for path in sorted(Path(tokenizer_dir).iterdir()):
+            if path.is_file() and path.name != MARKER:
+                shutil.copyfile(path, out_dir / path.name)
+    # The model vocab may exceed the tokenizer's (if BPE training ran out of merges), never less.
+    config.vocab_size = max(config.vocab_size, _tokenizer_vocab_size(out_dir))
+
+    init_std = float(getattr(config, "initializer_range", getattr(config, "init_std", 0.02)))
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).to(torch.float32).eval()
+    _make_useful(model, init_std)
+    model.generation_config = GenerationConfig(
+        bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID
+    )
+    model.save_pretrained(str(out_dir))
+    n_params = sum(p.numel() for p in model.parameters())
+    logger.info(
+        "built %s-%s (%.1fM parameters, vocab %d) in %.1fs -> %s",
+        arch, size, n_params / 1e6, config.vocab_size, time.perf_counter() - start, out_dir,
+    )
+    return out_dir
+
+
+# --------------------------------------------------------------------------------------------
+# Cache
+
+
+def _is_current(folder: Path) -> bool:
+    marker = folder / MARKER
+    try:
+        return json.loads(marker.read_text(encoding="utf-8")).get("recipe") == RECIPE_VERSION
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+@contextlib.contextmanager
+def _lock(path: Path) -> Iterator[None]:
+    """Hold an exclusive lock on ``path`` (POSIX ``flock``; elsewhere no lock: builds are atomic)."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX
+        yield
+        return
+    with open(path, "a+b") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _ensure(target: Path, build: Any, info: dict[str, Any]) -> Path:
+    """Return ``target``, building it with ``build(tmp_dir)`` unless it is complete and current."""
+    if _is_current(target):
+        return target
+    parent = target.parent
+    parent.mkdir(parents=True, exist_ok=True)
+    with _lock(parent / f".{target.name}.lock"):
+        if _is_current(target):  # another process built it while we waited
+            return target
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=parent))
+        try:
+            build(tmp)
+            marker = {"recipe": RECIPE_VERSION, **info}
+            (tmp / MARKER).write_text(json.dumps(marker, sort_keys=True) + "\n", encoding="utf-8")
+            stale = None
+            if target.exists():
+                stale = Path(tempfile.mkdtemp(prefix=f".{target.name}.stale-", dir=parent))
+                os.replace(target, stale / target.name)
+            os.replace(tmp, target)
+            if stale is not None:
+                shutil.rmtree(stale, ignore_errors=True)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return target
+
+
+def ensure_tokenizer(vocab_size: int, cache_dir: Path | None = None) -> Path:
+    """Return the cached ``<cache_dir>/tokenizer-<vocab_size>`` folder, training it if missing."""
+    cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    return _ensure(
+        cache / f"tokenizer-{vocab_size}",
+        lambda tmp: build_tokenizer(tmp, vocab_size),
+        {"vocab_size": vocab_size},
+    )
+
+
+def ensure_checkpoint(arch: str = "llama", size: str = "tiny", cache_dir: Path | None = None) -> Path:
+    """Return the cached ``<cache_dir>/<arch>-<size>`` checkpoint folder, building it if missing.
+
+    ``cache_dir`` defaults to :func:`default_cache_dir`. A folder whose ``.complete`` marker names
+    another :data:`RECIPE_VERSION` is rebuilt.
+    """
+    vocab_size = _recipe(arch, size)["vocab_size"]  # ValueError for an unknown arch/size
+    cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    tok_dir = ensure_tokenizer(vocab_size, cache)
+    return _ensure(
+        cache / f"{arch}-{size}",
+        lambda tmp: build_checkpoint(tmp, arch, size, tokenizer_dir=tok_dir),
+        {"arch": arch, "size": size},
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """CLI: build (or find) a cached checkpoint and print its folder."""
+    archs = sorted({a for a, _ in ARCHS})
+    sizes = sorted({s for _, s in ARCHS})
+    parser = argparse.ArgumentParser(
+        prog="python -m gridserve.recipe",
+        description="Build a small random HF-format checkpoint (and tokenizer) deterministically.",
+    )
+    parser.add_argument("--arch", default="llama", choices=archs)
+    parser.add_argument("--size", default="tiny", choices=sizes)
+    parser.add_argument("--cache-dir", type=Path, default=None,
+                        help=f"cache folder (default: ${CACHE_ENV} or ~/.cache/gridserve/models)")
+    args = parser.parse_args(argv)
+    if (args.arch, args.size) not in ARCHS:
+        known = ", ".join(f"{a}/{s}" for a, s in ARCHS)
+        parser.error(f"no recipe for {args.arch}/{args.size} (known: {known})")
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    print(ensure_checkpoint(args.arch, args.size, args.cache_dir))
+
+
+if __name__ == "__main__":
+    main()

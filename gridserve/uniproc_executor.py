@@ -1,0 +1,45 @@
+"""``UniProcExecutor``: one worker in the engine's own process (offline ``LLM`` and tests).
+
+It lives outside ``services/`` because it assembles two roles (engine and worker) in one process.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from typing import Any, Optional, Union
+
+from gridserve.services.engine.executor import WORKER_METHODS, Executor
+from gridserve.shared.errors import InvalidArgumentError
+
+
+class UniProcExecutor(Executor):
+    """Calls the worker's methods directly; ``non_block`` returns an already-completed future."""
+
+    def _init_executor(self) -> None:
+        from gridserve.services.worker.worker import Worker
+
+        self.worker = Worker(self.config)
+        self.worker.init_device()
+        self.worker.load_model()
+
+    def collective_rpc(
+        self,
+        method: str,
+        timeout: Optional[float] = None,
+        args: tuple = (),
+        kwargs: Optional[dict[str, Any]] = None,
+        non_block: bool = False,
+    ) -> Union[list[Any], Future]:
+        if method not in WORKER_METHODS:
+            raise InvalidArgumentError("method", f"{method!r} is not a worker method")
+        future: Future = Future()
+        try:
+            future.set_result([getattr(self.worker, method)(*args, **(kwargs or {}))])
+        except Exception as exc:  # noqa: BLE001 - delivered through the future, like a remote worker
+            if not non_block:
+                raise
+            future.set_exception(exc)
+        return future if non_block else future.result()
+
+    def shutdown(self) -> None:
+        self.worker.shutdown()

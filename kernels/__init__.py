@@ -1,0 +1,26 @@
+"""gridserve's kernels: Triton on CUDA, torch reference code elsewhere, chosen per call.
+
+Models call the functions exported here and never choose an implementation themselves.
+``GRIDSERVE_KERNELS=reference`` forces the torch code; ``GRIDSERVE_KERNELS=triton`` forces Triton
+(on CPU that needs ``TRITON_INTERPRET=1``, for tests).
+"""
+
+from __future__ import annotations
+
+from gridserve.kernels.dispatch import (
+    fused_add_rms_norm,
+    paged_attention,
+    reshape_and_cache,
+    rms_norm,
+    rotary_embedding,
+    silu_and_mul,
+)
+
+__all__ = [
+    "fused_add_rms_norm",
+    "paged_attention",
+    "reshape_and_cache",
+    "rms_norm",
+    "rotary_embedding",
+    "silu_and_mul",
+]

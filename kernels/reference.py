@@ -1,0 +1,149 @@
+"""Torch reference implementations of gridserve's kernels: the CPU path and the tests' ground truth.
+
+Paged KV-cache layout (one tensor per layer)::
+
+    kv_cache: [2, num_blocks, block_size, num_kv_heads, head_size]   (0 = keys, 1 = values)
+
+Attention metadata for a step holding ``num_seqs`` sequences and ``num_tokens`` packed new tokens:
+
+    query_start_loc: [num_seqs + 1] int32   cumulative query lengths (packed layout)
+    seq_lens:        [num_seqs] int32       context length of each sequence *including* new tokens
+    block_table:     [num_seqs, max_blocks] int32, padded with block 0 (the null block)
+    slot_mapping:    [num_tokens] int64     block_id * block_size + offset of each new token
+
+A sequence's new tokens are its last ``q_len`` positions: causal among themselves, full attention
+to the cached prefix.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def reshape_and_cache(
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Write packed ``key`` / ``value`` ([num_tokens, num_kv_heads, head_size]) into their slots."""
+    num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
+    flat = kv_cache.view(2, num_blocks * block_size, *kv_cache.shape[3:])
+    flat[0].index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
+    flat[1].index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
+
+
+def _gather_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    blocks = kv_cache[:, block_ids]  # [2, n, block_size, kvh, d]
+    flat = blocks.reshape(2, -1, *kv_cache.shape[3:])[:, :length]
+    return flat[0], flat[1]
+
+
+def paged_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    scale: float,
+    max_query_len: int | None = None,
+) -> torch.Tensor:
+    """Attention of packed queries ([num_tokens, num_heads, head_size]) over their paged KV.
+
+    Decode rows (one query token) are batched into a single masked call; longer rows (prefill and
+    chunked prefill) run one sequence at a time.
+    """
+    num_heads = query.shape[1]
+    num_kv_heads = kv_cache.shape[3]
+    gqa = num_heads != num_kv_heads
+    out = torch.empty_like(query)
+    qsl = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    q_lens = [qsl[i + 1] - qsl[i] for i in range(len(lens))]
+    decode = [i for i, n in enumerate(q_lens) if n == 1]
+    if decode:
+        _decode_batch(query, kv_cache, qsl, lens, block_table, decode, scale, gqa, out)
+    block_size = kv_cache.shape[2]
+    for i, q_len in enumerate(q_lens):
+        if q_len <= 1:
+            continue
+        start, ctx = qsl[i], lens[i]
+        k, v = _gather_kv(kv_cache, block_table[i, : (ctx + block_size - 1) // block_size], ctx)
+        q = query[start : start + q_len].transpose(0, 1)  # [h, q_len, d]
+        k, v = k.transpose(0, 1), v.transpose(0, 1)
+        if q_len == ctx:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+        else:
+            rows = torch.arange(ctx - q_len, ctx).unsqueeze(1)
+            mask = torch.arange(ctx).unsqueeze(0) <= rows
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+        out[start : start + q_len] = o.transpose(0, 1)
+    return out
+
+
+def _decode_batch(query, kv_cache, qsl, lens, block_table, rows, scale, gqa, out) -> None:
+    block_size = kv_cache.shape[2]
+    ctx = [lens[i] for i in rows]
+    max_ctx = max(ctx)
+    n_blocks = (max_ctx + block_size - 1) // block_size
+    idx = torch.tensor(rows)
+    tables = block_table[idx, :n_blocks]  # [b, n_blocks]
+    kv = kv_cache[:, tables]  # [2, b, n_blocks, block_size, kvh, d]
+    kv = kv.reshape(2, len(rows), n_blocks * block_size, *kv_cache.shape[3:])[:, :, :max_ctx]
+    k, v = kv[0].transpose(1, 2), kv[1].transpose(1, 2)  # [b, kvh, L, d]
+    positions = torch.tensor([qsl[i] for i in rows])
+    q = query[positions].unsqueeze(2)  # [b, h, 1, d]
+    mask = (torch.arange(max_ctx).unsqueeze(0) < torch.tensor(ctx).unsqueeze(1))[:, None, None, :]
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    out[positions] = o.squeeze(2)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm computed in float32, cast back to the input dtype before the weight (as HF Llama)."""
+    dtype = x.dtype
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``residual = x + residual; return rms_norm(residual), residual``."""
+    residual = x + residual
+    return rms_norm(residual, weight, eps), residual
+
+
+def rotary_embedding(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    is_neox: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate ``query`` / ``key`` ([num_tokens, heads, head_size]) by their positions.
+
+    ``cos_sin_cache`` is [max_position, rotary_dim] holding cos in the first half and sin in the
+    second; neox style rotates the two halves of the head, GPT-J style rotates interleaved pairs.
+    Dimensions past ``rotary_dim`` pass through unchanged.
+    """
+    cos, sin = cos_sin_cache[positions].chunk(2, dim=-1)  # [t, rot/2]
+    return _rotate(query, cos, sin, is_neox), _rotate(key, cos, sin, is_neox)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, is_neox: bool) -> torch.Tensor:
+    rot_dim = cos.shape[-1] * 2
+    x_rot, x_pass = x[..., :rot_dim], x[..., rot_dim:]
+    cos, sin = cos.unsqueeze(1).to(x.dtype), sin.unsqueeze(1).to(x.dtype)
+    if is_neox:
+        x1, x2 = x_rot.chunk(2, dim=-1)
+        cos2, sin2 = torch.cat((cos, cos), -1), torch.cat((sin, sin), -1)
+        rotated = x_rot * cos2 + torch.cat((-x2, x1), -1) * sin2
+    else:
+        x1, x2 = x_rot[..., 0::2], x_rot[..., 1::2]
+        rotated = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), -1).flatten(-2)
+    return torch.cat((rotated, x_pass), -1) if x_pass.numel() else rotated
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``silu(x[..., :d]) * x[..., d:]`` for a merged gate/up projection of width ``2 * d``."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up

@@ -1,0 +1,1 @@
+"""The gridserve roles, one package each: gateway, engine, worker (and coordinator later)."""

@@ -1,0 +1,5 @@
+"""Executors: how the engine reaches its workers (in-process, or gRPC services)."""
+
+from gridserve.services.engine.executor.base import WORKER_METHODS, Executor
+
+__all__ = ["Executor", "WORKER_METHODS"]

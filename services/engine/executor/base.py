@@ -1,0 +1,113 @@
+"""The ``Executor`` contract: the engine's only way to reach its workers.
+
+An executor runs a named worker method on every worker (``collective_rpc``) and returns each
+worker's answer, or a future of them with ``non_block=True`` so the engine can schedule the next
+step while this one runs. Only the output rank's ``execute_model`` result matters to the engine.
+Implementations are chosen by ``Executor.get_class`` and imported lazily, so the engine (torch-free)
+never imports a worker unless it runs one in-process.
+"""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from concurrent.futures import Future
+from typing import Any, Optional, Union
+
+from gridserve.shared.config import GridserveConfig
+from gridserve.shared.errors import ConfigError
+from gridserve.shared.scheduler_output import ModelRunnerOutput, SchedulerOutput
+
+# The fixed allow-list of worker methods an executor may call.
+WORKER_METHODS = frozenset(
+    {
+        "init_device",
+        "load_model",
+        "determine_available_memory",
+        "initialize_cache",
+        "execute_model",
+        "check_health",
+        "sleep",
+        "wake_up",
+        "shutdown",
+    }
+)
+
+_BACKENDS = {
+    "uni": "gridserve.uniproc_executor:UniProcExecutor",
+    "grpc": "gridserve.services.engine.executor.grpc_executor:GrpcExecutor",
+}
+
+
+class Executor(ABC):
+    """Drives the workers of one engine; the engine never knows which implementation it has."""
+
+    def __init__(self, config: GridserveConfig) -> None:
+        self.config = config
+        self.is_sleeping = False
+        self._init_executor()
+
+    @staticmethod
+    def get_class(config: GridserveConfig) -> type[Executor]:
+        backend = config.parallel.executor_backend
+        target = _BACKENDS.get(backend)
+        if target is None:
+            raise ConfigError("parallel.executor_backend", f"unknown executor {backend!r}")
+        module_name, class_name = target.split(":")
+        return getattr(importlib.import_module(module_name), class_name)
+
+    @abstractmethod
+    def _init_executor(self) -> None:
+        """Start or connect to the workers, set up their devices and load the model."""
+
+    @abstractmethod
+    def collective_rpc(
+        self,
+        method: str,
+        timeout: Optional[float] = None,
+        args: tuple = (),
+        kwargs: Optional[dict[str, Any]] = None,
+        non_block: bool = False,
+    ) -> Union[list[Any], Future]:
+        """Run ``method`` (from ``WORKER_METHODS``) on every worker; one result per worker."""
+
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, non_block: bool = False
+    ) -> Union[ModelRunnerOutput, Future]:
+        result = self.collective_rpc("execute_model", args=(scheduler_output,), non_block=non_block)
+        if not non_block:
+            return result[0]
+        output: Future = Future()
+        result.add_done_callback(lambda f: _chain_first(f, output))
+        return output
+
+    def determine_available_memory(self) -> int:
+        return min(self.collective_rpc("determine_available_memory"))
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        self.collective_rpc("initialize_cache", args=(num_blocks,))
+
+    def check_health(self) -> None:
+        self.collective_rpc("check_health", timeout=10.0)
+
+    def sleep(self, level: int = 1) -> None:
+        if not self.is_sleeping:
+            self.collective_rpc("sleep", kwargs={"level": level})
+            self.is_sleeping = True
+
+    def wake_up(self, tags: Optional[list[str]] = None) -> None:
+        if self.is_sleeping:
+            self.collective_rpc("wake_up", kwargs={"tags": tags})
+            self.is_sleeping = False
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Stop the workers and release everything the executor holds."""
+
+
+def _chain_first(done: Future, output: Future) -> None:
+    exc = done.exception()
+    if exc is not None:
+        output.set_exception(exc)
+    else:
+        output.set_result(done.result()[0])

@@ -1,0 +1,222 @@
+"""The scheduler: decides, each step, which requests run and how many of their tokens.
+
+There are no separate prefill and decode phases. Every request has ``num_computed_tokens`` (KV
+already in the cache) and ``num_tokens`` (prompt + output so far); each step lets requests catch
+up under a token budget (``max_num_batched_tokens``) and a sequence cap (``max_num_seqs``). A long
+prompt is therefore prefilled in chunks, interleaved with other requests' decodes. Running
+requests go first (in arrival order), then waiting ones (FCFS). When the KV cache runs out of
+blocks, the most recently admitted running request is preempted: its blocks are freed and it
+rejoins the front of the queue, to be recomputed later (its prefix may still hit the cache).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from gridserve.services.engine.kv_cache_manager import KVCacheManager
+from gridserve.services.engine.request import Request, RequestStatus
+from gridserve.shared.config import GridserveConfig
+from gridserve.shared.outputs import EngineCoreOutput
+from gridserve.shared.scheduler_output import (
+    CachedRequestData,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SchedulerStats:
+    """A snapshot of the scheduler's load, for load reports and metrics."""
+
+    num_waiting: int
+    num_running: int
+    kv_cache_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+
+
+class Scheduler:
+    """FCFS continuous-batching scheduler with chunked prefill and preemption by recompute."""
+
+    def __init__(self, config: GridserveConfig, kv_cache_manager: KVCacheManager) -> None:
+        self.kv = kv_cache_manager
+        self.max_num_seqs = config.scheduler.max_num_seqs
+        self.max_num_batched_tokens = config.scheduler.max_num_batched_tokens or 2048
+        self.chunked_prefill = config.scheduler.enable_chunked_prefill
+        self.max_model_len = config.max_model_len
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        # Requests the worker should forget at the next step (finished, aborted or preempted).
+        self._forget: set[str] = set()
+        self.num_preemptions = 0
+
+    # ---- admission and removal ------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in the engine")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> list[str]:
+        """Abort requests that are still alive; unknown or finished ids are ignored (idempotent)."""
+        aborted = []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None or request.is_finished:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            self._finish(request, RequestStatus.FINISHED_ABORTED)
+            aborted.append(request_id)
+        return aborted
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- one step -------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        out = SchedulerOutput()
+        preempted = self._schedule_running(out, budget)
+        budget -= out.total_num_scheduled_tokens
+        if not preempted:
+            self._schedule_waiting(out, budget)
+        out.finished_req_ids = self._forget
+        self._forget = set()
+        for request_id, n in out.num_scheduled_tokens.items():
+            self.requests[request_id].num_computed_tokens += n
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> bool:
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            new_blocks = self.kv.allocate_slots(request, n)
+            while new_blocks is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is request:
+                    break
+                new_blocks = self.kv.allocate_slots(request, n)
+            if new_blocks is None:
+                break
+            out.scheduled_cached_reqs.append(
+                CachedRequestData(request.request_id, new_blocks, request.num_computed_tokens)
+            )
+            self._record(out, request, n)
+            budget -= n
+            i += 1
+        return preempted
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            hit_blocks, num_hit = self.kv.get_computed_blocks(request)
+            n = request.num_tokens - num_hit
+            if n > budget and not self.chunked_prefill:
+                break
+            n = min(n, budget)
+            if self.kv.allocate_slots(request, n, hit_blocks, num_hit) is None:
+                break
+            self.waiting.popleft()
+            self.running.append(request)
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_hit
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit
+            out.scheduled_new_reqs.append(
+                NewRequestData(
+                    req_id=request.request_id,
+                    prompt_token_ids=request.prompt_token_ids,
+                    sampling_params=request.sampling_params,
+                    block_ids=self.kv.get_block_ids(request.request_id),
+                    num_computed_tokens=num_hit,
+                    output_token_ids=list(request.output_token_ids),
+                )
+            )
+            self._record(out, request, n)
+            budget -= n
+
+    @staticmethod
+    def _record(out: SchedulerOutput, request: Request, n: int) -> None:
+        out.num_scheduled_tokens[request.request_id] = n
+        out.total_num_scheduled_tokens += n
+
+    def _preempt(self, request: Request) -> None:
+        logger.debug("preempting %s", request.request_id)
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+        self._forget.add(request.request_id)
+
+    # ---- results ---------------------------------------------------------------------------
+    def update_from_output(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        """Append sampled tokens, apply stop conditions, free finished requests."""
+        outputs = []
+        for request_id, token, logprobs in zip(result.req_ids, result.sampled_token_ids, result.logprobs):
+            request = self.requests.get(request_id)
+            if request is None or request.is_finished:
+                continue  # aborted while the step ran
+            request.append_output_token_ids(token)
+            status = self._stop_status(request, token)
+            if status is not None:
+                self.running.remove(request)
+                self._finish(request, status)
+            outputs.append(
+                EngineCoreOutput(
+                    request_id=request_id,
+                    new_token_ids=[token],
+                    new_logprobs=[logprobs] if logprobs is not None else [],
+                    finish_reason=request.status.finish_reason,
+                    stop_reason=request.stop_reason,
+                    num_cached_tokens=max(request.num_cached_tokens, 0),
+                )
+            )
+        return outputs
+
+    def _stop_status(self, request: Request, token: int) -> RequestStatus | None:
+        params = request.sampling_params
+        if request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        if request.num_output_tokens < params.min_tokens:
+            return None
+        if not params.ignore_eos and token == request.eos_token_id:
+            return RequestStatus.FINISHED_STOPPED
+        if token in params.stop_token_ids:
+            request.stop_reason = token
+            return RequestStatus.FINISHED_STOPPED
+        return None
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        self.kv.free(request)
+        self._forget.add(request.request_id)
+        del self.requests[request.request_id]
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_waiting=len(self.waiting),
+            num_running=len(self.running),
+            kv_cache_usage=self.kv.usage,
+            prefix_cache_queries=self.kv.prefix_cache_queries,
+            prefix_cache_hits=self.kv.prefix_cache_hits,
+            num_preemptions=self.num_preemptions,
+        )

@@ -1,0 +1,63 @@
+"""Paged attention as a model layer, and the metadata that describes one step's batch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gridserve.kernels import paged_attention, reshape_and_cache
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each packed token sits: see ``gridserve.kernels.reference`` for the layout."""
+
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32
+    seq_lens: torch.Tensor  # [num_seqs] int32
+    block_table: torch.Tensor  # [num_seqs, max_blocks] int32
+    slot_mapping: torch.Tensor  # [num_tokens] int64
+    max_query_len: int
+
+
+class PagedAttention(nn.Module):
+    """Writes the step's K/V into this layer's cache blocks, then attends over each sequence's blocks.
+
+    ``kv_cache`` is bound by the model runner once the cache is allocated; before that (the memory
+    profiling run) every sequence is treated as a fresh prefill with no history.
+    """
+
+    def __init__(self, num_heads: int, head_size: int, num_kv_heads: int, scale: float) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.num_kv_heads = num_kv_heads
+        self.scale = scale
+        self.kv_cache = torch.empty(0)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        q = q.view(-1, self.num_heads, self.head_size)
+        k = k.view(-1, self.num_kv_heads, self.head_size)
+        v = v.view(-1, self.num_kv_heads, self.head_size)
+        if self.kv_cache.numel() == 0:
+            out = self._no_cache(q, k, v, meta)
+        else:
+            reshape_and_cache(k, v, self.kv_cache, meta.slot_mapping)
+            out = paged_attention(
+                q, self.kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_table,
+                self.scale, meta.max_query_len,
+            )
+        return out.reshape(-1, self.num_heads * self.head_size)
+
+    def _no_cache(self, q, k, v, meta: AttentionMetadata) -> torch.Tensor:
+        out = torch.empty_like(q)
+        bounds = meta.query_start_loc.tolist()
+        for start, end in zip(bounds[:-1], bounds[1:]):
+            o = F.scaled_dot_product_attention(
+                q[start:end].transpose(0, 1), k[start:end].transpose(0, 1), v[start:end].transpose(0, 1),
+                is_causal=True, scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads,
+            )
+            out[start:end] = o.transpose(0, 1)
+        return out

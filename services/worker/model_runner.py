@@ -1,0 +1,216 @@
+"""ModelRunner: keeps the worker's per-request state, builds each step's input tensors, runs the
+model and the sampler.
+
+The worker mirrors the engine's requests: a new request arrives whole (tokens, sampling params,
+blocks); afterwards only new blocks and the computed-token count travel. Tokens the worker
+samples are appended to its own copy, so the engine never sends them back.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from gridserve.services.worker.attention import AttentionMetadata
+from gridserve.services.worker.loader import TORCH_DTYPES, load_model
+from gridserve.services.worker.sampler import Sampler, SamplingMetadata
+from gridserve.shared.config import GridserveConfig
+from gridserve.shared.sampling_params import SamplingParams
+from gridserve.shared.scheduler_output import ModelRunnerOutput, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RequestState:
+    """The worker's copy of one request."""
+
+    req_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    generator: Optional[torch.Generator] = None
+    stop_ids: list[int] = field(default_factory=list)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor  # rows of the hidden states to sample from
+    sampling_req_ids: list[str]
+
+
+class ModelRunner:
+    """Runs one forward pass + sampling per ``SchedulerOutput``."""
+
+    def __init__(self, config: GridserveConfig, device: torch.device) -> None:
+        self.config = config
+        self.device = device
+        self.block_size = config.cache.block_size
+        self.dtype = TORCH_DTYPES[config.model.resolved_dtype]
+        self.eos_token_id = config.model.eos_token_id
+        self.requests: dict[str, RequestState] = {}
+        self.sampler = Sampler()
+        self.model: Optional[torch.nn.Module] = None
+        self.kv_caches: list[torch.Tensor] = []
+
+    # ---- setup -------------------------------------------------------------------------
+    def load_model(self) -> None:
+        self.model = load_model(self.config, self.device)
+
+    def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        m = self.config.model
+        return (2, num_blocks, self.block_size, m.num_kv_heads, m.head_dim)
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        """Allocate one KV tensor per layer and bind it to that layer's attention."""
+        layers = self.model.attention_layers()
+        self.kv_caches = [
+            torch.zeros(self.kv_cache_shape(num_blocks), dtype=self.dtype, device=self.device) for _ in layers
+        ]
+        for layer, cache in zip(layers, self.kv_caches):
+            layer.kv_cache = cache
+
+    def release_cache(self) -> None:
+        for layer in self.model.attention_layers():
+            layer.kv_cache = torch.empty(0, device=self.device)
+        self.kv_caches = []
+        self.requests.clear()
+
+    # ---- one step ----------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(sched)
+        if sched.is_empty:
+            return ModelRunnerOutput()
+        inputs = self._prepare_inputs(sched)
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+        if not inputs.sampling_req_ids:
+            return ModelRunnerOutput()
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        meta = self._sampling_metadata(inputs.sampling_req_ids, logits.shape[-1])
+        sampled, logprobs = self.sampler(logits, meta)
+        tokens = sampled.tolist()
+        for req_id, token in zip(inputs.sampling_req_ids, tokens):
+            self.requests[req_id].token_ids.append(token)
+        return ModelRunnerOutput(
+            req_ids=inputs.sampling_req_ids,
+            sampled_token_ids=tokens,
+            logprobs=logprobs or [None] * len(tokens),
+        )
+
+    def _update_states(self, sched: SchedulerOutput) -> None:
+        for req_id in sched.finished_req_ids:
+            self.requests.pop(req_id, None)
+        for new in sched.scheduled_new_reqs:
+            params = new.sampling_params
+            generator = None
+            if params.seed is not None:
+                generator = torch.Generator(device=self.device).manual_seed(params.seed)
+            stop_ids = list(params.stop_token_ids)
+            if not params.ignore_eos and self.eos_token_id is not None:
+                stop_ids.append(self.eos_token_id)
+            state = RequestState(
+                req_id=new.req_id,
+                token_ids=[*new.prompt_token_ids, *new.output_token_ids],
+                num_prompt_tokens=len(new.prompt_token_ids),
+                params=params,
+                block_ids=list(new.block_ids),
+                num_computed_tokens=new.num_computed_tokens,
+                generator=generator,
+                stop_ids=stop_ids,
+            )
+            if generator is not None and new.output_token_ids:
+                _advance(generator, len(new.output_token_ids), self.config.model.vocab_size, self.device)
+            self.requests[new.req_id] = state
+        for cached in sched.scheduled_cached_reqs:
+            state = self.requests[cached.req_id]
+            state.block_ids.extend(cached.new_block_ids)
+            state.num_computed_tokens = cached.num_computed_tokens
+
+    def _prepare_inputs(self, sched: SchedulerOutput) -> StepInputs:
+        req_ids = list(sched.num_scheduled_tokens)
+        q_lens, starts, token_ids, tables, sampling, last_rows = [], [], [], [], [], []
+        total = 0
+        for req_id in req_ids:
+            state = self.requests[req_id]
+            n = sched.num_scheduled_tokens[req_id]
+            start = state.num_computed_tokens
+            token_ids.extend(state.token_ids[start : start + n])
+            q_lens.append(n)
+            starts.append(start)
+            tables.append(state.block_ids)
+            total += n
+            if start + n >= len(state.token_ids):
+                sampling.append(req_id)
+                last_rows.append(total - 1)
+        max_blocks = max(len(t) for t in tables)
+        table = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int32)
+        q_lens_t = torch.tensor(q_lens, dtype=torch.int64)
+        starts_t = torch.tensor(starts, dtype=torch.int64)
+        query_start_loc = torch.zeros(len(req_ids) + 1, dtype=torch.int64)
+        torch.cumsum(q_lens_t, 0, out=query_start_loc[1:])
+        row_of_token = torch.repeat_interleave(torch.arange(len(req_ids)), q_lens_t)
+        positions = torch.arange(total) + torch.repeat_interleave(starts_t - query_start_loc[:-1], q_lens_t)
+        slot_mapping = table[row_of_token, positions // self.block_size].long() * self.block_size + (
+            positions % self.block_size
+        )
+        meta = AttentionMetadata(
+            query_start_loc=query_start_loc.to(torch.int32).to(self.device),
+            seq_lens=(starts_t + q_lens_t).to(torch.int32).to(self.device),
+            block_table=table.to(self.device),
+            slot_mapping=slot_mapping.to(self.device),
+            max_query_len=max(q_lens),
+        )
+        return StepInputs(
+            input_ids=torch.tensor(token_ids, dtype=torch.int64, device=self.device),
+            positions=positions.to(self.device),
+            meta=meta,
+            logits_indices=torch.tensor(last_rows, dtype=torch.int64, device=self.device),
+            sampling_req_ids=sampling,
+        )
+
+    def _sampling_metadata(self, req_ids: list[str], vocab_size: int) -> SamplingMetadata:
+        states = [self.requests[r] for r in req_ids]
+        params = [s.params for s in states]
+        temperature = [0.0 if p.greedy else p.temperature for p in params]
+        top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
+        random_rows = [i for i, p in enumerate(params) if not p.greedy]
+        num_logprobs = [p.logprobs for p in params]
+        requested = [n for n in num_logprobs if n is not None]
+        banned = {
+            i: s.stop_ids
+            for i, s in enumerate(states)
+            if s.stop_ids and s.num_output_tokens < s.params.min_tokens
+        }
+        return SamplingMetadata(
+            temperature=torch.tensor(temperature, dtype=torch.float32, device=self.device),
+            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=self.device),
+            top_k=torch.tensor(top_k, dtype=torch.int64, device=self.device),
+            min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32, device=self.device),
+            all_greedy=not random_rows,
+            need_top_k_top_p=any(params[i].top_p < 1.0 or top_k[i] < vocab_size for i in random_rows),
+            need_min_p=any(params[i].min_p > 0 for i in random_rows),
+            generators={i: s.generator for i, s in enumerate(states) if s.generator is not None},
+            banned_token_ids=banned,
+            max_num_logprobs=max(requested) if requested else None,
+            num_logprobs=num_logprobs,
+        )
+
+
+def _advance(generator: torch.Generator, steps: int, vocab_size: int, device: torch.device) -> None:
+    """Replay the draws a resumed (preempted) seeded request already made, so it continues identically."""
+    scratch = torch.empty(vocab_size, device=device)
+    for _ in range(steps):
+        scratch.exponential_(generator=generator)

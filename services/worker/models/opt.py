@@ -1,0 +1,141 @@
+"""OPT decoder (the architecture of ``facebook/opt-125m``): learned positions, LayerNorm, ReLU MLP."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from gridserve.services.worker.attention import AttentionMetadata, PagedAttention
+from gridserve.services.worker.models.hf_config import hf_config_of
+from gridserve.shared.config import GridserveConfig
+
+_POSITION_OFFSET = 2  # OPT's learned position table reserves its first two rows
+_STACKED = {"q_proj": 0, "k_proj": 1, "v_proj": 2}
+_ACTIVATIONS = {"relu": nn.ReLU, "gelu": nn.GELU}
+
+
+class OPTAttention(nn.Module):
+    def __init__(self, hf) -> None:
+        super().__init__()
+        self.num_heads = hf.num_attention_heads
+        self.head_dim = hf.hidden_size // self.num_heads
+        bias = getattr(hf, "enable_bias", True)
+        self.qkv_proj = nn.Linear(hf.hidden_size, 3 * hf.hidden_size, bias=bias)
+        self.out_proj = nn.Linear(hf.hidden_size, hf.hidden_size, bias=bias)
+        self.shard_sizes = (hf.hidden_size,) * 3
+        self.attn = PagedAttention(self.num_heads, self.head_dim, self.num_heads, self.head_dim**-0.5)
+
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).chunk(3, dim=-1)
+        return self.out_proj(self.attn(q, k, v, meta))
+
+
+class OPTDecoderLayer(nn.Module):
+    def __init__(self, hf) -> None:
+        super().__init__()
+        bias = getattr(hf, "enable_bias", True)
+        affine = getattr(hf, "layer_norm_elementwise_affine", True)
+        self.pre_norm = getattr(hf, "do_layer_norm_before", True)
+        self.self_attn = OPTAttention(hf)
+        self.self_attn_layer_norm = nn.LayerNorm(hf.hidden_size, elementwise_affine=affine)
+        self.fc1 = nn.Linear(hf.hidden_size, hf.ffn_dim, bias=bias)
+        self.fc2 = nn.Linear(hf.ffn_dim, hf.hidden_size, bias=bias)
+        self.final_layer_norm = nn.LayerNorm(hf.hidden_size, elementwise_affine=affine)
+        act = getattr(hf, "activation_function", "relu")
+        if act not in _ACTIVATIONS:
+            raise ValueError(f"model.hf_config.activation_function: unsupported {act!r}")
+        self.act = _ACTIVATIONS[act]()
+
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        residual = x
+        if self.pre_norm:
+            x = self.self_attn_layer_norm(x)
+        x = residual + self.self_attn(x, meta)
+        if not self.pre_norm:
+            x = self.self_attn_layer_norm(x)
+        residual = x
+        if self.pre_norm:
+            x = self.final_layer_norm(x)
+        x = residual + self.fc2(self.act(self.fc1(x)))
+        if not self.pre_norm:
+            x = self.final_layer_norm(x)
+        return x
+
+
+class OPTDecoder(nn.Module):
+    def __init__(self, hf) -> None:
+        super().__init__()
+        proj_dim = getattr(hf, "word_embed_proj_dim", None) or hf.hidden_size
+        self.embed_tokens = nn.Embedding(hf.vocab_size, proj_dim)
+        self.embed_positions = nn.Embedding(hf.max_position_embeddings + _POSITION_OFFSET, hf.hidden_size)
+        needs_proj = proj_dim != hf.hidden_size
+        self.project_in = nn.Linear(proj_dim, hf.hidden_size, bias=False) if needs_proj else None
+        self.project_out = nn.Linear(hf.hidden_size, proj_dim, bias=False) if needs_proj else None
+        keep_final = getattr(hf, "do_layer_norm_before", True) and not getattr(
+            hf, "_remove_final_layer_norm", False
+        )
+        affine = getattr(hf, "layer_norm_elementwise_affine", True)
+        self.final_layer_norm = nn.LayerNorm(hf.hidden_size, elementwise_affine=affine) if keep_final else None
+        self.layers = nn.ModuleList(OPTDecoderLayer(hf) for _ in range(hf.num_hidden_layers))
+
+    def forward(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        if self.project_in is not None:
+            x = self.project_in(x)
+        x = x + self.embed_positions(positions + _POSITION_OFFSET)
+        for layer in self.layers:
+            x = layer(x, meta)
+        if self.final_layer_norm is not None:
+            x = self.final_layer_norm(x)
+        if self.project_out is not None:
+            x = self.project_out(x)
+        return x
+
+
+class _OPTModel(nn.Module):
+    def __init__(self, hf) -> None:
+        super().__init__()
+        self.decoder = OPTDecoder(hf)
+
+
+class OPTForCausalLM(nn.Module):
+    """OPT with its LM head tied to the token embedding."""
+
+    def __init__(self, *, config: GridserveConfig, prefix: str = "") -> None:
+        super().__init__()
+        self.prefix = prefix
+        self.model = _OPTModel(hf_config_of(config))
+
+    def forward(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
+        return self.model.decoder(input_ids, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(hidden, self.model.decoder.embed_tokens.weight)
+
+    def attention_layers(self) -> list[PagedAttention]:
+        return [layer.self_attn.attn for layer in self.model.decoder.layers]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if name == "lm_head.weight":
+                continue  # tied to the embedding
+            if name.startswith("decoder."):
+                name = "model." + name  # old checkpoints (e.g. facebook/opt-125m) omit "model."
+            target, shard = name, None
+            for fragment, index in _STACKED.items():
+                if f".{fragment}." in name:
+                    target, shard = name.replace(fragment, "qkv_proj"), index
+            if target not in params:
+                raise KeyError(f"checkpoint tensor {name!r} has no place in OPTForCausalLM")
+            param = params[target]
+            if shard is None:
+                param.data.copy_(tensor)
+            else:
+                size = param.shape[0] // 3
+                param.data.narrow(0, shard * size, size).copy_(tensor)
+            loaded.add(target)
+        return loaded

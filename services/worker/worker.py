@@ -1,0 +1,124 @@
+"""Worker: one device. Sets it up, measures the memory left for the KV cache, owns the ModelRunner.
+
+The executor (in-process or over gRPC) calls these methods by name; each is one entry of the
+worker's fixed method allow-list.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Optional
+
+import torch
+
+from gridserve.services.worker.model_runner import ModelRunner
+from gridserve.shared.config import GridserveConfig
+from gridserve.shared.scheduler_output import ModelRunnerOutput, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+CPU_DEFAULT_KV_CACHE_BYTES = 2 << 30
+
+
+class Worker:
+    """Device setup, memory profiling and sleep / wake-up around one ``ModelRunner``."""
+
+    def __init__(self, config: GridserveConfig, rank: int = 0, local_rank: int = 0) -> None:
+        self.config = config
+        self.rank = rank
+        self.local_rank = local_rank
+        self.device: Optional[torch.device] = None
+        self.runner: Optional[ModelRunner] = None
+        self.num_blocks = 0
+        self._sleeping_weights: Optional[dict[str, torch.Tensor]] = None
+
+    def init_device(self) -> None:
+        wanted = self.config.device.device
+        if wanted == "auto":
+            wanted = "cuda" if torch.cuda.is_available() else "cpu"
+        if wanted == "cuda":
+            self.device = torch.device("cuda", self.local_rank)
+            torch.cuda.set_device(self.device)
+        else:
+            self.device = torch.device("cpu")
+            threads = int(os.environ.get("GRIDSERVE_CPU_THREADS", "0")) or (os.cpu_count() or 1)
+            torch.set_num_threads(threads)
+        torch.manual_seed(self.config.model.seed)
+        self.runner = ModelRunner(self.config, self.device)
+
+    def load_model(self) -> None:
+        self.runner.load_model()
+
+    def determine_available_memory(self) -> int:
+        """Bytes the KV cache may use: the configured budget, or on GPU what a profiling run leaves."""
+        budget = self.config.cache.kv_cache_memory_bytes
+        if budget is not None:
+            return budget
+        if self.device.type != "cuda":
+            return CPU_DEFAULT_KV_CACHE_BYTES
+        return self._profile_gpu_memory()
+
+    def _profile_gpu_memory(self) -> int:
+        from gridserve.shared.scheduler_output import NewRequestData
+        from gridserve.shared.sampling_params import SamplingParams
+
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        tokens = min(self.config.scheduler.max_num_batched_tokens, self.config.max_model_len)
+        dummy = SchedulerOutput(
+            scheduled_new_reqs=[NewRequestData("profile", [0] * tokens, SamplingParams(max_tokens=1), [], 0)],
+            num_scheduled_tokens={"profile": tokens},
+            total_num_scheduled_tokens=tokens,
+        )
+        self.runner.execute_model(dummy)
+        self.runner.requests.clear()
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+        free, total = torch.cuda.mem_get_info()
+        used_by_others = total - free - torch.cuda.memory_reserved()
+        available = int(total * self.config.cache.gpu_memory_utilization) - peak - used_by_others
+        logger.info("GPU memory: total %.2f GiB, peak %.2f GiB, KV cache gets %.2f GiB",
+                    total / 2**30, peak / 2**30, available / 2**30)
+        return max(available, 0)
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self.runner.initialize_cache(num_blocks)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.runner.execute_model(scheduler_output)
+
+    def check_health(self) -> None:
+        if self.runner is None or self.runner.model is None:
+            raise RuntimeError("worker has no model loaded")
+
+    def sleep(self, level: int = 1) -> None:
+        """Level 1: move weights to host memory and drop the KV cache. Level 2: drop weights too."""
+        self.runner.release_cache()
+        model = self.runner.model
+        if level >= 2:
+            self._sleeping_weights = None
+            model.to_empty(device="meta")
+        elif self.device.type == "cuda":
+            self._sleeping_weights = {k: v.to("cpu") for k, v in model.state_dict().items()}
+            model.to_empty(device="meta")
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def wake_up(self, tags: Optional[list[str]] = None) -> None:
+        tags = tags or ["weights", "kv_cache"]
+        model = self.runner.model
+        if "weights" in tags and next(model.parameters()).is_meta:
+            if self._sleeping_weights is not None:
+                model.to_empty(device=self.device)
+                model.load_state_dict(self._sleeping_weights)
+                self._sleeping_weights = None
+            else:
+                self.runner.load_model()
+        if "kv_cache" in tags and not self.runner.kv_caches:
+            self.runner.initialize_cache(self.num_blocks)
+
+    def shutdown(self) -> None:
+        if self.runner is not None and self.runner.model is not None:
+            self.runner.release_cache()

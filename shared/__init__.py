@@ -1,0 +1,1 @@
+"""Code every gridserve role uses: config, domain types, errors, Hugging Face file helpers."""

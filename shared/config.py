@@ -1,0 +1,244 @@
+"""One configuration object, built once and handed to every component.
+
+``GridserveConfig`` groups the model, cache, scheduler, parallel and device sub-configs
+(the analogue of vLLM's ``VllmConfig``). Every sub-config is default-constructible so a unit
+test can build a single component alone; invalid values raise ``ConfigError`` naming the field.
+Nothing here imports torch: the engine and gateway read the model's ``config.json`` as JSON.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from gridserve.shared.errors import ConfigError
+
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+DEVICES = ("auto", "cpu", "cuda")
+EXECUTORS = ("uni", "grpc")
+
+
+def _positive(section: str, name: str, value: Optional[int], allow_none: bool = True) -> None:
+    if value is None and allow_none:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f"{section}.{name}", f"must be a positive integer, got {value!r}")
+
+
+@dataclass
+class ModelConfig:
+    """Which model to run and how its weights are interpreted.
+
+    ``resolve()`` turns ``model`` (a local folder or a hub id) into ``model_path`` and fills the
+    architecture fields from ``config.json``; until then the derived fields keep their defaults.
+    """
+
+    model: str = ""
+    tokenizer: Optional[str] = None
+    dtype: str = "auto"
+    seed: int = 0
+    max_model_len: Optional[int] = None
+    revision: Optional[str] = None
+    # Derived by resolve():
+    model_path: str = ""
+    architecture: str = ""
+    hf_config: dict = field(default_factory=dict, repr=False)
+    num_layers: int = 0
+    num_kv_heads: int = 0
+    head_dim: int = 0
+    vocab_size: int = 0
+    resolved_dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ConfigError("model.dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
+        _positive("model", "max_model_len", self.max_model_len)
+
+    def resolve(self) -> ModelConfig:
+        """Locate the checkpoint and read its architecture. Idempotent."""
+        from gridserve.shared.hf import resolve_model_path
+
+        if not self.model:
+            raise ConfigError("model.model", "no model given (a local folder or a hub id)")
+        self.model_path = str(resolve_model_path(self.model, self.revision))
+        with open(Path(self.model_path) / "config.json", encoding="utf-8") as f:
+            cfg = json.load(f)
+        self.hf_config = cfg
+        archs = cfg.get("architectures") or []
+        self.architecture = archs[0] if archs else ""
+        self.num_layers = int(cfg.get("num_hidden_layers", 0))
+        heads = int(cfg.get("num_attention_heads", 0))
+        self.num_kv_heads = int(cfg.get("num_key_value_heads") or heads)
+        hidden = int(cfg.get("hidden_size", 0))
+        self.head_dim = int(cfg.get("head_dim") or (hidden // heads if heads else 0))
+        self.vocab_size = int(cfg.get("vocab_size", 0))
+        self.resolved_dtype = self._resolve_dtype(cfg)
+        limit = int(cfg.get("max_position_embeddings") or 2048)
+        if self.max_model_len is None:
+            self.max_model_len = limit
+        elif self.max_model_len > limit:
+            raise ConfigError(
+                "model.max_model_len",
+                f"{self.max_model_len} exceeds the model's max_position_embeddings={limit}",
+            )
+        return self
+
+    def _resolve_dtype(self, cfg: dict) -> str:
+        if self.dtype != "auto":
+            return self.dtype
+        saved = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
+        # Half precision on CPU is slow and lossy; vLLM's CPU backend also prefers fp32/bf16.
+        return saved if saved in DTYPE_BYTES else "float32"
+
+    @property
+    def tokenizer_path(self) -> str:
+        return self.tokenizer or self.model_path or self.model
+
+    @property
+    def eos_token_id(self) -> Optional[int]:
+        eos = self.hf_config.get("eos_token_id")
+        if isinstance(eos, list):
+            return eos[0] if eos else None
+        return eos
+
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K and V that one token occupies across all layers."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * DTYPE_BYTES[self.resolved_dtype]
+
+
+@dataclass
+class CacheConfig:
+    """The paged KV cache: block size, prefix caching and how much memory it may take."""
+
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    kv_cache_memory_bytes: Optional[int] = None
+    gpu_memory_utilization: float = 0.9
+    # Set by the engine once the workers report the memory they can give the cache.
+    num_blocks: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        _positive("cache", "block_size", self.block_size, allow_none=False)
+        if self.block_size not in (8, 16, 32, 64, 128):
+            raise ConfigError("cache.block_size", f"must be one of 8, 16, 32, 64, 128, got {self.block_size}")
+        _positive("cache", "kv_cache_memory_bytes", self.kv_cache_memory_bytes)
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError(
+                "cache.gpu_memory_utilization",
+                f"must be in (0, 1], got {self.gpu_memory_utilization}",
+            )
+
+
+@dataclass
+class SchedulerConfig:
+    """Token budget and sequence cap of one scheduling step."""
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: Optional[int] = None
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        _positive("scheduler", "max_num_seqs", self.max_num_seqs, allow_none=False)
+        _positive("scheduler", "max_num_batched_tokens", self.max_num_batched_tokens)
+
+    def finalize(self, max_model_len: int) -> None:
+        """Fill the token budget default once the model length is known and check they agree."""
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = 2048 if self.enable_chunked_prefill else max(max_model_len, 2048)
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < max_model_len:
+            raise ConfigError(
+                "scheduler.max_num_batched_tokens",
+                f"{self.max_num_batched_tokens} is smaller than max_model_len={max_model_len}; "
+                "enable chunked prefill or raise the budget",
+            )
+
+
+@dataclass
+class ParallelConfig:
+    """How many workers and which executor drives them."""
+
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    executor_backend: str = "uni"
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+            _positive("parallel", name, getattr(self, name), allow_none=False)
+        if self.executor_backend not in EXECUTORS:
+            raise ConfigError(
+                "parallel.executor_backend", f"must be one of {EXECUTORS}, got {self.executor_backend!r}"
+            )
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+@dataclass
+class DeviceConfig:
+    """Which device the workers run on; ``auto`` picks CUDA when the worker sees one."""
+
+    device: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.device not in DEVICES:
+            raise ConfigError("device.device", f"must be one of {DEVICES}, got {self.device!r}")
+
+
+@dataclass
+class GridserveConfig:
+    """Everything a component may need, grouped by concern. Build once, pass everywhere."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    device: DeviceConfig = field(default_factory=DeviceConfig)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.model.max_model_len or 2048
+
+    def finalize(self) -> GridserveConfig:
+        """Resolve the model and fill defaults that depend on it."""
+        self.model.resolve()
+        self.scheduler.finalize(self.max_model_len)
+        return self
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> GridserveConfig:
+        """Build from flat vLLM-style keyword arguments (``LLM(model=..., block_size=...)``).
+
+        An unknown argument is an error, never silently ignored.
+        """
+        sections: dict[str, dict[str, Any]] = {name: {} for name in _SECTIONS}
+        for key, value in kwargs.items():
+            section = _FLAT_TO_SECTION.get(key)
+            if section is None:
+                raise ConfigError(key, f"unknown argument {key!r}; known: {sorted(_FLAT_TO_SECTION)}")
+            sections[section][_RENAMED.get(key, key)] = value
+        return cls(**{name: _SECTIONS[name](**values) for name, values in sections.items()})
+
+
+_SECTIONS = {
+    "model": ModelConfig,
+    "cache": CacheConfig,
+    "scheduler": SchedulerConfig,
+    "parallel": ParallelConfig,
+    "device": DeviceConfig,
+}
+_RENAMED = {"distributed_executor_backend": "executor_backend"}
+_DERIVED = {"model_path", "architecture", "hf_config", "num_layers", "num_kv_heads", "head_dim",
+            "vocab_size", "resolved_dtype", "num_blocks"}
+_FLAT_TO_SECTION = {
+    f.name: section
+    for section, klass in _SECTIONS.items()
+    for f in dataclasses.fields(klass)
+    if f.name not in _DERIVED
+}
+_FLAT_TO_SECTION["distributed_executor_backend"] = "parallel"

@@ -1,0 +1,28 @@
+"""Typed errors. Each one names the offending field so a server can map it to INVALID_ARGUMENT / HTTP 400."""
+
+from __future__ import annotations
+
+
+class GridserveError(Exception):
+    """Base class of every error gridserve raises on purpose."""
+
+
+class InvalidArgumentError(GridserveError, ValueError):
+    """A user-supplied value is invalid. ``field`` names it (e.g. ``sampling_params.top_p``)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+class ConfigError(InvalidArgumentError):
+    """An engine configuration value is invalid."""
+
+
+class ModelNotFoundError(GridserveError, FileNotFoundError):
+    """The model given by path or hub id could not be found."""
+
+
+class EngineDeadError(GridserveError, RuntimeError):
+    """The engine or one of its workers failed; in-flight requests cannot complete."""

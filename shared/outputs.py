@@ -1,0 +1,72 @@
+"""Per-request results: the engine's per-step output and the user-facing ``RequestOutput``."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+
+class FinishReason(str, enum.Enum):
+    """Why a request stopped, with OpenAI's / vLLM's spelling."""
+
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+@dataclass
+class EngineCoreOutput:
+    """New tokens of one request in one engine step (batched per step by the engine)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list = field(default_factory=list)  # list[TokenLogprobs], one per new token
+    finish_reason: Optional[FinishReason] = None
+    stop_reason: Union[int, str, None] = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class Logprob:
+    """One candidate token at a position, as vLLM reports it."""
+
+    logprob: float
+    rank: Optional[int] = None
+    decoded_token: Optional[str] = None
+
+
+SampleLogprobs = list[dict[int, Logprob]]
+
+
+@dataclass
+class CompletionOutput:
+    """One generated sequence of a request."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: Optional[float]
+    logprobs: Optional[SampleLogprobs]
+    finish_reason: Optional[str] = None
+    stop_reason: Union[int, str, None] = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """The result of one request, with vLLM's field names."""
+
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    prompt_logprobs: Optional[list] = None
+    num_cached_tokens: int = 0

@@ -1,0 +1,73 @@
+"""The data that crosses the engine <-> worker boundary each step.
+
+The engine's scheduler produces a ``SchedulerOutput`` (which requests run this step, how many of
+their tokens, in which KV blocks); the worker answers with a ``ModelRunnerOutput`` (the token each
+request sampled, with logprobs when asked). Plain Python values only: these are serialised to
+protobuf between processes and must never carry tensors or callables.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from gridserve.shared.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the worker has not seen (or must rebuild after preemption)."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    # Non-empty when a preempted request resumes: its earlier output is recomputed as prompt.
+    output_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class CachedRequestData:
+    """A request already held by the worker: only what changed since the last step."""
+
+    req_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    """One forward pass: every scheduled request and the number of tokens it advances."""
+
+    scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
+    scheduled_cached_reqs: list[CachedRequestData] = field(default_factory=list)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    total_num_scheduled_tokens: int = 0
+    # Requests finished, aborted or preempted since the last step: the worker drops their state.
+    finished_req_ids: set[str] = field(default_factory=set)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass
+class TokenLogprobs:
+    """Logprobs at one generated position: the sampled token first, then the top-N."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    sampled_rank: int
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What a step produced: one sampled token per request that reached the end of its tokens.
+
+    Requests still in the middle of a chunked prefill are absent from ``req_ids``.
+    """
+
+    req_ids: list[str] = field(default_factory=list)
+    sampled_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[Optional[TokenLogprobs]] = field(default_factory=list)
