@@ -31,8 +31,10 @@ Determinism
 Cache
     :func:`ensure_checkpoint` keeps built folders in ``<cache_dir>/<arch>-<size>`` and tokenizers in
     ``<cache_dir>/tokenizer-<vocab>``; ``cache_dir`` defaults to ``$GRIDSERVE_MODEL_CACHE`` or
-    ``~/.cache/gridserve/models``. Folders are built in a temporary sibling and renamed into place;
-    a ``.complete`` marker holding :data:`RECIPE_VERSION` makes a changed recipe rebuild.
+    ``~/.cache/gridserve/models``. Folders are built in a temporary sibling and renamed into place.
+    Their ``.complete`` marker holds :func:`fingerprint` (:data:`RECIPE_VERSION`, a hash of this
+    file, the Python / torch / transformers / tokenizers versions); a folder whose fingerprint
+    differs is rebuilt, so a changed recipe or environment never reuses stale files.
 
 CLI::
 
@@ -43,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import json
 import logging
 import math
@@ -57,8 +60,8 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-#: Bump when anything below changes the files produced; cached folders with another version rebuild.
-RECIPE_VERSION = "1"
+#: Bump when the files produced change (a hash of this file is in the cache key too).
+RECIPE_VERSION = "2"
 
 MARKER = ".complete"
 CACHE_ENV = "GRIDSERVE_MODEL_CACHE"
@@ -79,8 +82,10 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
 )
 
-# Tokenizer training corpus: the sorted top-level stdlib *.py files, up to this many bytes.
-_CORPUS_MAX_BYTES = 3_000_000
+# Tokenizer training corpus: the sorted top-level stdlib *.py files, up to this many bytes per
+# vocabulary entry (at least 1 MB): ~1 MB for 4096 tokens, all ~4.7 MB (Python 3.11) for 32000.
+_CORPUS_BYTES_PER_TOKEN = 200
+_CORPUS_MIN_BYTES = 1_000_000
 
 # Weight shaping (see _make_useful): std of the decoder's linear weights times sqrt(fan_in), the
 # target std of the logits, and the relative noise put on norm weights and zero-initialised biases.
@@ -128,7 +133,7 @@ def default_cache_dir() -> Path:
 # Tokenizer
 
 
-def _corpus_files(max_bytes: int = _CORPUS_MAX_BYTES) -> list[Path]:
+def _corpus_files(max_bytes: int) -> list[Path]:
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     files: list[Path] = []
     total = 0
@@ -156,7 +161,7 @@ def build_tokenizer(out_dir: Path, vocab_size: int) -> None:
     from transformers import PreTrainedTokenizerFast
 
     start = time.perf_counter()
-    files = _corpus_files()
+    files = _corpus_files(max(_CORPUS_MIN_BYTES, _CORPUS_BYTES_PER_TOKEN * vocab_size))
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -177,15 +182,34 @@ def build_tokenizer(out_dir: Path, vocab_size: int) -> None:
         bos_token=BOS_TOKEN,
         eos_token=EOS_TOKEN,
         pad_token=PAD_TOKEN,
+        additional_special_tokens=[IM_START_TOKEN, IM_END_TOKEN],
         chat_template=CHAT_TEMPLATE,
         clean_up_tokenization_spaces=False,
     )
     out_dir.mkdir(parents=True, exist_ok=True)
     hf_tok.save_pretrained(str(out_dir))
+    _portable_tokenizer_config(out_dir)
     logger.info(
         "trained a %d-token byte-level BPE tokenizer on %d stdlib files in %.1fs -> %s",
         tok.get_vocab_size(), len(files), time.perf_counter() - start, out_dir,
     )
+
+
+def _portable_tokenizer_config(folder: Path, model_max_length: int | None = None) -> None:
+    """Rewrite ``tokenizer_config.json`` in the form transformers 4.x and 5.x both load.
+
+    transformers 5 saves ``tokenizer_class: TokenizersBackend`` and ``extra_special_tokens``, which
+    4.x does not know; ``PreTrainedTokenizerFast`` and ``additional_special_tokens`` load in both.
+    """
+    path = folder / "tokenizer_config.json"
+    config = json.loads(path.read_text(encoding="utf-8"))
+    config.pop("backend", None)
+    config.pop("extra_special_tokens", None)
+    config["additional_special_tokens"] = [IM_START_TOKEN, IM_END_TOKEN]
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    if model_max_length is not None:
+        config["model_max_length"] = model_max_length
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
 # --------------------------------------------------------------------------------------------
@@ -288,12 +312,18 @@ def build_checkpoint(
         for path in sorted(Path(tokenizer_dir).iterdir()):
             if path.is_file() and path.name != MARKER:
                 shutil.copyfile(path, out_dir / path.name)
+    _portable_tokenizer_config(out_dir, model_max_length=config.max_position_embeddings)
     # The model vocab may exceed the tokenizer's (if BPE training ran out of merges), never less.
     config.vocab_size = max(config.vocab_size, _tokenizer_vocab_size(out_dir))
 
     init_std = float(getattr(config, "initializer_range", getattr(config, "init_std", 0.02)))
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config).to(torch.float32).eval()
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float32)  # init in float32 whatever the caller's default
+    try:
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config).to(torch.float32).eval()
+    finally:
+        torch.set_default_dtype(default_dtype)
     _make_useful(model, init_std)
     model.generation_config = GenerationConfig(
         bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID
@@ -311,10 +341,31 @@ def build_checkpoint(
 # Cache
 
 
+def fingerprint() -> dict[str, str]:
+    """What a cached folder was built by: recipe version and source hash, Python and library versions.
+
+    Each of these can change the bytes built (the stdlib corpus, torch's RNG, transformers' init).
+    """
+    import platform
+    from importlib import metadata
+
+    fp = {
+        "recipe": RECIPE_VERSION,
+        "source": hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16],
+        "python": platform.python_version(),
+    }
+    for dist in ("torch", "transformers", "tokenizers"):
+        try:
+            fp[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            fp[dist] = "none"
+    return fp
+
+
 def _is_current(folder: Path) -> bool:
-    marker = folder / MARKER
     try:
-        return json.loads(marker.read_text(encoding="utf-8")).get("recipe") == RECIPE_VERSION
+        marker = json.loads((folder / MARKER).read_text(encoding="utf-8"))
+        return {k: marker.get(k) for k in (fp := fingerprint())} == fp
     except (OSError, ValueError, AttributeError):
         return False
 
@@ -347,8 +398,12 @@ def _ensure(target: Path, build: Any, info: dict[str, Any]) -> Path:
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=parent))
         try:
             build(tmp)
-            marker = {"recipe": RECIPE_VERSION, **info}
+            marker = {**info, **fingerprint()}
             (tmp / MARKER).write_text(json.dumps(marker, sort_keys=True) + "\n", encoding="utf-8")
+            # mkdtemp makes a private (0700) folder; a cache is readable like any other download.
+            for path in tmp.iterdir():
+                path.chmod(0o644)
+            tmp.chmod(0o755)
             stale = None
             if target.exists():
                 stale = Path(tempfile.mkdtemp(prefix=f".{target.name}.stale-", dir=parent))
@@ -375,8 +430,8 @@ def ensure_tokenizer(vocab_size: int, cache_dir: Path | None = None) -> Path:
 def ensure_checkpoint(arch: str = "llama", size: str = "tiny", cache_dir: Path | None = None) -> Path:
     """Return the cached ``<cache_dir>/<arch>-<size>`` checkpoint folder, building it if missing.
 
-    ``cache_dir`` defaults to :func:`default_cache_dir`. A folder whose ``.complete`` marker names
-    another :data:`RECIPE_VERSION` is rebuilt.
+    ``cache_dir`` defaults to :func:`default_cache_dir`. A folder whose ``.complete`` marker holds
+    another :func:`fingerprint` (recipe or environment changed) is rebuilt.
     """
     vocab_size = _recipe(arch, size)["vocab_size"]  # ValueError for an unknown arch/size
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
@@ -405,6 +460,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         known = ", ".join(f"{a}/{s}" for a, s in ARCHS)
         parser.error(f"no recipe for {args.arch}/{args.size} (known: {known})")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
     print(ensure_checkpoint(args.arch, args.size, args.cache_dir))
 
 

@@ -24,14 +24,18 @@ import triton.language as tl
 from gridserve.kernels.triton_ops._common import compute_in_fp32, num_sms, pow2
 
 LOG2E = 1.4426950408889634
-NEG_BIG = -1.0e30  # initial running max: finite, so fully masked rows never produce inf - inf
+NEG_BIG = tl.constexpr(-1.0e30)  # initial running max: finite, so masked rows never see inf - inf
 MAX_SPLITS = 16
 SPLIT_MIN_TOKENS = 256  # do not split contexts (bounded by the block table) shorter than this
 
 
 @dataclass(frozen=True)
 class AttentionPlan:
-    """Launch shape: rows per program, KV positions per tile, and context splits (1 = none)."""
+    """Launch shape: rows per program, KV positions per tile, and context splits (1 = none).
+
+    The defaults in ``plan_attention`` compile for sm_90 without register spills (checked with
+    ``tests/unit/kernels/compile_for_gpu.py``); they are not yet tuned on a GPU.
+    """
 
     block_m: int
     tile_n: int
@@ -42,8 +46,8 @@ class AttentionPlan:
 @triton.jit
 def _find_seq(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q: tl.constexpr):
     """The last sequence whose first q-block (``query_start_loc[i] // BLOCK_Q + i``) <= q_block."""
-    lo = 0
-    hi = num_seqs
+    lo: tl.int32 = 0
+    hi: tl.int32 = num_seqs
     while lo < hi:
         mid = (lo + hi) // 2
         first = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
@@ -189,9 +193,13 @@ def plan_attention(
     num_tokens, num_heads, head_size = query.shape
     group = num_heads // kv_cache.shape[3]
     decode = max_query_len == 1 if max_query_len is not None else num_tokens == num_seqs
-    tile_n = 64 if head_size <= 128 else 32
+    fp32 = torch.float32 in (query.dtype, kv_cache.dtype)  # FMA dot products: smaller tiles
+    if not decode and fp32:
+        return AttentionPlan(block_m=max(32, pow2(group)), tile_n=16)
     if not decode:
-        return AttentionPlan(block_m=max(64, pow2(group)), tile_n=tile_n)
+        return AttentionPlan(
+            block_m=max(64, pow2(group)), tile_n=64 if head_size <= 128 else 32, num_warps=8
+        )
     programs = max(num_seqs * kv_cache.shape[3], 1)
     longest = block_table.shape[1] * kv_cache.shape[2]  # upper bound on any context length
     splits = min(
@@ -199,7 +207,9 @@ def plan_attention(
         MAX_SPLITS,
         math.ceil(longest / SPLIT_MIN_TOKENS),
     )
-    return AttentionPlan(block_m=pow2(group, minimum=16), tile_n=tile_n, num_splits=max(splits, 1))
+    return AttentionPlan(
+        block_m=pow2(group, minimum=16), tile_n=16 if fp32 else 32, num_splits=max(splits, 1)
+    )
 
 
 def run_paged_attention(

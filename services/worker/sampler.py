@@ -1,6 +1,6 @@
 """Turns a step's logits into one token per request, for the whole batch in one call.
 
-Order (as vLLM): min_tokens masking -> logprobs of the raw distribution -> greedy or
+Order (as vLLM): logprobs of the raw model distribution -> min_tokens masking -> greedy or
 temperature -> min_p -> top_k / top_p -> sample. Random rows draw by the exponential race
 (``argmax(p / q)`` with ``q ~ Exp(1)``); a request with a ``seed`` draws ``q`` from its own
 generator, so its tokens do not depend on what else is in the batch.
@@ -40,9 +40,9 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> tuple[torch.Tensor, list]:
         logits = logits.float()
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if meta.max_num_logprobs is not None else None
         for row, ids in meta.banned_token_ids.items():
             logits[row, ids] = _NEG_INF
-        raw_logprobs = torch.log_softmax(logits, dim=-1) if meta.max_num_logprobs is not None else None
         if meta.all_greedy:
             sampled = logits.argmax(dim=-1)
         else:

@@ -1,0 +1,52 @@
+"""Shared pytest setup: offline Hugging Face libraries and the recipe's tiny checkpoints.
+
+The ``*_tiny`` fixtures return folders built by :mod:`gridserve.recipe` in the default model cache
+(``$GRIDSERVE_MODEL_CACHE`` or ``~/.cache/gridserve/models``), so they are built once and reused
+by later runs (and by CI when that folder is cached).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+# Tests never reach the hub: set before anything imports huggingface_hub / transformers.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+try:
+    import torch
+except ImportError:  # the gateway / engine roles run without torch
+    pass
+else:
+    torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def llama_tiny() -> Path:
+    from gridserve.recipe import ensure_checkpoint
+
+    return ensure_checkpoint("llama", "tiny")
+
+
+@pytest.fixture(scope="session")
+def opt_tiny() -> Path:
+    from gridserve.recipe import ensure_checkpoint
+
+    return ensure_checkpoint("opt", "tiny")
+
+
+@pytest.fixture(scope="session")
+def qwen2_tiny() -> Path:
+    from gridserve.recipe import ensure_checkpoint
+
+    return ensure_checkpoint("qwen2", "tiny")
+
+
+@pytest.fixture(scope="session")
+def mistral_tiny() -> Path:
+    from gridserve.recipe import ensure_checkpoint
+
+    return ensure_checkpoint("mistral", "tiny")
