@@ -22,7 +22,8 @@ Checkpoints
     default init and then reshaped deterministically so that the random models are useful for
     testing (see :func:`_make_useful`): greedy decoding produces varied tokens rather than one
     repeated token, top logprobs are spread out, and biases / norm weights are non-trivial so an
-    engine that drops them disagrees with the reference.
+    engine that drops them disagrees with the reference. mistral-tiny (``sliding_window=None``) is
+    the llama-tiny architecture with the same seed, so the two hold identical weights and outputs.
 
 Determinism
     Building twice gives byte-identical files for a given environment (Python installation, torch,
@@ -363,9 +364,10 @@ def fingerprint() -> dict[str, str]:
 
 
 def _is_current(folder: Path) -> bool:
+    fp = fingerprint()
     try:
         marker = json.loads((folder / MARKER).read_text(encoding="utf-8"))
-        return {k: marker.get(k) for k in (fp := fingerprint())} == fp
+        return {k: marker.get(k) for k in fp} == fp
     except (OSError, ValueError, AttributeError):
         return False
 

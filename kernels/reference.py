@@ -72,8 +72,8 @@ def paged_attention(
         if q_len == ctx:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
         else:
-            rows = torch.arange(ctx - q_len, ctx).unsqueeze(1)
-            mask = torch.arange(ctx).unsqueeze(0) <= rows
+            rows = torch.arange(ctx - q_len, ctx, device=query.device).unsqueeze(1)
+            mask = torch.arange(ctx, device=query.device).unsqueeze(0) <= rows
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
         out[start : start + q_len] = o.transpose(0, 1)
     return out
@@ -84,14 +84,16 @@ def _decode_batch(query, kv_cache, qsl, lens, block_table, rows, scale, gqa, out
     ctx = [lens[i] for i in rows]
     max_ctx = max(ctx)
     n_blocks = (max_ctx + block_size - 1) // block_size
-    idx = torch.tensor(rows)
+    device = query.device
+    idx = torch.tensor(rows, device=device)
     tables = block_table[idx, :n_blocks]  # [b, n_blocks]
     kv = kv_cache[:, tables]  # [2, b, n_blocks, block_size, kvh, d]
     kv = kv.reshape(2, len(rows), n_blocks * block_size, *kv_cache.shape[3:])[:, :, :max_ctx]
     k, v = kv[0].transpose(1, 2), kv[1].transpose(1, 2)  # [b, kvh, L, d]
-    positions = torch.tensor([qsl[i] for i in rows])
+    positions = torch.tensor([qsl[i] for i in rows], device=device)
     q = query[positions].unsqueeze(2)  # [b, h, 1, d]
-    mask = (torch.arange(max_ctx).unsqueeze(0) < torch.tensor(ctx).unsqueeze(1))[:, None, None, :]
+    lengths = torch.tensor(ctx, device=device).unsqueeze(1)
+    mask = (torch.arange(max_ctx, device=device).unsqueeze(0) < lengths)[:, None, None, :]
     o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
     out[positions] = o.squeeze(2)
 

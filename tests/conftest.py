@@ -15,6 +15,8 @@ import pytest
 # Tests never reach the hub: set before anything imports huggingface_hub / transformers.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# Triton kernels run in the CPU interpreter; it must be chosen before anything imports triton.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 try:
     import torch

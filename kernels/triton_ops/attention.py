@@ -33,8 +33,8 @@ SPLIT_MIN_TOKENS = 256  # do not split contexts (bounded by the block table) sho
 class AttentionPlan:
     """Launch shape: rows per program, KV positions per tile, and context splits (1 = none).
 
-    The defaults in ``plan_attention`` compile for sm_90 without register spills (checked with
-    ``tests/unit/kernels/compile_for_gpu.py``); they are not yet tuned on a GPU.
+    The defaults in ``plan_attention`` compile for sm_80 and sm_90 without register spills
+    (checked with ``tests/unit/kernels/compile_for_gpu.py``); they are not yet tuned on a GPU.
     """
 
     block_m: int
@@ -198,7 +198,7 @@ def plan_attention(
         return AttentionPlan(block_m=max(32, pow2(group)), tile_n=16)
     if not decode:
         return AttentionPlan(
-            block_m=max(64, pow2(group)), tile_n=64 if head_size <= 128 else 32, num_warps=8
+            block_m=max(64, pow2(group)), tile_n=64 if head_size <= 64 else 32, num_warps=8
         )
     programs = max(num_seqs * kv_cache.shape[3], 1)
     longest = block_table.shape[1] * kv_cache.shape[2]  # upper bound on any context length

@@ -60,8 +60,8 @@ class Worker:
         return self._profile_gpu_memory()
 
     def _profile_gpu_memory(self) -> int:
-        from gridserve.shared.scheduler_output import NewRequestData
         from gridserve.shared.sampling_params import SamplingParams
+        from gridserve.shared.scheduler_output import NewRequestData
 
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()

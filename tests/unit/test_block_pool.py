@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from gridserve.services.engine.block_pool import BlockPool, FreeBlockQueue, KVCacheBlock
 
 

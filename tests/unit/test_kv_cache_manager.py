@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from gridserve.services.engine.kv_cache_manager import (
     KVCacheManager,
     PrefixCacheStats,

@@ -168,6 +168,7 @@ def test_ensure_checkpoint_caches_and_rebuilds_on_recipe_change(
     assert len(calls) == 1 and calls[0].parent == seeded_cache and calls[0] != path
     marker = json.loads((path / recipe.MARKER).read_text())
     assert marker["recipe"] == recipe.RECIPE_VERSION
+    assert {k: marker[k] for k in recipe.fingerprint()} == recipe.fingerprint()
     assert (marker["arch"], marker["size"]) == ("opt", "tiny")
     # Only finished folders (and lock files) are left in the cache.
     assert sorted(p.name for p in seeded_cache.iterdir() if p.is_dir()) == [

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -9,12 +10,15 @@ from pathlib import Path
 
 import pytest
 
-triton = pytest.importorskip("triton")
+# Only locate triton here: importing it in this process before test_triton_kernels.py sets
+# TRITON_INTERPRET=1 would bind triton.language to the compiler and break the interpreter tests.
+TRITON = importlib.util.find_spec("triton")
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(TRITON is None, reason="triton is not installed")
 def test_every_kernel_compiles_for_sm90():
-    if not (Path(triton.__file__).parent / "backends" / "nvidia").is_dir():
+    if not (Path(TRITON.origin).parent / "backends" / "nvidia").is_dir():
         pytest.skip("this Triton build has no NVIDIA backend")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compile, not interpret
     script = Path(__file__).with_name("compile_for_gpu.py")

@@ -8,11 +8,13 @@ cache, GQA / MQA, and batches mixing decode, prefill and chunked-prefill rows.
 from __future__ import annotations
 
 import os
+import sys
 
-os.environ["TRITON_INTERPRET"] = "1"  # before triton_ops is imported: kernels bind to it then
+# Must precede the first `import triton` in this process: triton.language binds to it then.
+_TRITON_IMPORTED_TOO_EARLY = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
+os.environ["TRITON_INTERPRET"] = "1"
 
 import importlib  # noqa: E402
-import sys  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -20,6 +22,12 @@ import torch  # noqa: E402
 import gridserve.kernels as kernels_package  # noqa: E402
 
 pytest.importorskip("triton")
+if _TRITON_IMPORTED_TOO_EARLY:
+    pytest.skip(
+        "triton was imported before TRITON_INTERPRET=1 was set (by an earlier test module); "
+        "run tests/unit/kernels/test_triton_kernels.py in its own pytest process",
+        allow_module_level=True,
+    )
 
 from gridserve.kernels import dispatch, reference, triton_ops  # noqa: E402
 from gridserve.kernels.triton_ops import attention  # noqa: E402
@@ -80,10 +88,10 @@ def test_decode_matches_reference(dtype, heads, kv_heads, head_size, page):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("num_splits", [2, 5])
-def test_split_k_decode_matches_reference(dtype, num_splits):
+def test_split_k_decode_matches_reference(dtype):
+    # 3 slices of 16-token tiles: long contexts use all three, short ones leave slices empty
     batch = paged_batch(DECODE_CONTEXTS, [1] * 6, 4, 2, 64, 16, dtype)
-    out = run_paged_attention(*batch, 0.125, AttentionPlan(block_m=16, tile_n=16, num_splits=num_splits))
+    out = run_paged_attention(*batch, 0.125, AttentionPlan(block_m=16, tile_n=16, num_splits=3))
     assert_matches(out, reference.paged_attention(*batch, 0.125))
 
 
