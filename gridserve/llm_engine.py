@@ -12,7 +12,12 @@ from typing import Any, Optional
 
 from gridserve.services.engine.core import EngineCore
 from gridserve.services.engine.request import Request
-from gridserve.services.gateway.processor import InputProcessor, OutputProcessor, PromptType
+from gridserve.services.gateway.processor import (
+    InputProcessor,
+    OutputProcessor,
+    PromptType,
+    child_requests,
+)
 from gridserve.shared.config import GridserveConfig
 from gridserve.shared.outputs import RequestOutput
 from gridserve.shared.sampling_params import SamplingParams
@@ -27,26 +32,37 @@ class LLMEngine:
         self.config = config
         self.tokenizer = tokenizer
         self.core = EngineCore(config)
-        self.input_processor = InputProcessor(tokenizer, config.max_model_len, config.model.vocab_size)
+        self.input_processor = InputProcessor(
+            tokenizer, config.max_model_len, config.model.vocab_size, config.model.max_logprobs
+        )
         self.output_processor = OutputProcessor(tokenizer)
         self._ids = itertools.count()
 
     def add_request(self, prompt: PromptType, params: SamplingParams, request_id: Optional[str] = None) -> str:
+        """Validate and tokenize, then queue one engine request per sample (``n``)."""
         request_id = request_id if request_id is not None else str(next(self._ids))
         processed = self.input_processor.process(prompt, params)
-        request = Request(
-            request_id,
-            processed.prompt_token_ids,
-            processed.sampling_params,
-            eos_token_id=self.config.model.eos_token_id,
-        )
-        self.output_processor.add_request(request_id, processed)
-        self.core.add_request(request)
+        children = child_requests(request_id, processed.sampling_params)
+        self.output_processor.add_request(request_id, processed, children)
+        for child_id, _, child_params in children:
+            self.core.add_request(
+                Request(
+                    child_id,
+                    processed.prompt_token_ids,
+                    child_params,
+                    eos_token_id=self.config.model.eos_token_id,
+                )
+            )
         return request_id
 
     def abort_request(self, request_ids: list[str]) -> list[RequestOutput]:
-        self.core.abort_requests(request_ids)
-        return [out for rid in request_ids if (out := self.output_processor.abort(rid)) is not None]
+        outputs = []
+        for request_id in request_ids:
+            self.core.abort_requests(self.output_processor.children_of(request_id))
+            out = self.output_processor.abort(request_id)
+            if out is not None:
+                outputs.append(out)
+        return outputs
 
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()

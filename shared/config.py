@@ -43,6 +43,7 @@ class ModelConfig:
     seed: int = 0
     max_model_len: Optional[int] = None
     revision: Optional[str] = None
+    max_logprobs: int = 20
     # Derived by resolve():
     model_path: str = ""
     architecture: str = ""
@@ -57,6 +58,8 @@ class ModelConfig:
         if self.dtype not in DTYPES:
             raise ConfigError("model.dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
         _positive("model", "max_model_len", self.max_model_len)
+        if self.max_logprobs < 0:
+            raise ConfigError("model.max_logprobs", f"must be non-negative, got {self.max_logprobs}")
 
     def resolve(self) -> ModelConfig:
         """Locate the checkpoint and read its architecture. Idempotent."""
@@ -165,6 +168,8 @@ class ParallelConfig:
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
     executor_backend: str = "uni"
+    # Addresses (host:port) of the worker services the ``grpc`` executor drives, rank order.
+    worker_addresses: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):

@@ -26,3 +26,7 @@ class ModelNotFoundError(GridserveError, FileNotFoundError):
 
 class EngineDeadError(GridserveError, RuntimeError):
     """The engine or one of its workers failed; in-flight requests cannot complete."""
+
+
+class FailedPreconditionError(GridserveError, RuntimeError):
+    """The operation is valid but not in the current state (e.g. sleeping with requests in flight)."""

@@ -22,6 +22,8 @@ class EngineCoreOutput:
     request_id: str
     new_token_ids: list[int]
     new_logprobs: list = field(default_factory=list)  # list[TokenLogprobs], one per new token
+    # Prompt logprobs for the prompt positions computed in this step (chunked prefill: in pieces).
+    new_prompt_logprobs: list = field(default_factory=list)
     finish_reason: Optional[FinishReason] = None
     stop_reason: Union[int, str, None] = None
     num_cached_tokens: int = 0

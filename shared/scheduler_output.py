@@ -71,3 +71,5 @@ class ModelRunnerOutput:
     req_ids: list[str] = field(default_factory=list)
     sampled_token_ids: list[int] = field(default_factory=list)
     logprobs: list[Optional[TokenLogprobs]] = field(default_factory=list)
+    # Prompt logprobs of the prompt positions computed this step, for requests that asked.
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)

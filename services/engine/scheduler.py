@@ -124,7 +124,10 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            hit_blocks, num_hit = self.kv.get_computed_blocks(request)
+            if request.sampling_params.prompt_logprobs is None:
+                hit_blocks, num_hit = self.kv.get_computed_blocks(request)
+            else:  # every prompt position must be computed to report its logprob
+                hit_blocks, num_hit = [], 0
             n = request.num_tokens - num_hit
             if n > budget and not self.chunked_prefill:
                 break
@@ -169,6 +172,7 @@ class Scheduler:
     def update_from_output(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Append sampled tokens, apply stop conditions, free finished requests."""
         outputs = []
+        prompt_logprobs = dict(result.prompt_logprobs)
         for request_id, token, logprobs in zip(result.req_ids, result.sampled_token_ids, result.logprobs):
             request = self.requests.get(request_id)
             if request is None or request.is_finished:
@@ -183,11 +187,15 @@ class Scheduler:
                     request_id=request_id,
                     new_token_ids=[token],
                     new_logprobs=[logprobs] if logprobs is not None else [],
+                    new_prompt_logprobs=prompt_logprobs.pop(request_id, []),
                     finish_reason=request.status.finish_reason,
                     stop_reason=request.stop_reason,
                     num_cached_tokens=max(request.num_cached_tokens, 0),
                 )
             )
+        for request_id, entries in prompt_logprobs.items():  # prefill chunks that sampled nothing
+            if request_id in self.requests:
+                outputs.append(EngineCoreOutput(request_id, [], new_prompt_logprobs=entries))
         return outputs
 
     def _stop_status(self, request: Request, token: int) -> RequestStatus | None:

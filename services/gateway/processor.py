@@ -3,13 +3,13 @@
 ``InputProcessor`` validates a prompt and its sampling parameters and tokenizes it.
 ``OutputProcessor`` turns the engine's per-step token outputs into ``RequestOutput`` objects:
 incremental detokenization, stop strings (which end a request the engine cannot see stopping),
-logprobs with decoded tokens.
+logprobs with decoded tokens, and the fan-in of ``n > 1`` parallel samples.
 """
 
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 from gridserve.services.gateway.detokenizer import IncrementalDetokenizer
@@ -22,6 +22,7 @@ from gridserve.shared.outputs import (
     RequestOutput,
 )
 from gridserve.shared.sampling_params import SamplingParams
+from gridserve.shared.scheduler_output import TokenLogprobs
 
 PromptType = Union[str, list[int], dict]
 
@@ -36,13 +37,16 @@ class ProcessedPrompt:
 class InputProcessor:
     """Validates and tokenizes prompts against the model's limits."""
 
-    def __init__(self, tokenizer: Any, max_model_len: int, vocab_size: int) -> None:
+    def __init__(self, tokenizer: Any, max_model_len: int, vocab_size: int, max_logprobs: int = 20) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
+        self.max_logprobs = max_logprobs
 
     def process(self, prompt: PromptType, params: SamplingParams) -> ProcessedPrompt:
         text, token_ids = self._tokenize(prompt)
+        if params.truncate_prompt_tokens is not None:
+            token_ids = token_ids[-params.truncate_prompt_tokens :]
         if not token_ids:
             raise InvalidArgumentError("prompt", "the prompt is empty")
         if len(token_ids) >= self.max_model_len:
@@ -51,14 +55,48 @@ class InputProcessor:
                 f"the prompt has {len(token_ids)} tokens; max_model_len={self.max_model_len} leaves "
                 "no room for output",
             )
-        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise InvalidArgumentError("prompt_token_ids", f"token id {bad[0]} is outside [0, {self.vocab_size})")
-        params = copy.copy(params)
+        self._check_ids("prompt_token_ids", token_ids)
+        params = self._check_params(params)
         room = self.max_model_len - len(token_ids)
         if params.max_tokens is None or params.max_tokens > room:
             params.max_tokens = room
         return ProcessedPrompt(text, token_ids, params)
+
+    def _check_params(self, params: SamplingParams) -> SamplingParams:
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > self.max_logprobs:
+                raise InvalidArgumentError(
+                    f"sampling_params.{name}", f"{value} exceeds the server's max_logprobs={self.max_logprobs}"
+                )
+        if params.logit_bias:
+            self._check_ids("sampling_params.logit_bias", list(params.logit_bias))
+        if params.allowed_token_ids:
+            self._check_ids("sampling_params.allowed_token_ids", params.allowed_token_ids)
+        if params.stop_token_ids:
+            self._check_ids("sampling_params.stop_token_ids", params.stop_token_ids)
+        if params.structured_outputs is not None:
+            from gridserve.shared.structured_output import validate_structured_outputs
+
+            validate_structured_outputs(params.structured_outputs, self.tokenizer)
+        params = copy.copy(params)
+        params.bad_words_token_ids = self._bad_words(params.bad_words)
+        return params
+
+    def _bad_words(self, words: list[str]) -> list[list[int]]:
+        """Each bad word as token ids, with and without a leading space (as vLLM does)."""
+        found: list[list[int]] = []
+        for word in words:
+            for variant in (word.lstrip(), " " + word.lstrip()):
+                ids = self.tokenizer.encode(variant, add_special_tokens=False)
+                if ids and ids not in found:
+                    found.append(ids)
+        return found
+
+    def _check_ids(self, field_name: str, ids: list[int]) -> None:
+        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidArgumentError(field_name, f"token id {bad[0]} is outside [0, {self.vocab_size})")
 
     def _tokenize(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
         if isinstance(prompt, str):
@@ -80,21 +118,74 @@ def _token_list(ids: Any) -> list[int]:
     return list(ids)
 
 
-class _RequestState:
-    """What the output processor tracks for one request."""
+def child_requests(request_id: str, params: SamplingParams) -> list[tuple[str, int, SamplingParams]]:
+    """Fan a request out into ``n`` engine requests: ``(child_id, index, params)``.
 
-    def __init__(self, request_id: str, prompt: ProcessedPrompt, tokenizer: Any) -> None:
-        self.request_id = request_id
-        self.prompt = prompt
-        self.params = prompt.sampling_params
-        self.detokenizer = IncrementalDetokenizer(tokenizer, self.params.skip_special_tokens)
+    With ``n == 1`` the request is its own only child. Seeded children get ``seed + index`` so each
+    is reproducible and they differ from one another.
+    """
+    if params.n == 1:
+        return [(request_id, 0, params)]
+    children = []
+    for index in range(params.n):
+        child = copy.copy(params)
+        child.n = 1
+        if params.seed is not None:
+            child.seed = params.seed + index
+        children.append((f"{index}_{request_id}", index, child))
+    return children
+
+
+class _SampleState:
+    """One engine request (one of the ``n`` samples): its tokens, text and logprobs."""
+
+    def __init__(self, index: int, params: SamplingParams, tokenizer: Any) -> None:
+        self.index = index
+        self.params = params
+        self.detokenizer = (
+            IncrementalDetokenizer(tokenizer, params.skip_special_tokens) if params.detokenize else None
+        )
         self.token_ids: list[int] = []
-        self.logprobs: Optional[list[dict[int, Logprob]]] = [] if self.params.logprobs is not None else None
+        self.logprobs: Optional[list[dict[int, Logprob]]] = [] if params.logprobs is not None else None
         self.cumulative_logprob = 0.0
         self.text = ""
         self.finish_reason: Optional[str] = None
         self.stop_reason: Union[int, str, None] = None
-        self.num_cached_tokens = 0
+
+    def completion(self) -> CompletionOutput:
+        return CompletionOutput(
+            index=self.index,
+            text=self.text,
+            token_ids=list(self.token_ids),
+            cumulative_logprob=self.cumulative_logprob if self.logprobs is not None else None,
+            logprobs=self.logprobs,
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+        )
+
+
+@dataclass
+class _ParentState:
+    """A user request: its prompt, its samples, and prompt logprobs."""
+
+    request_id: str
+    prompt: ProcessedPrompt
+    samples: dict[str, _SampleState]
+    prompt_logprobs: Optional[list] = None
+    num_cached_tokens: int = 0
+    done: set[str] = field(default_factory=set)
+
+    def output(self) -> RequestOutput:
+        completions = sorted((s.completion() for s in self.samples.values()), key=lambda c: c.index)
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt.prompt,
+            prompt_token_ids=self.prompt.prompt_token_ids,
+            outputs=completions,
+            finished=len(self.done) == len(self.samples),
+            prompt_logprobs=self.prompt_logprobs,
+            num_cached_tokens=self.num_cached_tokens,
+        )
 
 
 class OutputProcessor:
@@ -102,90 +193,92 @@ class OutputProcessor:
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
-        self.states: dict[str, _RequestState] = {}
+        self.parents: dict[str, _ParentState] = {}
+        self.child_to_parent: dict[str, str] = {}
 
-    def add_request(self, request_id: str, prompt: ProcessedPrompt) -> None:
-        self.states[request_id] = _RequestState(request_id, prompt, self.tokenizer)
+    def add_request(self, request_id: str, prompt: ProcessedPrompt, children: list[tuple[str, int, SamplingParams]]) -> None:
+        samples = {cid: _SampleState(index, params, self.tokenizer) for cid, index, params in children}
+        wants_prompt_lp = prompt.sampling_params.prompt_logprobs is not None
+        self.parents[request_id] = _ParentState(request_id, prompt, samples, [None] if wants_prompt_lp else None)
+        for cid in samples:
+            self.child_to_parent[cid] = request_id
+
+    def children_of(self, request_id: str) -> list[str]:
+        parent = self.parents.get(request_id)
+        return list(parent.samples) if parent else []
 
     def process_outputs(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
-        """Return the finished ``RequestOutput``s and the ids the engine must abort (stop strings)."""
+        """Return the finished ``RequestOutput``s and the engine ids to abort (stop strings)."""
         finished, to_abort = [], []
         for out in outputs:
-            state = self.states.get(out.request_id)
-            if state is None:
+            parent_id = self.child_to_parent.get(out.request_id)
+            if parent_id is None:
                 continue
-            stopped_by_string = self._update(state, out)
-            if stopped_by_string and not out.finished:
+            parent = self.parents[parent_id]
+            sample = parent.samples[out.request_id]
+            parent.num_cached_tokens = out.num_cached_tokens
+            if parent.prompt_logprobs is not None and out.new_prompt_logprobs:
+                parent.prompt_logprobs.extend(self._entry(lp) for lp in out.new_prompt_logprobs)
+            if self._update(sample, out) and not out.finished:
                 to_abort.append(out.request_id)
-            if state.finish_reason is not None:
-                finished.append(self._make_output(state))
-                del self.states[out.request_id]
+            if sample.finish_reason is not None:
+                self._sample_done(parent, out.request_id, finished)
         return finished, to_abort
 
     def abort(self, request_id: str) -> Optional[RequestOutput]:
-        state = self.states.pop(request_id, None)
-        if state is None:
+        parent = self.parents.get(request_id)
+        if parent is None:
             return None
-        state.finish_reason = FinishReason.ABORT.value
-        return self._make_output(state)
+        for cid, sample in parent.samples.items():
+            if sample.finish_reason is None:
+                sample.finish_reason = FinishReason.ABORT.value
+            parent.done.add(cid)
+            self.child_to_parent.pop(cid, None)
+        del self.parents[request_id]
+        return parent.output()
 
-    def _update(self, state: _RequestState, out: EngineCoreOutput) -> bool:
-        state.num_cached_tokens = out.num_cached_tokens
+    def _sample_done(self, parent: _ParentState, child_id: str, finished: list[RequestOutput]) -> None:
+        parent.done.add(child_id)
+        self.child_to_parent.pop(child_id, None)
+        if len(parent.done) == len(parent.samples):
+            finished.append(parent.output())
+            del self.parents[parent.request_id]
+
+    def _update(self, sample: _SampleState, out: EngineCoreOutput) -> bool:
         for i, token in enumerate(out.new_token_ids):
-            state.token_ids.append(token)
-            chunk = state.detokenizer.step(token)
-            if state.logprobs is not None and i < len(out.new_logprobs):
-                self._add_logprobs(state, out.new_logprobs[i])
-            if self._check_stop_strings(state, chunk):
+            sample.token_ids.append(token)
+            if sample.logprobs is not None and i < len(out.new_logprobs):
+                lp = out.new_logprobs[i]
+                sample.cumulative_logprob += lp.logprobs[0]
+                sample.logprobs.append(self._entry(lp))
+            if sample.detokenizer is not None and self._check_stop_strings(sample, sample.detokenizer.step(token)):
                 return True
         if out.finish_reason is not None:
-            state.finish_reason = out.finish_reason.value
-            state.stop_reason = out.stop_reason
+            sample.finish_reason = out.finish_reason.value
+            sample.stop_reason = out.stop_reason
         return False
 
-    def _check_stop_strings(self, state: _RequestState, chunk: str) -> bool:
-        state.text += chunk
-        if not state.params.stop or not chunk:
+    @staticmethod
+    def _check_stop_strings(sample: _SampleState, chunk: str) -> bool:
+        sample.text += chunk
+        if not sample.params.stop or not chunk:
             return False
-        longest = max(len(s) for s in state.params.stop)
-        window_start = max(0, len(state.text) - len(chunk) - longest + 1)
-        for stop in state.params.stop:
-            at = state.text.find(stop, window_start)
+        longest = max(len(s) for s in sample.params.stop)
+        window_start = max(0, len(sample.text) - len(chunk) - longest + 1)
+        for stop in sample.params.stop:
+            at = sample.text.find(stop, window_start)
             if at >= 0:
-                end = at + len(stop) if state.params.include_stop_str_in_output else at
-                state.text = state.text[:end]
-                state.finish_reason = FinishReason.STOP.value
-                state.stop_reason = stop
+                end = at + len(stop) if sample.params.include_stop_str_in_output else at
+                sample.text = sample.text[:end]
+                sample.finish_reason = FinishReason.STOP.value
+                sample.stop_reason = stop
                 return True
         return False
 
-    def _add_logprobs(self, state: _RequestState, lp) -> None:
-        sampled, sampled_lp = lp.token_ids[0], lp.logprobs[0]
-        state.cumulative_logprob += sampled_lp
-        entry = {sampled: Logprob(sampled_lp, lp.sampled_rank, self._decode(sampled))}
+    def _entry(self, lp: TokenLogprobs) -> dict[int, Logprob]:
+        """vLLM's per-position dict: the chosen token (with its rank) and the top-N candidates."""
+        chosen = lp.token_ids[0]
+        entry = {chosen: Logprob(lp.logprobs[0], lp.sampled_rank, self.tokenizer.decode([chosen]))}
         for rank, (tok, val) in enumerate(zip(lp.token_ids[1:], lp.logprobs[1:]), start=1):
-            entry.setdefault(tok, Logprob(val, rank, self._decode(tok)))
-        state.logprobs.append(entry)
-
-    def _decode(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
-
-    @staticmethod
-    def _make_output(state: _RequestState) -> RequestOutput:
-        completion = CompletionOutput(
-            index=0,
-            text=state.text,
-            token_ids=list(state.token_ids),
-            cumulative_logprob=state.cumulative_logprob if state.logprobs is not None else None,
-            logprobs=state.logprobs,
-            finish_reason=state.finish_reason,
-            stop_reason=state.stop_reason,
-        )
-        return RequestOutput(
-            request_id=state.request_id,
-            prompt=state.prompt.prompt,
-            prompt_token_ids=state.prompt.prompt_token_ids,
-            outputs=[completion],
-            finished=state.finish_reason is not None,
-            num_cached_tokens=state.num_cached_tokens,
-        )
+            entry.setdefault(tok, Logprob(val, rank, self.tokenizer.decode([tok])))
+        return entry

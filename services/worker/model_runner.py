@@ -16,7 +16,13 @@ import torch
 
 from gridserve.services.worker.attention import AttentionMetadata
 from gridserve.services.worker.loader import TORCH_DTYPES, load_model
-from gridserve.services.worker.sampler import Sampler, SamplingMetadata
+from gridserve.services.worker.sampler import (
+    Penalties,
+    Sampler,
+    SamplingMetadata,
+    gather_logprobs,
+    trim_logprobs,
+)
 from gridserve.shared.config import GridserveConfig
 from gridserve.shared.sampling_params import SamplingParams
 from gridserve.shared.scheduler_output import ModelRunnerOutput, SchedulerOutput
@@ -49,6 +55,9 @@ class StepInputs:
     meta: AttentionMetadata
     logits_indices: torch.Tensor  # rows of the hidden states to sample from
     sampling_req_ids: list[str]
+    req_ids: list[str]  # every scheduled request, in packed order
+    starts: list[int]  # first position computed this step, per request
+    row_starts: list[int]  # first packed row, per request
 
 
 class ModelRunner:
@@ -96,8 +105,9 @@ class ModelRunner:
             return ModelRunnerOutput()
         inputs = self._prepare_inputs(sched)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+        prompt_logprobs = self._prompt_logprobs(sched, inputs, hidden) if self._wants_prompt_logprobs else {}
         if not inputs.sampling_req_ids:
-            return ModelRunnerOutput()
+            return ModelRunnerOutput(prompt_logprobs=prompt_logprobs)
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         meta = self._sampling_metadata(inputs.sampling_req_ids, logits.shape[-1])
         sampled, logprobs = self.sampler(logits, meta)
@@ -108,7 +118,12 @@ class ModelRunner:
             req_ids=inputs.sampling_req_ids,
             sampled_token_ids=tokens,
             logprobs=logprobs or [None] * len(tokens),
+            prompt_logprobs=prompt_logprobs,
         )
+
+    @property
+    def _wants_prompt_logprobs(self) -> bool:
+        return any(s.params.prompt_logprobs is not None for s in self.requests.values())
 
     def _update_states(self, sched: SchedulerOutput) -> None:
         for req_id in sched.finished_req_ids:
@@ -179,6 +194,9 @@ class ModelRunner:
             meta=meta,
             logits_indices=torch.tensor(last_rows, dtype=torch.int64, device=self.device),
             sampling_req_ids=sampling,
+            req_ids=req_ids,
+            starts=starts,
+            row_starts=query_start_loc[:-1].tolist(),
         )
 
     def _sampling_metadata(self, req_ids: list[str], vocab_size: int) -> SamplingMetadata:
@@ -189,11 +207,6 @@ class ModelRunner:
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         num_logprobs = [p.logprobs for p in params]
         requested = [n for n in num_logprobs if n is not None]
-        banned = {
-            i: s.stop_ids
-            for i, s in enumerate(states)
-            if s.stop_ids and s.num_output_tokens < s.params.min_tokens
-        }
         return SamplingMetadata(
             temperature=torch.tensor(temperature, dtype=torch.float32, device=self.device),
             top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=self.device),
@@ -203,10 +216,68 @@ class ModelRunner:
             need_top_k_top_p=any(params[i].top_p < 1.0 or top_k[i] < vocab_size for i in random_rows),
             need_min_p=any(params[i].min_p > 0 for i in random_rows),
             generators={i: s.generator for i, s in enumerate(states) if s.generator is not None},
-            banned_token_ids=banned,
+            banned_token_ids=_banned_token_ids(states),
             max_num_logprobs=max(requested) if requested else None,
             num_logprobs=num_logprobs,
+            allowed_token_ids={i: p.allowed_token_ids for i, p in enumerate(params) if p.allowed_token_ids},
+            logit_bias={
+                i: (list(p.logit_bias), list(p.logit_bias.values())) for i, p in enumerate(params) if p.logit_bias
+            },
+            penalties=self._penalties(states, vocab_size),
         )
+
+    def _penalties(self, states: list[RequestState], vocab_size: int) -> Optional[Penalties]:
+        rows = [i for i, s in enumerate(states) if s.params.has_penalties]
+        if not rows:
+            return None
+        counts = torch.zeros(len(rows), vocab_size, dtype=torch.float32)
+        seen = torch.zeros(len(rows), vocab_size, dtype=torch.bool)
+        for j, i in enumerate(rows):
+            state = states[i]
+            output = torch.tensor(state.token_ids[state.num_prompt_tokens :], dtype=torch.int64)
+            counts[j].scatter_add_(0, output, torch.ones_like(output, dtype=torch.float32))
+            seen[j, torch.tensor(state.token_ids, dtype=torch.int64)] = True
+        params = [states[i].params for i in rows]
+        return Penalties(
+            rows=torch.tensor(rows, dtype=torch.int64, device=self.device),
+            repetition=torch.tensor([p.repetition_penalty for p in params], device=self.device),
+            frequency=torch.tensor([p.frequency_penalty for p in params], device=self.device),
+            presence=torch.tensor([p.presence_penalty for p in params], device=self.device),
+            output_counts=counts.to(self.device),
+            seen=seen.to(self.device),
+        )
+
+    def _prompt_logprobs(self, sched: SchedulerOutput, inputs: StepInputs, hidden: torch.Tensor) -> dict:
+        """Logprobs of each prompt token given its prefix, for requests that asked (chunk by chunk)."""
+        result: dict[str, list] = {}
+        for i, req_id in enumerate(inputs.req_ids):
+            state = self.requests[req_id]
+            k = state.params.prompt_logprobs
+            start = inputs.starts[i]
+            end = min(start + sched.num_scheduled_tokens[req_id], state.num_prompt_tokens - 1)
+            if k is None or start >= end:
+                continue
+            first_row = inputs.row_starts[i]
+            logits = self.model.compute_logits(hidden[first_row : first_row + end - start]).float()
+            targets = torch.tensor(state.token_ids[start + 1 : end + 1], dtype=torch.int64, device=self.device)
+            entries = gather_logprobs(torch.log_softmax(logits, dim=-1), targets, max(k, 1))
+            result[req_id] = [trim_logprobs(e, k) for e in entries]
+        return result
+
+
+def _banned_token_ids(states: list[RequestState]) -> dict[int, list[int]]:
+    """Per row, the ids this step must not produce: stop ids before min_tokens, and bad words."""
+    banned: dict[int, list[int]] = {}
+    for i, s in enumerate(states):
+        ids = list(s.stop_ids) if s.stop_ids and s.num_output_tokens < s.params.min_tokens else []
+        output = s.token_ids[s.num_prompt_tokens :]
+        for word in s.params.bad_words_token_ids:
+            prefix = word[:-1]
+            if not prefix or (len(output) >= len(prefix) and output[len(output) - len(prefix) :] == prefix):
+                ids.append(word[-1])
+        if ids:
+            banned[i] = ids
+    return banned
 
 
 def _advance(generator: torch.Generator, steps: int, vocab_size: int, device: torch.device) -> None:

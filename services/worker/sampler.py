@@ -1,6 +1,7 @@
 """Turns a step's logits into one token per request, for the whole batch in one call.
 
-Order (as vLLM): logprobs of the raw model distribution -> min_tokens masking -> greedy or
+Order (as vLLM): logprobs of the raw model distribution -> allowed token ids -> banned ids (bad
+words, min_tokens) -> logit bias -> penalties (repetition, frequency, presence) -> greedy or
 temperature -> min_p -> top_k / top_p -> sample. Random rows draw by the exponential race
 (``argmax(p / q)`` with ``q ~ Exp(1)``); a request with a ``seed`` draws ``q`` from its own
 generator, so its tokens do not depend on what else is in the batch.
@@ -8,7 +9,7 @@ generator, so its tokens do not depend on what else is in the batch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -16,6 +17,18 @@ import torch
 from gridserve.shared.scheduler_output import TokenLogprobs
 
 _NEG_INF = float("-inf")
+
+
+@dataclass
+class Penalties:
+    """Penalty inputs for the rows that use them."""
+
+    rows: torch.Tensor  # [P] int64 row indices
+    repetition: torch.Tensor  # [P] float32
+    frequency: torch.Tensor  # [P] float32
+    presence: torch.Tensor  # [P] float32
+    output_counts: torch.Tensor  # [P, V] float32: occurrences of each token in the output so far
+    seen: torch.Tensor  # [P, V] bool: token occurs in the prompt or the output
 
 
 @dataclass
@@ -30,9 +43,12 @@ class SamplingMetadata:
     need_top_k_top_p: bool
     need_min_p: bool
     generators: dict[int, torch.Generator]  # row -> per-request generator (seeded rows)
-    banned_token_ids: dict[int, list[int]]  # row -> ids masked this step (min_tokens)
+    banned_token_ids: dict[int, list[int]]  # row -> ids masked this step (bad words, min_tokens)
     max_num_logprobs: Optional[int]  # None when no row asked for logprobs
     num_logprobs: list[Optional[int]]
+    allowed_token_ids: dict[int, list[int]] = field(default_factory=dict)
+    logit_bias: dict[int, tuple[list[int], list[float]]] = field(default_factory=dict)
+    penalties: Optional[Penalties] = None
 
 
 class Sampler:
@@ -41,14 +57,28 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> tuple[torch.Tensor, list]:
         logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1) if meta.max_num_logprobs is not None else None
-        for row, ids in meta.banned_token_ids.items():
-            logits[row, ids] = _NEG_INF
+        logits = self.process_logits(logits, meta)
         if meta.all_greedy:
             sampled = logits.argmax(dim=-1)
         else:
             sampled = self._sample(logits, meta)
         logprobs = self._gather_logprobs(raw_logprobs, sampled, meta) if raw_logprobs is not None else []
         return sampled, logprobs
+
+    @staticmethod
+    def process_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """Apply allowed ids, bans, logit bias and penalties (in place where possible)."""
+        for row, ids in meta.allowed_token_ids.items():
+            keep = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
+            keep[ids] = True
+            logits[row].masked_fill_(~keep, _NEG_INF)
+        for row, ids in meta.banned_token_ids.items():
+            logits[row, ids] = _NEG_INF
+        for row, (ids, values) in meta.logit_bias.items():
+            logits[row, ids] += torch.tensor(values, dtype=logits.dtype, device=logits.device)
+        if meta.penalties is not None:
+            logits[meta.penalties.rows] = apply_penalties(logits[meta.penalties.rows], meta.penalties)
+        return logits
 
     def _sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         greedy = meta.temperature == 0
@@ -70,24 +100,30 @@ class Sampler:
 
     @staticmethod
     def _gather_logprobs(logprobs: torch.Tensor, sampled: torch.Tensor, meta: SamplingMetadata) -> list:
-        top_vals, top_ids = logprobs.topk(max(meta.max_num_logprobs, 1), dim=-1)
-        sampled_lp = logprobs.gather(1, sampled.unsqueeze(1)).squeeze(1)
-        ranks = (logprobs > sampled_lp.unsqueeze(1)).sum(dim=-1) + 1
-        top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
-        sampled_list, sampled_lp, ranks = sampled.tolist(), sampled_lp.tolist(), ranks.tolist()
-        out: list[Optional[TokenLogprobs]] = []
-        for row, n in enumerate(meta.num_logprobs):
-            if n is None:
-                out.append(None)
-                continue
-            out.append(
-                TokenLogprobs(
-                    token_ids=[sampled_list[row], *top_ids[row][:n]],
-                    logprobs=[sampled_lp[row], *top_vals[row][:n]],
-                    sampled_rank=ranks[row],
-                )
-            )
-        return out
+        entries = gather_logprobs(logprobs, sampled, max(meta.max_num_logprobs, 1))
+        return [None if n is None else trim_logprobs(e, n) for e, n in zip(entries, meta.num_logprobs)]
+
+
+def gather_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, k: int) -> list[TokenLogprobs]:
+    """Per row: the chosen token's logprob and rank, then the top ``k`` candidates."""
+    top_vals, top_ids = logprobs.topk(min(k, logprobs.shape[-1]), dim=-1)
+    chosen_lp = logprobs.gather(1, chosen.unsqueeze(1)).squeeze(1)
+    ranks = (logprobs > chosen_lp.unsqueeze(1)).sum(dim=-1) + 1
+    rows = zip(chosen.tolist(), chosen_lp.tolist(), ranks.tolist(), top_ids.tolist(), top_vals.tolist())
+    return [TokenLogprobs([c, *ids], [lp, *vals], rank) for c, lp, rank, ids, vals in rows]
+
+
+def trim_logprobs(entry: TokenLogprobs, n: int) -> TokenLogprobs:
+    return TokenLogprobs(entry.token_ids[: n + 1], entry.logprobs[: n + 1], entry.sampled_rank)
+
+
+def apply_penalties(logits: torch.Tensor, p: Penalties) -> torch.Tensor:
+    """vLLM's penalties: repetition over prompt + output, frequency and presence over the output."""
+    rep = p.repetition.unsqueeze(1)
+    penalized = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = torch.where(p.seen, penalized, logits)
+    logits = logits - p.frequency.unsqueeze(1) * p.output_counts
+    return logits - p.presence.unsqueeze(1) * (p.output_counts > 0).to(logits.dtype)
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,120 @@
+"""The batched sampler draws exactly from the processed distribution, with vLLM's formulas."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from gridserve.services.worker.sampler import (  # noqa: E402
+    Penalties,
+    Sampler,
+    SamplingMetadata,
+    apply_penalties,
+)
+
+LOGITS = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0])
+DRAWS = 40_000
+# chi-square critical values at p = 0.001 by degrees of freedom
+CHI2_CRITICAL = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32}
+
+
+def _meta(rows: int, *, temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, **extra) -> SamplingMetadata:
+    vocab = LOGITS.numel()
+    return SamplingMetadata(
+        temperature=torch.full((rows,), temperature),
+        top_p=torch.full((rows,), top_p),
+        top_k=torch.full((rows,), top_k if top_k else vocab, dtype=torch.int64),
+        min_p=torch.full((rows,), min_p),
+        all_greedy=temperature == 0,
+        need_top_k_top_p=top_p < 1 or bool(top_k),
+        need_min_p=min_p > 0,
+        generators={},
+        banned_token_ids=extra.pop("banned", {}),
+        max_num_logprobs=None,
+        num_logprobs=[None] * rows,
+        **extra,
+    )
+
+
+def _expected(temperature=1.0, keep=None) -> torch.Tensor:
+    probs = torch.softmax(LOGITS / temperature, -1)
+    if keep is not None:
+        mask = torch.zeros_like(probs, dtype=torch.bool)
+        mask[keep] = True
+        probs = torch.where(mask, probs, torch.zeros_like(probs))
+    return probs / probs.sum()
+
+
+def _draw(meta: SamplingMetadata) -> torch.Tensor:
+    torch.manual_seed(1234)
+    sampled, _ = Sampler()(LOGITS.repeat(DRAWS, 1), meta)
+    return torch.bincount(sampled, minlength=LOGITS.numel()).double()
+
+
+def _assert_distribution(counts: torch.Tensor, expected: torch.Tensor) -> None:
+    support = expected > 0
+    assert counts[~support].sum() == 0, "a masked token was sampled"
+    exp = expected[support].double() * DRAWS
+    chi2 = float(((counts[support] - exp) ** 2 / exp).sum())
+    dof = int(support.sum()) - 1
+    if dof:
+        assert chi2 < CHI2_CRITICAL[dof], f"chi2={chi2:.2f} with {dof} dof"
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
+def test_temperature_samples_the_tempered_softmax(temperature):
+    _assert_distribution(_draw(_meta(DRAWS, temperature=temperature)), _expected(temperature))
+
+
+def test_top_k_samples_the_renormalised_top_k():
+    _assert_distribution(_draw(_meta(DRAWS, top_k=3)), _expected(keep=[0, 1, 2]))
+
+
+def test_top_p_keeps_the_smallest_nucleus_reaching_p():
+    probs = _expected()
+    cumulative = probs.cumsum(0)
+    p = float(cumulative[2]) - 1e-3  # needs exactly the top 3 tokens
+    _assert_distribution(_draw(_meta(DRAWS, top_p=p)), _expected(keep=[0, 1, 2]))
+
+
+def test_min_p_drops_tokens_below_fraction_of_the_top_probability():
+    probs = _expected()
+    min_p = 0.3
+    keep = [i for i in range(LOGITS.numel()) if probs[i] >= min_p * probs[0]]
+    _assert_distribution(_draw(_meta(DRAWS, min_p=min_p)), _expected(keep=keep))
+
+
+def test_greedy_takes_the_argmax_and_banned_ids_are_never_sampled():
+    sampled, _ = Sampler()(LOGITS.repeat(4, 1), _meta(4, temperature=0.0, banned={1: [0], 3: [0, 1]}))
+    assert sampled.tolist() == [0, 1, 0, 2]
+
+
+def test_allowed_token_ids_restrict_the_distribution():
+    meta = _meta(DRAWS, allowed_token_ids={row: [3, 5] for row in range(DRAWS)})
+    _assert_distribution(_draw(meta), _expected(keep=[3, 5]))
+
+
+def test_logit_bias_adds_exactly_the_bias():
+    meta = _meta(2, logit_bias={0: ([4, 7], [1.5, -2.0])})
+    out = Sampler.process_logits(LOGITS.repeat(2, 1), meta)
+    expected = LOGITS.clone()
+    expected[4] += 1.5
+    expected[7] -= 2.0
+    assert torch.equal(out[0], expected) and torch.equal(out[1], LOGITS)
+
+
+def test_penalties_follow_vllm_formulas():
+    logits = torch.tensor([[2.0, -1.0, 0.5, -0.5, 1.0]])
+    counts = torch.tensor([[3.0, 1.0, 0.0, 0.0, 0.0]])  # output: token 0 thrice, token 1 once
+    seen = torch.tensor([[True, True, False, True, False]])  # token 3 appears in the prompt only
+    p = Penalties(torch.tensor([0]), torch.tensor([1.5]), torch.tensor([0.25]), torch.tensor([0.5]), counts, seen)
+    out = apply_penalties(logits.clone(), p)
+    reference = [
+        2.0 / 1.5 - 0.25 * 3 - 0.5,  # positive, seen: divided; then frequency and presence
+        -1.0 * 1.5 - 0.25 * 1 - 0.5,  # negative, seen: multiplied
+        0.5,  # untouched
+        -0.5 * 1.5,  # prompt-only token: repetition penalty only
+        1.0,
+    ]
+    assert out[0].tolist() == pytest.approx(reference)
