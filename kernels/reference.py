@@ -67,15 +67,16 @@ def paged_attention(
             continue
         start, ctx = qsl[i], lens[i]
         k, v = _gather_kv(kv_cache, block_table[i, : (ctx + block_size - 1) // block_size], ctx)
-        q = query[start : start + q_len].transpose(0, 1)  # [h, q_len, d]
-        k, v = k.transpose(0, 1), v.transpose(0, 1)
+        # 4-D [1, heads, len, d]: CPU SDPA takes its fused path only for batched inputs
+        q = query[start : start + q_len].transpose(0, 1).unsqueeze(0)
+        k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
         if q_len == ctx:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
         else:
             rows = torch.arange(ctx - q_len, ctx, device=query.device).unsqueeze(1)
             mask = torch.arange(ctx, device=query.device).unsqueeze(0) <= rows
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
-        out[start : start + q_len] = o.transpose(0, 1)
+        out[start : start + q_len] = o[0].transpose(0, 1)
     return out
 
 
