@@ -23,6 +23,7 @@ from gridserve.services.worker.sampler import (
     gather_logprobs,
     trim_logprobs,
 )
+from gridserve.services.worker.structured_output import StructuredOutputManager
 from gridserve.shared.config import GridserveConfig
 from gridserve.shared.sampling_params import SamplingParams
 from gridserve.shared.scheduler_output import ModelRunnerOutput, SchedulerOutput
@@ -73,6 +74,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.model: Optional[torch.nn.Module] = None
         self.kv_caches: list[torch.Tensor] = []
+        self.structured_output: Optional[StructuredOutputManager] = None  # built on first use
 
     # ---- setup -------------------------------------------------------------------------
     def load_model(self) -> None:
@@ -96,6 +98,8 @@ class ModelRunner:
             layer.kv_cache = torch.empty(0, device=self.device)
         self.kv_caches = []
         self.requests.clear()
+        if self.structured_output is not None:
+            self.structured_output.clear()
 
     # ---- one step ----------------------------------------------------------------------
     @torch.inference_mode()
@@ -109,17 +113,32 @@ class ModelRunner:
         if not inputs.sampling_req_ids:
             return ModelRunnerOutput(prompt_logprobs=prompt_logprobs)
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        if self.structured_output is not None and self.structured_output.has_requests:
+            self.structured_output.apply_bitmask(logits, inputs.sampling_req_ids)
         meta = self._sampling_metadata(inputs.sampling_req_ids, logits.shape[-1])
         sampled, logprobs = self.sampler(logits, meta)
         tokens = sampled.tolist()
         for req_id, token in zip(inputs.sampling_req_ids, tokens):
             self.requests[req_id].token_ids.append(token)
+        if self.structured_output is not None and self.structured_output.has_requests:
+            self.structured_output.accept_tokens(inputs.sampling_req_ids, tokens)
         return ModelRunnerOutput(
             req_ids=inputs.sampling_req_ids,
             sampled_token_ids=tokens,
             logprobs=logprobs or [None] * len(tokens),
             prompt_logprobs=prompt_logprobs,
         )
+
+    def _structured_output_manager(self) -> StructuredOutputManager:
+        """The grammar-mask manager, built (with the tokenizer) when the first structured request arrives."""
+        if self.structured_output is None:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(self.config.model.tokenizer_path)
+            self.structured_output = StructuredOutputManager(
+                tokenizer, self.config.model.vocab_size, eos_token_id=self.eos_token_id
+            )
+        return self.structured_output
 
     @property
     def _wants_prompt_logprobs(self) -> bool:
@@ -128,6 +147,8 @@ class ModelRunner:
     def _update_states(self, sched: SchedulerOutput) -> None:
         for req_id in sched.finished_req_ids:
             self.requests.pop(req_id, None)
+            if self.structured_output is not None:
+                self.structured_output.remove(req_id)
         for new in sched.scheduled_new_reqs:
             params = new.sampling_params
             generator = None
@@ -149,6 +170,10 @@ class ModelRunner:
             if generator is not None and new.output_token_ids:
                 _advance(generator, len(new.output_token_ids), self.config.model.vocab_size, self.device)
             self.requests[new.req_id] = state
+            if params.structured_outputs is not None:
+                self._structured_output_manager().add_request(
+                    new.req_id, params.structured_outputs, new.output_token_ids
+                )
         for cached in sched.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
             state.block_ids.extend(cached.new_block_ids)

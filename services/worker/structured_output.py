@@ -1,0 +1,137 @@
+"""Per-step grammar masks for structured-output requests (llguidance matchers).
+
+Each structured request owns an ``LLMatcher`` (a deep copy of a per-spec template, so a spec is
+compiled once). Every step :meth:`StructuredOutputManager.apply_bitmask` fills one int32 bitmask
+for the batch's structured rows (llguidance's thread pool when there are several) and sets the
+disallowed logits of those rows to ``-inf``; other rows are not touched. After sampling,
+:meth:`StructuredOutputManager.accept_tokens` advances the matchers. A matcher whose grammar is
+complete (or that hit an error) allows only EOS, so the request ends with finish reason ``stop``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any, Optional
+
+import llguidance
+import numpy as np
+import torch
+
+from gridserve.shared.sampling_params import StructuredOutputsParams
+from gridserve.shared.structured_output import compile_grammar, ll_tokenizer
+
+logger = logging.getLogger(__name__)
+
+_MAX_TEMPLATES = 256
+_NUMPY_DTYPES = (torch.float32, torch.float16, torch.float64)
+
+
+class StructuredOutputManager:
+    """Grammar matchers of the worker's structured requests, keyed by request id."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_id: Optional[int] = None) -> None:
+        self.vocab_size = max(vocab_size, len(tokenizer))
+        self.ll_tokenizer = ll_tokenizer(
+            tokenizer, n_vocab=self.vocab_size, eos_token_id=eos_token_id
+        )
+        self.eos_token_id = self.ll_tokenizer.eos_token
+        self.num_words = (self.vocab_size + 31) // 32
+        self._matchers: dict[str, llguidance.LLMatcher] = {}
+        self._templates: dict[str, llguidance.LLMatcher] = {}  # grammar -> fresh matcher
+        self._bitmask = torch.zeros((0, self.num_words), dtype=torch.int32)
+        self._executor: Optional[llguidance.LLExecutor] = None
+
+    @property
+    def has_requests(self) -> bool:
+        return bool(self._matchers)
+
+    def add_request(
+        self, req_id: str, params: StructuredOutputsParams, prior_output_tokens: Sequence[int] = ()
+    ) -> None:
+        """Start ``req_id``'s matcher; replay ``prior_output_tokens`` for a request resumed after preemption.
+
+        A spec that does not compile (the gateway validates them, so only a bypass gets here) is
+        logged and gets a grammar that allows only EOS: the request ends, the batch goes on.
+        """
+        try:
+            template = self._template(compile_grammar(params))
+        except ValueError as e:  # InvalidArgumentError included
+            logger.error("request %s: invalid structured outputs, ending it: %s", req_id, e)
+            template = self._template(llguidance.LLMatcher.grammar_from_regex(""))
+        matcher = template.deep_copy()
+        self._matchers[req_id] = matcher
+        self.accept_tokens([req_id] * len(prior_output_tokens), prior_output_tokens)
+
+    def remove(self, req_id: str) -> None:
+        self._matchers.pop(req_id, None)
+
+    def clear(self) -> None:
+        self._matchers.clear()
+
+    def apply_bitmask(self, logits: torch.Tensor, req_ids: Sequence[str]) -> None:
+        """Mask, in place, the tokens each structured row's grammar forbids (row ``i`` is ``req_ids[i]``)."""
+        rows = [i for i, req_id in enumerate(req_ids) if req_id in self._matchers]
+        if not rows:
+            return
+        bitmask = self._fill([self._matchers[req_ids[i]] for i in rows])
+        # Unpack and mask in numpy: single-threaded, so it never waits on a busy intra-op thread pool.
+        width = logits.shape[-1]
+        known = min(width, self.vocab_size)
+        bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, count=known, bitorder="little")
+        forbidden = np.zeros((logits.shape[0], width), dtype=np.bool_)
+        forbidden[rows, :known] = bits == 0
+        forbidden[rows, known:] = True  # ids past the vocabulary (padded logits) are never allowed
+        if logits.device.type == "cpu" and logits.dtype in _NUMPY_DTYPES:
+            np.copyto(logits.numpy(), -np.inf, where=forbidden)
+        else:
+            logits.masked_fill_(
+                torch.from_numpy(forbidden).to(logits.device, non_blocking=True), float("-inf")
+            )
+
+    def accept_tokens(self, req_ids: Sequence[str], token_ids: Sequence[int]) -> None:
+        """Advance each structured request's matcher by the token it just sampled."""
+        for req_id, token in zip(req_ids, token_ids):
+            matcher = self._matchers.get(req_id)
+            if matcher is None or matcher.is_stopped():  # complete (or failed): only EOS is allowed
+                continue
+            if not matcher.consume_token(token):
+                logger.warning(
+                    "request %s: token %d breaks its grammar: %s",
+                    req_id,
+                    token,
+                    matcher.get_error(),
+                )
+
+    # ---- internals -----------------------------------------------------------------------
+    def _template(self, grammar: str) -> llguidance.LLMatcher:
+        template = self._templates.get(grammar)
+        if template is None:
+            template = llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0)
+            if template.is_error():  # the gateway validates specs, so this is a bug or a bypass
+                raise ValueError(f"invalid structured-output grammar: {template.get_error()}")
+            if len(self._templates) >= _MAX_TEMPLATES:
+                self._templates.pop(next(iter(self._templates)))
+            self._templates[grammar] = template
+        return template
+
+    def _fill(self, matchers: list[llguidance.LLMatcher]) -> torch.Tensor:
+        """Fill one bitmask row per matcher (bit ``t`` of row ``r`` set = token ``t`` allowed)."""
+        if self._bitmask.shape[0] < len(matchers):
+            self._bitmask = torch.zeros(
+                (max(len(matchers), 2 * self._bitmask.shape[0]), self.num_words), dtype=torch.int32
+            )
+        bitmask = self._bitmask[: len(matchers)]
+        row_bytes = self.num_words * 4
+        if len(matchers) == 1:
+            matchers[0].unsafe_compute_mask_ptr(bitmask.data_ptr(), row_bytes)
+        else:
+            if self._executor is None:
+                self._executor = llguidance.LLExecutor()
+            self._executor.unsafe_compute_mask_ptr(
+                [(m, i) for i, m in enumerate(matchers)],
+                bitmask.data_ptr(),
+                row_bytes,
+                len(matchers),
+            )
+        return bitmask
