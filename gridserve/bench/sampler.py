@@ -1,0 +1,83 @@
+"""``gridserve bench sampler``: per-step sampler cost at batch 64, plain vs a mixed batch.
+
+Both batches run through the worker's real code (``ModelRunner._sampling_metadata``, ``Sampler``,
+``StructuredOutputManager``) on random logits of the model's vocabulary size, interleaved
+``--repeats`` times; the report is the median time of each and their ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+from gridserve.shared.sampling_params import SamplingParams, StructuredOutputsParams
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                            "tags": {"type": "array", "items": {"enum": ["a", "b"]}}}}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="HF folder (default: the recipe's llama base)")
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--output-json", default="benchmarks/results/sampler.json")
+
+
+def _batches(batch: int) -> tuple[list[SamplingParams], list[SamplingParams]]:
+    plain = [SamplingParams(temperature=1.0, seed=i, max_tokens=64) for i in range(batch)]
+    mixed = []
+    for i in range(batch):
+        kwargs = {"temperature": 1.0, "seed": i, "max_tokens": 64}
+        if i % 2 == 0:
+            kwargs["top_p"] = 0.9
+        if i % 4 == 1:
+            kwargs.update(repetition_penalty=1.2, frequency_penalty=0.5, presence_penalty=0.3)
+        if i < 8:
+            kwargs["structured_outputs"] = StructuredOutputsParams(json=SCHEMA)
+        mixed.append(SamplingParams(**kwargs))
+    return plain, mixed
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from gridserve.recipe import ensure_checkpoint
+    from gridserve.services.worker.model_runner import ModelRunner
+    from gridserve.shared.config import GridserveConfig
+    from gridserve.shared.scheduler_output import NewRequestData, SchedulerOutput
+
+    model = args.model or str(ensure_checkpoint("llama", "base"))
+    config = GridserveConfig.from_kwargs(model=model).finalize()
+    vocab = config.model.vocab_size
+    runners = {}
+    for name, params in zip(("plain", "mixed"), _batches(args.batch_size)):
+        runner = ModelRunner(config, torch.device("cpu"))
+        new = [NewRequestData(f"{name}{i}", list(range(10, 60)), p, [1, 2, 3, 4], 0) for i, p in enumerate(params)]
+        runner._update_states(SchedulerOutput(scheduled_new_reqs=new))
+        for state in runner.requests.values():  # some output history for the penalties
+            state.token_ids += list(range(200, 232))
+        runners[name] = (runner, [r.req_id for r in new])
+    times: dict[str, list[float]] = {"plain": [], "mixed": []}
+    logits = torch.randn(args.batch_size, vocab)
+    for _ in range(args.repeats):
+        for name, (runner, req_ids) in runners.items():
+            step_logits = logits.clone()
+            start = time.perf_counter()
+            if runner.structured_output is not None:
+                runner.structured_output.apply_bitmask(step_logits, req_ids)
+            meta = runner._sampling_metadata(req_ids, vocab)
+            sampled, _ = runner.sampler(step_logits, meta)
+            if runner.structured_output is not None:
+                runner.structured_output.accept_tokens(req_ids, sampled.tolist())
+            times[name].append(time.perf_counter() - start)
+    plain, mixed = (statistics.median(times[k]) * 1e3 for k in ("plain", "mixed"))
+    result = {"batch_size": args.batch_size, "vocab_size": vocab, "repeats": args.repeats,
+              "plain_ms": plain, "mixed_ms": mixed, "ratio": mixed / plain}
+    print(f"sampler step, batch {args.batch_size}, vocab {vocab}: plain {plain:.2f} ms, "
+          f"mixed (penalties + top-p + 8 JSON-schema) {mixed:.2f} ms, ratio {mixed / plain:.2f}x")
+    Path(args.output_json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.output_json).write_text(json.dumps(result, indent=2))
+    return 0
