@@ -20,6 +20,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+_DECODE_GROUP = 16  # decode sequences per attention call
+
 
 def reshape_and_cache(
     key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
@@ -58,9 +60,11 @@ def paged_attention(
     qsl = query_start_loc.tolist()
     lens = seq_lens.tolist()
     q_lens = [qsl[i + 1] - qsl[i] for i in range(len(lens))]
-    decode = [i for i, n in enumerate(q_lens) if n == 1]
-    if decode:
-        _decode_batch(query, kv_cache, qsl, lens, block_table, decode, scale, gqa, out)
+    # Decode rows in groups of similar context length: one masked call per group, little padding.
+    decode = sorted((i for i, n in enumerate(q_lens) if n == 1), key=lambda i: lens[i])
+    for first in range(0, len(decode), _DECODE_GROUP):
+        group = decode[first : first + _DECODE_GROUP]
+        _decode_batch(query, kv_cache, qsl, lens, block_table, group, scale, gqa, out)
     block_size = kv_cache.shape[2]
     for i, q_len in enumerate(q_lens):
         if q_len <= 1:
