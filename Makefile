@@ -7,7 +7,7 @@ PORT ?= 8000
 MODEL ?=
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test install lint demo-model bench clean
+.PHONY: serve test install lint demo-model bench bench-executor clean
 
 # The venv is rebuilt when the project's dependency list changes.
 $(STAMP): pyproject.toml setup.py
@@ -18,7 +18,14 @@ $(STAMP): pyproject.toml setup.py
 	$(PIP) install -q -e ".[worker,kernels,test]"
 	touch $(STAMP)
 
-install: $(STAMP)
+# Generated protobuf / gRPC code (never committed), rebuilt when a .proto changes.
+PROTOS := $(shell find protos/gridserve -name '*.proto')
+PROTO_STAMP := gridserve/.protos-generated
+$(PROTO_STAMP): $(STAMP) $(PROTOS)
+	$(PY) -m gridserve.protos_build
+	touch $(PROTO_STAMP)
+
+install: $(STAMP) $(PROTO_STAMP)
 
 demo-model: install
 	$(PY) -m gridserve.recipe --arch llama --size small
@@ -33,9 +40,13 @@ test: install
 
 lint: install
 	$(PY) -m ruff check .
+	$(VENV)/bin/buf lint
 
 bench: install
 	$(PY) -m gridserve.cli bench throughput
 
+bench-executor: install
+	$(PY) -m gridserve.cli bench executor --output-json benchmarks/results/executor_overhead.json
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info $(PROTO_STAMP) gridserve/common gridserve/gateway gridserve/engine gridserve/worker gridserve/coordinator

@@ -1,4 +1,12 @@
-"""Maps the one import namespace, ``gridserve``, onto the repository's top-level folders."""
+"""Maps the one import namespace, ``gridserve``, onto the repository's top-level folders.
+
+It also generates the protobuf / gRPC modules from ``protos/`` (never committed) before the
+packages are listed, so that wheels and installs contain ``gridserve.<role>.v1``.
+"""
+
+import importlib.util
+import warnings
+from pathlib import Path
 
 from setuptools import find_packages, setup
 
@@ -9,6 +17,20 @@ ROOTS = {
     "gridserve.kernels": "kernels",
 }
 
+
+def _generate_protos() -> None:
+    path = Path(__file__).resolve().parent / "gridserve" / "protos_build.py"
+    spec = importlib.util.spec_from_file_location("_gridserve_protos_build", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    try:
+        module.ensure_generated()
+    except ImportError:
+        warnings.warn("grpcio-tools is missing: run `python -m gridserve.protos_build` after installing",
+                      stacklevel=1)
+
+
+_generate_protos()
 packages = []
 for name, folder in ROOTS.items():
     packages.append(name)

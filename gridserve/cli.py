@@ -1,21 +1,63 @@
-"""The ``gridserve`` command line: ``serve`` (offline demo until the services land) and ``bench``."""
+"""The ``gridserve`` command line.
+
+``serve``   every role as local processes (worker, engine, gateway) on loopback
+``worker``  one worker service            ``engine``  one engine core service
+``gateway`` one gateway (public gRPC API) ``bench``   benchmarks
+"""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 from typing import Optional
 
+from gridserve.roles import (
+    add_engine_arguments,
+    add_server_arguments,
+    check_tensor_parallel,
+    engine_argv,
+    engine_config,
+    env_default,
+    require,
+)
+from gridserve.shared.errors import GridserveError
 
-def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="gridserve", description=__doc__)
+logger = logging.getLogger("gridserve.cli")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gridserve", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    serve = sub.add_parser("serve", help="run the demo model (offline LLM demo for now)")
-    serve.add_argument("model", nargs="?", default=None, help="HF folder or hub id (default: built demo model)")
-    serve.add_argument("--port", type=int, default=8000, help="API port (used once the services land)")
-    serve.add_argument("--max-tokens", type=int, default=32)
+    serve = sub.add_parser("serve", help="start worker, engine and gateway as local processes")
+    serve.add_argument("model", nargs="?", default=env_default("--model"),
+                       help="HF folder or hub id (default: the recipe's llama 'small' demo model)")
+    serve.add_argument("--host", default="127.0.0.1", help="address the public gateway binds")
+    serve.add_argument("--port", type=int, default=8000,
+                       help="REST/OpenAI port of the Envoy edge (arrives with the next issue; unused now)")
+    serve.add_argument("--grpc-port", type=int, default=None, help="public gRPC port of the gateway (default: free)")
+    serve.add_argument("--api-server-count", type=int, default=1, help="number of gateway processes (A)")
+    serve.add_argument("--grace-period", type=float, default=10.0, help="seconds in-flight requests get on stop")
+    serve.add_argument("--log-dir", default=None, help="write each role's log to DIR/<role>-<i>.log")
+    add_engine_arguments(serve)
+
+    worker = sub.add_parser("worker", help="run one worker service")
+    add_server_arguments(worker, default_port=50061)
+
+    engine = sub.add_parser("engine", help="run one engine core service")
+    add_server_arguments(engine, default_port=50051)
+    engine.add_argument("--model", default=env_default("--model"), help="HF folder or hub id [GRIDSERVE_MODEL]")
+    engine.add_argument("--workers", default=env_default("--workers"),
+                        help="worker addresses host:port,... in rank order [GRIDSERVE_WORKERS]")
+    add_engine_arguments(engine)
+
+    gateway = sub.add_parser("gateway", help="run one gateway (the public gRPC API)")
+    add_server_arguments(gateway, default_port=50050)
+    gateway.add_argument("--engines", default=env_default("--engines"),
+                         help="engine addresses host:port,... [GRIDSERVE_ENGINES]")
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
@@ -23,37 +65,97 @@ def main(argv: Optional[list[str]] = None) -> int:
     from gridserve.bench.throughput import add_arguments
 
     add_arguments(throughput)
+    executor = bench_sub.add_parser("executor", help="GrpcExecutor vs UniProcExecutor throughput and round trips")
+    from gridserve.bench import executor as executor_bench
 
-    args = parser.parse_args(argv)
+    executor_bench.add_arguments(executor)
+    return parser
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.command == "serve":
-        return _serve_demo(args)
+    try:
+        return _COMMANDS[args.command](args)
+    except (GridserveError, ValueError) as exc:
+        print(f"gridserve {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _worker(args: argparse.Namespace) -> int:
+    from gridserve.services.worker.main import serve
+
+    return serve(args.host, args.port)
+
+
+def _engine(args: argparse.Namespace) -> int:
+    from gridserve.services.engine.main import serve
+    from gridserve.shared.rpc.client import parse_addresses
+
+    workers = parse_addresses(require(args.workers, "--workers", "the worker addresses"), "worker")
+    require(args.model, "--model", "the model")
+    return serve(engine_config(args, workers), args.host, args.port, args.grace_period)
+
+
+def _gateway(args: argparse.Namespace) -> int:
+    from gridserve.services.gateway.main import serve
+    from gridserve.shared.rpc.client import parse_addresses
+
+    engines = parse_addresses(require(args.engines, "--engines", "the engine addresses"), "engine")
+    return serve(engines, args.host, args.port, args.grace_period)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from gridserve.launcher import Launcher
+
+    check_tensor_parallel(args.tensor_parallel_size)
+    model = args.model
+    if not model:
+        from gridserve.recipe import ensure_checkpoint
+
+        model = str(ensure_checkpoint("llama", "small"))
+    launcher = Launcher(model, engine_argv(args), host=args.host, grpc_port=args.grpc_port,
+                        api_server_count=args.api_server_count, grace_s=args.grace_period,
+                        log_dir=Path(args.log_dir) if args.log_dir else None)
+    stopping = []
+
+    def on_signal(signum: int, _frame) -> None:
+        stopping.append(signum)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        launcher.start()
+        print(launcher.table(), flush=True)
+        print(f"gridserve ready: model {model}; public gRPC API (gateway) on {launcher.gateway_addresses[0]}; "
+              f"REST/OpenAI on port {args.port} arrives with the Envoy edge (next issue)", flush=True)
+        exited = launcher.wait()
+        if exited is not None:
+            logger.error("%s (pid %d) exited with %s: stopping", exited.role, exited.pid, exited.process.returncode)
+            return 1
+        return 0
+    except KeyboardInterrupt:
+        logger.info("stopping (%s)", "SIGTERM" if stopping else "Ctrl-C")
+        return 0
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        launcher.stop()
+        print(f"gridserve stopped: {launcher.exit_codes}", flush=True)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    if args.bench_command == "executor":
+        from gridserve.bench.executor import run as run_executor
+
+        return run_executor(args)
     from gridserve.bench.throughput import run
 
     return run(args)
 
 
-def _serve_demo(args: argparse.Namespace) -> int:
-    from gridserve import LLM, SamplingParams
-    from gridserve.recipe import ensure_checkpoint
-
-    model = args.model or str(ensure_checkpoint("llama", "small"))
-    llm = LLM(model=model)
-    params = SamplingParams(temperature=0.8, top_p=0.95, seed=0, max_tokens=args.max_tokens)
-    prompts = ["def fibonacci(n):", "import os\nimport sys\n", "class HTTPServer("]
-    print(f"gridserve demo: offline LLM on {model}\n(the gRPC services and the OpenAI API on "
-          f"port {args.port} arrive with the services issue)\n")
-    for out in llm.generate(prompts, params, use_tqdm=False):
-        print(f"--- prompt: {out.prompt!r}\n{out.prompt}{out.outputs[0].text}\n")
-    chat = llm.chat([{"role": "user", "content": "Write a loop."}], params, use_tqdm=False)[0]
-    print(f"--- chat reply: {chat.outputs[0].text!r}")
-    if sys.stdin.isatty():
-        print("\nType a prompt (empty line to quit):")
-        for line in sys.stdin:
-            if not line.strip():
-                break
-            print(llm.generate([line.rstrip("\n")], params, use_tqdm=False)[0].outputs[0].text)
-    return 0
+_COMMANDS = {"serve": _serve, "worker": _worker, "engine": _engine, "gateway": _gateway, "bench": _bench}
 
 
 if __name__ == "__main__":

@@ -18,6 +18,11 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # Triton kernels run in the CPU interpreter; it must be chosen before anything imports triton.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# The protobuf / gRPC code is generated, never committed: build it if a checkout lacks it.
+from gridserve.protos_build import ensure_generated  # noqa: E402
+
+ensure_generated()
+
 try:
     import torch
 except ImportError:  # the gateway / engine roles run without torch

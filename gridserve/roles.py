@@ -1,0 +1,103 @@
+"""Command-line options of the three roles, shared by ``gridserve worker|engine|gateway|serve``.
+
+Every option can also come from a ``GRIDSERVE_<OPTION>`` environment variable (e.g.
+``GRIDSERVE_WORKERS``, ``GRIDSERVE_MODEL``); a flag wins over the variable. A role started without
+a required address fails at once with a message that names the flag and the variable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from typing import Any, Optional
+
+from gridserve.shared.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+# Engine options: (flag, type, default, help). ``gridserve serve`` forwards them to its engine.
+ENGINE_OPTIONS: list[tuple[str, Any, Any, str]] = [
+    ("--dtype", str, "auto", "weight dtype (auto, float32, float16, bfloat16)"),
+    ("--max-model-len", int, None, "maximum tokens per sequence (default: the model's)"),
+    ("--max-num-seqs", int, 256, "sequence cap per step"),
+    ("--max-num-batched-tokens", int, None, "token budget per step"),
+    ("--block-size", int, 16, "tokens per KV block"),
+    ("--kv-cache-memory-bytes", int, None, "KV-cache budget in bytes (default: profiled / 2 GiB on CPU)"),
+    ("--seed", int, 0, "random seed"),
+    ("--device", str, "auto", "worker device (auto, cpu, cuda)"),
+    ("--tensor-parallel-size", int, 1, "tensor-parallel workers per engine (only 1 for now)"),
+]
+
+
+def env_name(flag: str) -> str:
+    return "GRIDSERVE_" + flag.lstrip("-").replace("-", "_").upper()
+
+
+def env_default(flag: str, default: Any = None, kind: Any = str) -> Any:
+    value = os.environ.get(env_name(flag))
+    if value is None or value == "":
+        return default
+    return kind(value)
+
+
+def add_server_arguments(parser: argparse.ArgumentParser, default_port: Optional[int] = None) -> None:
+    parser.add_argument("--host", default=env_default("--host", "127.0.0.1"), help="bind address [GRIDSERVE_HOST]")
+    parser.add_argument("--port", type=int, default=env_default("--port", default_port, int),
+                        help="gRPC port [GRIDSERVE_PORT]")
+    parser.add_argument("--grace-period", type=float, default=env_default("--grace-period", 10.0, float),
+                        help="seconds in-flight requests get on SIGTERM [GRIDSERVE_GRACE_PERIOD]")
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    for flag, kind, default, help_text in ENGINE_OPTIONS:
+        parser.add_argument(flag, type=kind, default=env_default(flag, default, kind),
+                            help=f"{help_text} [{env_name(flag)}]")
+    parser.add_argument("--no-prefix-caching", action="store_true",
+                        default=bool(env_default("--no-prefix-caching", "")), help="disable prefix caching")
+
+
+def engine_argv(args: argparse.Namespace) -> list[str]:
+    """The engine options of ``args`` as flags again (the launcher forwards them)."""
+    argv = []
+    for flag, _, _, _ in ENGINE_OPTIONS:
+        value = getattr(args, flag.lstrip("-").replace("-", "_"))
+        if value is not None:
+            argv += [flag, str(value)]
+    if args.no_prefix_caching:
+        argv.append("--no-prefix-caching")
+    return argv
+
+
+def check_tensor_parallel(size: int) -> None:
+    if size != 1:
+        raise ConfigError("parallel.tensor_parallel_size",
+                          f"tensor parallelism is not supported yet (got {size}); use 1")
+
+
+def engine_config(args: argparse.Namespace, worker_addresses: list[str]):
+    """The engine's ``GridserveConfig`` from its options (model resolved)."""
+    from gridserve.shared.config import GridserveConfig
+
+    check_tensor_parallel(args.tensor_parallel_size)
+    return GridserveConfig.from_kwargs(
+        model=args.model,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        block_size=args.block_size,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        seed=args.seed,
+        device=args.device,
+        tensor_parallel_size=args.tensor_parallel_size,
+        enable_prefix_caching=not args.no_prefix_caching,
+        distributed_executor_backend="grpc",
+        worker_addresses=worker_addresses,
+    ).finalize()
+
+
+def require(value: Optional[str], flag: str, what: str) -> str:
+    if not value:
+        raise ConfigError(flag.lstrip("-"), f"{what} is required: pass {flag} or set {env_name(flag)}")
+    return value

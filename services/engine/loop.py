@@ -1,0 +1,224 @@
+"""``EngineLoop``: the engine's busy loop in its own thread, and the routing of its outputs.
+
+Every touch of the ``EngineCore`` happens on the loop thread: RPC handlers hand it work through an
+inbox and wait for the answer. Each iteration drains the inbox (adds, aborts, control calls), runs
+one ``EngineCore.step()`` when there is work, and hands each gateway one batch with the step's
+outputs of its requests. When a step fails (a worker died) the engine is dead: every gateway's
+stream ends with ``EngineDeadError``, later calls fail, and ``on_health(False)`` is called.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from gridserve.services.engine.core import EngineCore
+from gridserve.services.engine.request import Request
+from gridserve.shared.errors import EngineDeadError, FailedPreconditionError, InvalidArgumentError
+from gridserve.shared.outputs import EngineCoreOutput, FinishReason
+
+logger = logging.getLogger(__name__)
+
+_END = object()  # ends a gateway's output stream cleanly
+
+
+@dataclass
+class EngineLoad:
+    num_waiting: int
+    num_running: int
+    kv_cache_usage: float
+    kv_free_blocks: int
+    kv_total_blocks: int
+    num_preemptions: int
+    sleeping: bool
+
+
+class EngineLoop:
+    """Runs ``core.step()`` in a thread and routes outputs to the gateway that sent each request."""
+
+    def __init__(self, core: EngineCore, on_health: Callable[[bool], None]) -> None:
+        self.core = core
+        self.on_health = on_health
+        self.error: Optional[EngineDeadError] = None
+        self.sleeping = False
+        self.draining = False
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._routes: dict[str, str] = {}  # request id -> gateway id
+        self._sinks: dict[str, queue.SimpleQueue] = {}  # gateway id -> batches of outputs
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    # ---- called from RPC handlers ----------------------------------------------------------------
+    def call(self, fn: Callable[[], Any], timeout: float = 60.0) -> Any:
+        """Run ``fn`` on the loop thread between steps and return its result."""
+        if self.error is not None:
+            raise self.error
+        future: Future = Future()
+        self._inbox.put((fn, future))
+        return future.result(timeout=timeout)
+
+    def add_request(self, request: Request, gateway_id: str) -> None:
+        if self.draining:
+            raise EngineDeadError("the engine is shutting down")
+        self.call(lambda: self._add(request, gateway_id))
+
+    def abort(self, request_ids: list[str]) -> list[str]:
+        return self.call(lambda: self._abort(request_ids))
+
+    def outputs(self, gateway_id: str, is_active: Callable[[], bool]) -> Iterator[list[EngineCoreOutput]]:
+        """The gateway's batches, one per step (the first one empty: the stream is open)."""
+        sink: queue.SimpleQueue = queue.SimpleQueue()
+        self.call(lambda: self._sinks.__setitem__(gateway_id, sink))
+        yield []
+        try:
+            while is_active():
+                try:
+                    item = sink.get(timeout=0.5)
+                except queue.Empty:
+                    continue
+                if item is _END:
+                    return
+                if isinstance(item, Exception):
+                    raise item
+                yield item
+        finally:
+            if self.error is None and not self._stop.is_set():
+                self.call(lambda: self._drop_gateway(gateway_id, sink))
+
+    def load(self) -> EngineLoad:
+        def snapshot() -> EngineLoad:
+            stats, kv = self.core.stats(), self.core.kv_cache_manager
+            return EngineLoad(stats.num_waiting, stats.num_running, stats.kv_cache_usage,
+                              kv.num_free_blocks, kv.num_total_blocks, stats.num_preemptions, self.sleeping)
+
+        return self.call(snapshot)
+
+    def sleep(self, level: int) -> None:
+        def go() -> None:
+            if self.core.has_unfinished_requests():
+                raise FailedPreconditionError("cannot sleep with requests in flight")
+            self.core.sleep(level)
+            self.sleeping = True
+
+        self.call(go, timeout=900)
+
+    def wake_up(self, tags: Optional[list[str]]) -> None:
+        def go() -> None:
+            self.core.wake_up(tags)
+            self.sleeping = False
+
+        self.call(go, timeout=900)
+
+    def drain(self, timeout: float) -> None:
+        """Stop taking requests, let in-flight ones finish for ``timeout`` s, abort the rest, stop."""
+        self.draining = True
+        deadline = time.monotonic() + timeout
+        while self.error is None and time.monotonic() < deadline:
+            if not self.call(self.core.has_unfinished_requests):
+                break
+            time.sleep(0.05)
+        if self.error is None:
+            self.call(lambda: self._abort(list(self._routes)))
+        self.stop()
+
+    def stop(self) -> None:
+        if not self._stop.is_set():
+            self._inbox.put((self._close_sinks, Future()))
+            self._stop.set()
+            self._thread.join(timeout=10)
+
+    def fail(self, error: Exception) -> None:
+        """Mark the engine dead (from any thread, e.g. the executor noticing a dead worker)."""
+        self._inbox.put((lambda: self._die(error), Future()))
+
+    # ---- the loop thread ----------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            busy = self.error is None and not self.sleeping and self.core.has_unfinished_requests()
+            self._drain_inbox(block=not busy)
+            if self._stop.is_set() and self._inbox.empty():
+                return
+            if self.error is not None or self.sleeping or not self.core.has_unfinished_requests():
+                continue
+            try:
+                outputs = self.core.step()
+            except Exception as exc:  # noqa: BLE001 - any step failure kills the engine
+                self._die(exc)
+                continue
+            self._publish(outputs)
+
+    def _drain_inbox(self, block: bool) -> None:
+        try:
+            item = self._inbox.get(timeout=0.2) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            fn, future = item
+            try:
+                future.set_result(fn())
+            except Exception as exc:  # noqa: BLE001 - delivered to the caller
+                future.set_exception(exc)
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _add(self, request: Request, gateway_id: str) -> None:
+        if self.sleeping:
+            raise FailedPreconditionError("the engine is sleeping; wake it up first")
+        if gateway_id not in self._sinks:
+            raise FailedPreconditionError(f"gateway {gateway_id!r} has no open StreamOutputs stream")
+        if request.request_id in self._routes:
+            raise InvalidArgumentError("request_id", f"{request.request_id!r} is already in the engine")
+        self.core.add_request(request)
+        self._routes[request.request_id] = gateway_id
+
+    def _abort(self, request_ids: list[str]) -> list[str]:
+        aborted = self.core.abort_requests(request_ids)
+        self._publish([EngineCoreOutput(rid, [], finish_reason=FinishReason.ABORT) for rid in aborted])
+        return aborted
+
+    def _publish(self, outputs: list[EngineCoreOutput]) -> None:
+        batches: dict[str, list[EngineCoreOutput]] = defaultdict(list)
+        for out in outputs:
+            gateway_id = self._routes.get(out.request_id)
+            if gateway_id is None:
+                continue
+            batches[gateway_id].append(out)
+            if out.finished:
+                del self._routes[out.request_id]
+        for gateway_id, batch in batches.items():
+            sink = self._sinks.get(gateway_id)
+            if sink is not None:
+                sink.put(batch)
+
+    def _drop_gateway(self, gateway_id: str, sink: queue.SimpleQueue) -> None:
+        if self._sinks.get(gateway_id) is not sink:
+            return  # the gateway reconnected with a new stream
+        del self._sinks[gateway_id]
+        orphans = [rid for rid, gid in self._routes.items() if gid == gateway_id]
+        if orphans:
+            logger.warning("gateway %s left: aborting %d requests", gateway_id, len(orphans))
+            self._abort(orphans)
+
+    def _die(self, error: Exception) -> None:
+        if self.error is not None:
+            return
+        self.error = error if isinstance(error, EngineDeadError) else EngineDeadError(f"engine failed: {error}")
+        logger.error("engine dead: %s", self.error)
+        self.on_health(False)
+        for sink in self._sinks.values():
+            sink.put(self.error)
+        self._routes.clear()
+
+    def _close_sinks(self) -> None:
+        for sink in self._sinks.values():
+            sink.put(_END)

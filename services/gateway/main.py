@@ -1,0 +1,49 @@
+"""Entry point of the gateway role: ``gridserve gateway --engines ADDR,... --port PORT``.
+
+Asks the first engine for the model (tokenizer folder, limits), opens an output stream to every
+engine, and serves the public ``Gateway`` API. SERVING while at least one engine stream is open;
+NOT_SERVING while draining on SIGTERM (in-flight requests get ``grace_s`` to finish).
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+
+import grpc
+
+from gridserve.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from gridserve.services.gateway.engine_client import EngineClient
+from gridserve.services.gateway.service import GatewayService
+from gridserve.services.gateway.servicer import GatewayServicer
+from gridserve.services.gateway.tokenizer import GatewayTokenizer
+from gridserve.shared.errors import EngineDeadError
+from gridserve.shared.rpc.server import RpcServer
+
+logger = logging.getLogger(__name__)
+
+SERVICE = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
+
+
+def serve(engine_addresses: list[str], host: str, port: int, grace_s: float = 10.0,
+          connect_timeout_s: float = 600.0) -> int:
+    server = RpcServer(host, port, max_workers=512, grace_s=grace_s)
+    gateway_id = f"gateway-{uuid.uuid4().hex[:8]}"
+    engines = [EngineClient(a, gateway_id, on_state=lambda: None) for a in engine_addresses]
+    try:
+        info = engines[0].info(timeout=connect_timeout_s)
+    except grpc.RpcError as exc:
+        raise EngineDeadError(f"cannot reach the engine at {engine_addresses[0]}: {exc.code().name}") from None
+    service = GatewayService(GatewayTokenizer(info.tokenizer_path), engines, info.model,
+                             info.max_model_len, info.vocab_size, info.max_logprobs)
+    for engine in engines:
+        engine.on_state = lambda: server.set_serving(service.is_ready())
+    servicer = GatewayServicer(service)
+    server.add_service(SERVICE, lambda s: gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, s))
+    server.on_drain = service.drain
+    server.install_signal_handlers()
+    server.start()
+    server.set_serving(service.is_ready())
+    logger.info("gateway %s on %s for %s", gateway_id, server.address, info.model)
+    server.wait()
+    return 0

@@ -1,0 +1,70 @@
+"""The gateway's gRPC servicer: the public ``Gateway`` API, proto <-> domain only."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Iterator
+
+import grpc
+
+from gridserve.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from gridserve.services.gateway.convert import (
+    chat_to_pb,
+    chunk_to_pb,
+    completion_to_pb,
+    prompt_from_pb,
+)
+from gridserve.services.gateway.service import GatewayService
+from gridserve.shared.errors import InvalidArgumentError
+from gridserve.shared.rpc.convert import sampling_params_from_pb
+
+logger = logging.getLogger(__name__)
+
+
+class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
+    """Translates the public RPCs into ``GatewayService`` calls."""
+
+    def __init__(self, service: GatewayService) -> None:
+        self.service = service
+
+    def Generate(
+        self, request: gateway_pb2.GenerateRequest, context: grpc.ServicerContext
+    ) -> Iterator[gateway_pb2.GenerateResponse]:
+        params = sampling_params_from_pb(request.sampling_params)
+        request_id = request.request_id or uuid.uuid4().hex
+        for chunk in self.service.generate(prompt_from_pb(request), params, request_id, context.add_callback):
+            yield from chunk_to_pb(chunk)
+
+    def Complete(self, request: gateway_pb2.CompleteRequest, context: grpc.ServicerContext):
+        params = sampling_params_from_pb(request.sampling_params)
+        request_id = request.request_id or uuid.uuid4().hex
+        out = self.service.complete(prompt_from_pb(request), params, request_id, context.add_callback)
+        return completion_to_pb(request_id, out)
+
+    def Chat(self, request: gateway_pb2.ChatRequest, context: grpc.ServicerContext):
+        if not request.messages:
+            raise InvalidArgumentError("messages", "the conversation is empty")
+        params = sampling_params_from_pb(request.sampling_params)
+        prompt = self.service.chat_prompt(
+            [{"role": m.role, "content": m.content} for m in request.messages],
+            request.chat_template if request.HasField("chat_template") else None,
+            request.add_generation_prompt if request.HasField("add_generation_prompt") else True,
+        )
+        request_id = request.request_id or uuid.uuid4().hex
+        out = self.service.complete(prompt, params, request_id, context.add_callback)
+        return chat_to_pb(request_id, out)
+
+    def Tokenize(self, request: gateway_pb2.TokenizeRequest, context: grpc.ServicerContext):
+        add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
+        return gateway_pb2.TokenizeResponse(token_ids=self.service.tokenizer.encode(request.text, add_special))
+
+    def Detokenize(self, request: gateway_pb2.DetokenizeRequest, context: grpc.ServicerContext):
+        skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
+        text = self.service.tokenizer.decode(list(request.token_ids), skip_special_tokens=skip)
+        return gateway_pb2.DetokenizeResponse(text=text)
+
+    def ListModels(self, request: gateway_pb2.ListModelsRequest, context: grpc.ServicerContext):
+        model = gateway_pb2.Model(id=self.service.model_name, max_model_len=self.service.max_model_len,
+                                  owned_by="gridserve")
+        return gateway_pb2.ListModelsResponse(models=[model])

@@ -1,0 +1,78 @@
+"""``GatewayTokenizer``: a Hugging Face tokenizer folder read with ``tokenizers`` and ``jinja2``.
+
+The gateway must not import torch, and ``transformers`` 5 imports it; this class offers the part
+of a fast tokenizer's interface the gateway uses (``encode``, ``decode``, ``backend_tokenizer``,
+``eos_token_id``, ``apply_chat_template``), reading ``tokenizer.json``, ``tokenizer_config.json``
+and the chat template (``chat_template.jinja`` or the config's ``chat_template``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any, Optional
+
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+
+from gridserve.shared.errors import InvalidArgumentError, ModelNotFoundError
+
+logger = logging.getLogger(__name__)
+
+
+class GatewayTokenizer:
+    """Encode / decode and chat templates for one tokenizer folder."""
+
+    def __init__(self, path: str) -> None:
+        folder = Path(path)
+        if not (folder / "tokenizer.json").is_file():
+            raise ModelNotFoundError(f"no tokenizer.json in {folder} (the gateway needs a fast tokenizer)")
+        self.backend_tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        config_file = folder / "tokenizer_config.json"
+        self.config: dict[str, Any] = json.loads(config_file.read_text()) if config_file.is_file() else {}
+        template_file = folder / "chat_template.jinja"
+        self.chat_template: Optional[str] = (
+            template_file.read_text() if template_file.is_file() else self.config.get("chat_template")
+        )
+        self.bos_token = _token_text(self.config.get("bos_token"))
+        self.eos_token = _token_text(self.config.get("eos_token"))
+        self.eos_token_id = self.backend_tokenizer.token_to_id(self.eos_token) if self.eos_token else None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.backend_tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
+        return self.backend_tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        chat_template: Optional[str] = None,
+        tokenize: bool = True,
+        **_: Any,
+    ) -> Any:
+        """Render the conversation like ``transformers`` (tokens without extra special tokens)."""
+        template = chat_template or self.chat_template
+        if not template:
+            raise InvalidArgumentError("chat_template", "the model has no chat template; pass one")
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = _raise_template_error
+        text = env.from_string(template).render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+        )
+        return self.encode(text, add_special_tokens=False) if tokenize else text
+
+
+def _token_text(token: Any) -> Optional[str]:
+    if isinstance(token, dict):
+        return token.get("content")
+    return token
+
+
+def _raise_template_error(message: str) -> None:
+    raise InvalidArgumentError("messages", message)

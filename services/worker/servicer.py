@@ -1,0 +1,90 @@
+"""The worker's gRPC servicer: ``Worker.CollectiveRPC``, one call at a time, in order.
+
+Each request names one method of the allow-list by its payload; the servicer converts the payload
+to domain objects, calls the ``Worker`` method and converts the result back. The first call must
+be ``init_device``: it carries the engine's configuration and creates the ``Worker``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from typing import Optional
+
+import grpc
+
+from gridserve.services.worker.worker import Worker
+from gridserve.shared.errors import FailedPreconditionError
+from gridserve.shared.rpc.worker_convert import (
+    config_from_pb,
+    runner_output_to_pb,
+    scheduler_output_from_pb,
+)
+from gridserve.worker.v1 import worker_pb2, worker_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+
+class WorkerServicer(worker_pb2_grpc.WorkerServicer):
+    """Serves one engine's call stream; ``on_ready`` reports whether the worker can serve."""
+
+    def __init__(self, on_ready: Callable[[bool], None]) -> None:
+        self.worker: Optional[Worker] = None
+        self.on_ready = on_ready
+        self._lock = threading.Lock()  # one engine stream drives the worker at a time
+        self._loaded = False
+
+    def CollectiveRPC(
+        self, request_iterator: Iterator[worker_pb2.CollectiveRPCRequest], context: grpc.ServicerContext
+    ) -> Iterator[worker_pb2.CollectiveRPCResponse]:
+        if not self._lock.acquire(blocking=False):
+            raise FailedPreconditionError("another engine already drives this worker")
+        try:
+            for request in request_iterator:
+                yield self._call(request)
+        finally:
+            self._lock.release()
+
+    def _call(self, request: worker_pb2.CollectiveRPCRequest) -> worker_pb2.CollectiveRPCResponse:
+        response = worker_pb2.CollectiveRPCResponse(call_id=request.call_id)
+        method = request.WhichOneof("method")
+        try:
+            self._dispatch(method, getattr(request, method), response)
+        except Exception as exc:  # noqa: BLE001 - returned to the engine as a typed error
+            logger.exception("worker method %s failed", method)
+            response.ClearField("result")
+            response.error.type = type(exc).__name__
+            response.error.message = str(exc)
+        return response
+
+    def _dispatch(self, method: Optional[str], args, response: worker_pb2.CollectiveRPCResponse) -> None:
+        if method == "init_device":
+            self.worker = Worker(config_from_pb(args.config), rank=args.rank, local_rank=args.local_rank)
+            self.worker.init_device()
+            return
+        if self.worker is None:
+            raise FailedPreconditionError(f"{method} before init_device")
+        worker = self.worker
+        if method == "execute_model":
+            out = worker.execute_model(scheduler_output_from_pb(args.scheduler_output))
+            response.model_runner_output.CopyFrom(runner_output_to_pb(out))
+        elif method == "determine_available_memory":
+            response.available_memory_bytes = worker.determine_available_memory()
+        elif method == "load_model":
+            worker.load_model()
+        elif method == "initialize_cache":
+            worker.initialize_cache(args.num_blocks)
+            self._loaded = True
+            self.on_ready(True)
+        elif method == "check_health":
+            worker.check_health()
+        elif method == "sleep":
+            worker.sleep(args.level or 1)
+        elif method == "wake_up":
+            worker.wake_up(list(args.tags) or None)
+        elif method == "shutdown":
+            self.on_ready(False)
+            worker.shutdown()
+        else:
+            raise FailedPreconditionError(f"unknown worker method {method!r}")

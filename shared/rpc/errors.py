@@ -1,0 +1,87 @@
+"""One server interceptor that maps gridserve's typed errors to gRPC status codes.
+
+``InvalidArgumentError`` -> INVALID_ARGUMENT (the message names the field), ``EngineDeadError``
+-> UNAVAILABLE, ``ModelNotFoundError`` -> NOT_FOUND, ``FailedPreconditionError`` ->
+FAILED_PRECONDITION; anything else -> INTERNAL (logged with its traceback). An ``RpcError`` from an
+upstream call keeps its code. Works for unary and streaming handlers alike.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+
+from gridserve.shared.errors import (
+    EngineDeadError,
+    FailedPreconditionError,
+    InvalidArgumentError,
+    ModelNotFoundError,
+)
+
+logger = logging.getLogger(__name__)
+
+_CODES: list[tuple[type[BaseException], grpc.StatusCode]] = [
+    (InvalidArgumentError, grpc.StatusCode.INVALID_ARGUMENT),
+    (EngineDeadError, grpc.StatusCode.UNAVAILABLE),
+    (ModelNotFoundError, grpc.StatusCode.NOT_FOUND),
+    (FailedPreconditionError, grpc.StatusCode.FAILED_PRECONDITION),
+]
+
+
+def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The status code and message a server answers for ``exc``."""
+    if isinstance(exc, grpc.RpcError) and hasattr(exc, "code"):
+        return exc.code(), exc.details() or str(exc)
+    for klass, code in _CODES:
+        if isinstance(exc, klass):
+            return code, str(exc)
+    return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
+
+
+def _abort(context: grpc.ServicerContext, exc: Exception, method: str) -> None:
+    code, message = status_for(exc)
+    if code == grpc.StatusCode.INTERNAL:
+        logger.exception("%s failed", method)
+    else:
+        logger.info("%s -> %s: %s", method, code.name, message)
+    context.abort(code, message)
+
+
+class ErrorInterceptor(grpc.ServerInterceptor):
+    """Wraps every handler so a raised exception becomes the matching status code."""
+
+    def intercept_service(self, continuation: Callable, handler_call_details: Any):
+        handler = continuation(handler_call_details)
+        if handler is None:
+            return None
+        method = handler_call_details.method
+        if handler.unary_unary:
+            return handler._replace(unary_unary=_wrap_unary(handler.unary_unary, method))
+        if handler.unary_stream:
+            return handler._replace(unary_stream=_wrap_stream(handler.unary_stream, method))
+        if handler.stream_unary:
+            return handler._replace(stream_unary=_wrap_unary(handler.stream_unary, method))
+        return handler._replace(stream_stream=_wrap_stream(handler.stream_stream, method))
+
+
+def _wrap_unary(behavior: Callable, method: str) -> Callable:
+    def wrapped(request: Any, context: grpc.ServicerContext) -> Any:
+        try:
+            return behavior(request, context)
+        except Exception as exc:  # noqa: BLE001 - every error becomes a status code
+            _abort(context, exc, method)
+
+    return wrapped
+
+
+def _wrap_stream(behavior: Callable, method: str) -> Callable:
+    def wrapped(request: Any, context: grpc.ServicerContext) -> Any:
+        try:
+            yield from behavior(request, context)
+        except Exception as exc:  # noqa: BLE001 - every error becomes a status code
+            _abort(context, exc, method)
+
+    return wrapped

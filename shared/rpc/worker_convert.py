@@ -1,0 +1,148 @@
+"""Proto <-> domain conversions of the engine <-> worker contract: the configuration, the
+scheduler's step plan and the model runner's samples. Used by ``GrpcExecutor`` and the worker
+servicer (both import only this module, never each other)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+from gridserve.common.v1 import common_pb2
+from gridserve.shared import config as cfg
+from gridserve.shared.rpc.convert import (
+    logprobs_from_pb,
+    logprobs_to_pb,
+    sampling_params_from_pb,
+    sampling_params_to_pb,
+)
+from gridserve.shared.rpc.tensors import pack, unpack
+from gridserve.shared.scheduler_output import (
+    CachedRequestData,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+from gridserve.worker.v1 import worker_pb2
+
+_SECTIONS = {
+    "model": (cfg.ModelConfig, worker_pb2.ModelConfig),
+    "cache": (cfg.CacheConfig, worker_pb2.CacheConfig),
+    "scheduler": (cfg.SchedulerConfig, worker_pb2.SchedulerConfig),
+    "parallel": (cfg.ParallelConfig, worker_pb2.ParallelConfig),
+    "device": (cfg.DeviceConfig, worker_pb2.DeviceConfig),
+}
+
+
+# ---- configuration ----------------------------------------------------------------------------
+def config_to_pb(config: cfg.GridserveConfig) -> worker_pb2.GridserveConfig:
+    msg = worker_pb2.GridserveConfig()
+    for name in _SECTIONS:
+        section, section_msg = getattr(config, name), getattr(msg, name)
+        for f in dataclasses.fields(section):
+            value = getattr(section, f.name)
+            if f.name == "hf_config":
+                section_msg.hf_config_json = json.dumps(value)
+            elif isinstance(value, list):
+                getattr(section_msg, f.name).extend(value)
+            elif value is not None:
+                setattr(section_msg, f.name, value)
+    return msg
+
+
+def config_from_pb(msg: worker_pb2.GridserveConfig) -> cfg.GridserveConfig:
+    sections = {}
+    for name, (klass, _) in _SECTIONS.items():
+        section_msg = getattr(msg, name)
+        kwargs = {}
+        for f in dataclasses.fields(klass):
+            if f.name == "hf_config":
+                kwargs[f.name] = json.loads(section_msg.hf_config_json or "{}")
+            elif _is_repeated(section_msg, f.name):
+                kwargs[f.name] = list(getattr(section_msg, f.name))
+            elif not _has_presence(section_msg, f.name) or section_msg.HasField(f.name):
+                kwargs[f.name] = getattr(section_msg, f.name)
+            else:
+                kwargs[f.name] = None
+        sections[name] = klass(**kwargs)
+    return cfg.GridserveConfig(**sections)
+
+
+def _is_repeated(msg, field_name: str) -> bool:
+    return msg.DESCRIPTOR.fields_by_name[field_name].is_repeated
+
+
+def _has_presence(msg, field_name: str) -> bool:
+    return msg.DESCRIPTOR.fields_by_name[field_name].has_presence
+
+
+# ---- scheduler output ---------------------------------------------------------------------------
+def scheduler_output_to_pb(out: SchedulerOutput) -> worker_pb2.SchedulerOutput:
+    return worker_pb2.SchedulerOutput(
+        scheduled_new_reqs=[
+            worker_pb2.NewRequestData(
+                req_id=r.req_id,
+                prompt_token_ids=r.prompt_token_ids,
+                sampling_params=sampling_params_to_pb(r.sampling_params),
+                block_ids=r.block_ids,
+                num_computed_tokens=r.num_computed_tokens,
+                output_token_ids=r.output_token_ids,
+            )
+            for r in out.scheduled_new_reqs
+        ],
+        scheduled_cached_reqs=[
+            worker_pb2.CachedRequestData(
+                req_id=r.req_id, new_block_ids=r.new_block_ids, num_computed_tokens=r.num_computed_tokens
+            )
+            for r in out.scheduled_cached_reqs
+        ],
+        num_scheduled_tokens=out.num_scheduled_tokens,
+        total_num_scheduled_tokens=out.total_num_scheduled_tokens,
+        finished_req_ids=sorted(out.finished_req_ids),
+    )
+
+
+def scheduler_output_from_pb(msg: worker_pb2.SchedulerOutput) -> SchedulerOutput:
+    return SchedulerOutput(
+        scheduled_new_reqs=[
+            NewRequestData(
+                req_id=r.req_id,
+                prompt_token_ids=list(r.prompt_token_ids),
+                sampling_params=sampling_params_from_pb(r.sampling_params),
+                block_ids=list(r.block_ids),
+                num_computed_tokens=r.num_computed_tokens,
+                output_token_ids=list(r.output_token_ids),
+            )
+            for r in msg.scheduled_new_reqs
+        ],
+        scheduled_cached_reqs=[
+            CachedRequestData(r.req_id, list(r.new_block_ids), r.num_computed_tokens)
+            for r in msg.scheduled_cached_reqs
+        ],
+        num_scheduled_tokens=dict(msg.num_scheduled_tokens),
+        total_num_scheduled_tokens=msg.total_num_scheduled_tokens,
+        finished_req_ids=set(msg.finished_req_ids),
+    )
+
+
+# ---- model runner output ------------------------------------------------------------------------
+def runner_output_to_pb(out: ModelRunnerOutput) -> worker_pb2.ModelRunnerOutput:
+    msg = worker_pb2.ModelRunnerOutput(
+        req_ids=out.req_ids, sampled_token_ids=pack(out.sampled_token_ids, common_pb2.DTYPE_INT32)
+    )
+    if any(lp is not None for lp in out.logprobs):
+        msg.logprobs.CopyFrom(logprobs_to_pb(out.logprobs))
+    for req_id, rows in out.prompt_logprobs.items():
+        msg.prompt_logprobs[req_id].CopyFrom(logprobs_to_pb(rows))
+    return msg
+
+
+def runner_output_from_pb(msg: worker_pb2.ModelRunnerOutput) -> ModelRunnerOutput:
+    req_ids = list(msg.req_ids)
+    logprobs = logprobs_from_pb(msg.logprobs) if msg.HasField("logprobs") else [None] * len(req_ids)
+    prompt_logprobs = {req_id: logprobs_from_pb(rows) for req_id, rows in msg.prompt_logprobs.items()}
+    return ModelRunnerOutput(
+        req_ids=req_ids,
+        sampled_token_ids=unpack(msg.sampled_token_ids),
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
+    )

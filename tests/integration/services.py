@@ -1,0 +1,70 @@
+"""Helpers of the service tests: a local deployment (real processes on loopback) and stubs."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+
+from gridserve.common.v1 import common_pb2
+from gridserve.engine.v1 import engine_pb2_grpc
+from gridserve.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from gridserve.launcher import Launcher
+
+logger = logging.getLogger(__name__)
+
+KV_BYTES = 32 << 20
+ENGINE_ARGS = ["--kv-cache-memory-bytes", str(KV_BYTES), "--max-num-seqs", "128"]
+
+
+@contextlib.contextmanager
+def deployment(model: Path, log_dir: Path, grace_s: float = 5.0) -> Iterator[Launcher]:
+    """Worker, engine and gateway processes; always stopped (process groups killed) on exit."""
+    launcher = Launcher(str(model), ENGINE_ARGS, log_dir=log_dir, grace_s=grace_s)
+    try:
+        launcher.start()
+        yield launcher
+    except Exception:
+        for log in sorted(log_dir.glob("*.log")):
+            logger.error("---- %s\n%s", log.name, log.read_text()[-4000:])
+        raise
+    finally:
+        launcher.stop()
+
+
+def address(launcher: Launcher, role: str) -> str:
+    return next(p.address for p in launcher.processes if p.role == role)
+
+
+def pid(launcher: Launcher, role: str) -> int:
+    return next(p.pid for p in launcher.processes if p.role == role)
+
+
+def gateway_stub(channel: grpc.Channel) -> gateway_pb2_grpc.GatewayStub:
+    return gateway_pb2_grpc.GatewayStub(channel)
+
+
+def engine_stub(channel: grpc.Channel) -> engine_pb2_grpc.EngineCoreStub:
+    return engine_pb2_grpc.EngineCoreStub(channel)
+
+
+def greedy(max_tokens: int, **kwargs) -> common_pb2.SamplingParams:
+    return common_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens, min_tokens=max_tokens, **kwargs)
+
+
+def token_prompt(ids: list[int], params: common_pb2.SamplingParams) -> gateway_pb2.GenerateRequest:
+    return gateway_pb2.GenerateRequest(token_ids=gateway_pb2.TokenIds(ids=ids), sampling_params=params)
+
+
+def stream_tokens(stub: gateway_pb2_grpc.GatewayStub, request: gateway_pb2.GenerateRequest,
+                  timeout: float = 60) -> tuple[list[int], str, int]:
+    """Token ids, text and finish reason of one streamed generation."""
+    ids, text, reason = [], "", 0
+    for response in stub.Generate(request, timeout=timeout):
+        ids += response.token_ids
+        text += response.text
+        reason = response.finish_reason or reason
+    return ids, text, reason
