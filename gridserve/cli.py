@@ -69,6 +69,10 @@ def _parser() -> argparse.ArgumentParser:
     from gridserve.bench import executor as executor_bench
 
     executor_bench.add_arguments(executor)
+    sampler = bench_sub.add_parser("sampler", help="sampler cost per step: plain vs mixed batch")
+    from gridserve.bench import sampler as sampler_bench
+
+    sampler_bench.add_arguments(sampler)
     return parser
 
 
@@ -150,6 +154,10 @@ def _bench(args: argparse.Namespace) -> int:
         from gridserve.bench.executor import run as run_executor
 
         return run_executor(args)
+    if args.bench_command == "sampler":
+        from gridserve.bench.sampler import run as run_sampler
+
+        return run_sampler(args)
     from gridserve.bench.throughput import run
 
     return run(args)
