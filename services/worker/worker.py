@@ -6,6 +6,7 @@ worker's fixed method allow-list.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 from typing import Optional
@@ -19,6 +20,25 @@ from gridserve.shared.scheduler_output import ModelRunnerOutput, SchedulerOutput
 logger = logging.getLogger(__name__)
 
 CPU_DEFAULT_KV_CACHE_BYTES = 2 << 30
+
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_MAX = -4
+
+
+def keep_large_allocations() -> None:
+    """Make glibc keep freed large buffers instead of returning them to the OS.
+
+    Every step allocates tensors of tens of MB (KV gathers, prefill activations). By default glibc
+    serves each from a fresh ``mmap`` and unmaps it on free, so every step pays page faults for
+    memory it just released (measured: a 150 MB KV gather 240 ms -> 35 ms with this setting).
+    vLLM's CPU backend gets the same effect by preloading tcmalloc.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(_M_MMAP_MAX, 0)
+        libc.mallopt(_M_TRIM_THRESHOLD, 1 << 30)
+    except (OSError, AttributeError):
+        logger.debug("glibc mallopt unavailable; keeping the default allocator settings")
 
 
 class Worker:
@@ -44,6 +64,8 @@ class Worker:
             self.device = torch.device("cpu")
             threads = int(os.environ.get("GRIDSERVE_CPU_THREADS", "0")) or (os.cpu_count() or 1)
             torch.set_num_threads(threads)
+            if os.environ.get("GRIDSERVE_CPU_MALLOC_TUNING", "1") != "0":
+                keep_large_allocations()
         torch.manual_seed(self.config.model.seed)
         self.runner = ModelRunner(self.config, self.device)
 
