@@ -43,6 +43,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         try:
             for request in request_iterator:
                 yield self._call(request)
+        except grpc.RpcError:
+            if context.is_active():
+                raise
+            logger.info("engine stream closed")  # the engine went away (shutdown or failure)
         finally:
             self._lock.release()
 
