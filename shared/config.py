@@ -211,6 +211,9 @@ class GridserveConfig:
 
     def finalize(self) -> GridserveConfig:
         """Resolve the model and fill defaults that depend on it."""
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+            if getattr(self.parallel, name) != 1:
+                raise ConfigError(f"parallel.{name}", "only 1 is supported so far (parallelism is not built yet)")
         self.model.resolve()
         self.scheduler.finalize(self.max_model_len)
         return self

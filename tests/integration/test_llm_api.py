@@ -182,3 +182,9 @@ def test_kv_cache_smaller_than_one_request_is_rejected(llama_tiny):
     with pytest.raises(ConfigError) as err:
         LLM(model=str(llama_tiny), kv_cache_memory_bytes=64 << 10)
     assert err.value.field == "cache.kv_cache_memory_bytes"
+
+
+def test_tensor_parallelism_is_refused_until_it_exists(llama_tiny):
+    with pytest.raises(ConfigError) as err:
+        LLM(model=str(llama_tiny), tensor_parallel_size=2)
+    assert err.value.field == "parallel.tensor_parallel_size"
