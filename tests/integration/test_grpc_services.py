@@ -114,6 +114,19 @@ def test_seeded_sampling_with_logprobs_matches_llm(gateway, reference):
     assert first == pytest.approx({t: lp.logprob for t, lp in out.logprobs[0].items()}, abs=1e-6)
 
 
+def test_n_completions_through_the_gateway_match_llm(gateway, reference):
+    params = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=MAX_TOKENS, ignore_eos=True)
+    prompt = _prompts(1, seed=4)[0]
+    expected = reference.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs
+    response = gateway.Complete(gateway_pb2.CompleteRequest(
+        token_ids=gateway_pb2.TokenIds(ids=prompt),
+        sampling_params=common_pb2.SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=MAX_TOKENS,
+                                                  ignore_eos=True)), timeout=60)
+    got = sorted(response.completions, key=lambda c: c.index)
+    assert [c.index for c in got] == [0, 1, 2]
+    assert [list(c.token_ids) for c in got] == [c.token_ids for c in expected]
+
+
 def test_stop_string_ends_the_stream_without_the_stop_text(gateway):
     request = gateway_pb2.GenerateRequest(text="x = 1", sampling_params=greedy(MAX_TOKENS))
     _, full, _ = stream_tokens(gateway, request)
