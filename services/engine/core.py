@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from concurrent.futures import Future
 from typing import Optional
 
 from gridserve.services.engine.executor import Executor
@@ -17,6 +18,7 @@ from gridserve.services.engine.scheduler import Scheduler, SchedulerStats
 from gridserve.shared.config import GridserveConfig
 from gridserve.shared.errors import ConfigError
 from gridserve.shared.outputs import EngineCoreOutput
+from gridserve.shared.scheduler_output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +34,7 @@ class EngineCore:
             num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
         )
         self.scheduler = Scheduler(config, self.kv_cache_manager)
+        self._in_flight: Optional[tuple[SchedulerOutput, Future]] = None
 
     def _initialize_kv_cache(self) -> int:
         cache = self.config.cache
@@ -55,15 +58,25 @@ class EngineCore:
         return self.scheduler.abort_requests(request_ids)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self._in_flight is not None or self.scheduler.has_unfinished_requests()
 
     def step(self) -> list[EngineCoreOutput]:
-        """Run one forward pass over the scheduled batch; return the new tokens of every request."""
-        if not self.scheduler.has_unfinished_requests():
+        """Schedule and submit the next batch, then finish the previous one; return its new tokens.
+
+        One step stays in flight: the next batch is scheduled while the worker runs the current one
+        (its requests' next tokens count as placeholders, already held by the worker), so the
+        engine's Python work overlaps the forward pass. The first call returns nothing.
+        """
+        submitted = None
+        if self.scheduler.has_unfinished_requests():
+            # Submitted even when empty: it carries the ids the worker must forget.
+            scheduler_output = self.scheduler.schedule()
+            submitted = (scheduler_output, self.executor.execute_model(scheduler_output, non_block=True))
+        previous, self._in_flight = self._in_flight, submitted
+        if previous is None:
             return []
-        scheduler_output = self.scheduler.schedule()
-        result = self.executor.execute_model(scheduler_output, non_block=True).result()
-        return self.scheduler.update_from_output(scheduler_output, result)
+        scheduler_output, future = previous
+        return self.scheduler.update_from_output(scheduler_output, future.result())
 
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()

@@ -60,6 +60,9 @@ class Request:
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0
+        # Tokens a step still in flight will sample: the next step may already compute them (the
+        # worker holds their value), so the scheduler counts them as known but not yet here.
+        self.num_output_placeholders = 0
         self.num_cached_tokens = -1  # prompt tokens served from the prefix cache, set once
         self.num_preemptions = 0
         self.status = RequestStatus.WAITING

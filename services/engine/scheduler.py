@@ -72,10 +72,7 @@ class Scheduler:
             request = self.requests.get(request_id)
             if request is None or request.is_finished:
                 continue
-            if request.status == RequestStatus.RUNNING:
-                self.running.remove(request)
-            else:
-                self.waiting.remove(request)
+            self._remove_from_queue(request)
             self._finish(request, RequestStatus.FINISHED_ABORTED)
             aborted.append(request_id)
         return aborted
@@ -94,7 +91,10 @@ class Scheduler:
         out.finished_req_ids = self._forget
         self._forget = set()
         for request_id, n in out.num_scheduled_tokens.items():
-            self.requests[request_id].num_computed_tokens += n
+            request = self.requests[request_id]
+            request.num_computed_tokens += n
+            if request.num_computed_tokens >= request.num_tokens + request.num_output_placeholders:
+                request.num_output_placeholders += 1  # this step samples its next token
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> bool:
@@ -102,7 +102,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            n = min(self._tokens_to_schedule(request), budget)
+            if n <= 0:  # its last token is still being sampled by the step in flight
+                i += 1
+                continue
             new_blocks = self.kv.allocate_slots(request, n)
             while new_blocks is None:
                 victim = self.running.pop()
@@ -153,6 +156,21 @@ class Scheduler:
             self._record(out, request, n)
             budget -= n
 
+    def _tokens_to_schedule(self, request: Request) -> int:
+        """Tokens whose KV is not computed yet, counting the in-flight step's sample.
+
+        A request that will have reached ``max_tokens`` or ``max_model_len`` once the in-flight
+        sample lands gets nothing more.
+        """
+        pending = request.num_output_placeholders
+        if pending:
+            max_tokens = request.sampling_params.max_tokens
+            if max_tokens is not None and request.num_output_tokens + pending >= max_tokens:
+                return 0
+            if request.num_tokens + pending >= self.max_model_len:
+                return 0
+        return request.num_tokens + pending - request.num_computed_tokens
+
     @staticmethod
     def _record(out: SchedulerOutput, request: Request, n: int) -> None:
         out.num_scheduled_tokens[request.request_id] = n
@@ -176,11 +194,12 @@ class Scheduler:
         for request_id, token, logprobs in zip(result.req_ids, result.sampled_token_ids, result.logprobs):
             request = self.requests.get(request_id)
             if request is None or request.is_finished:
-                continue  # aborted while the step ran
+                continue  # finished or aborted while the step ran: its sample is discarded
+            request.num_output_placeholders = max(request.num_output_placeholders - 1, 0)
             request.append_output_token_ids(token)
             status = self._stop_status(request, token)
             if status is not None:
-                self.running.remove(request)
+                self._remove_from_queue(request)
                 self._finish(request, status)
             outputs.append(
                 EngineCoreOutput(
@@ -212,6 +231,12 @@ class Scheduler:
             request.stop_reason = token
             return RequestStatus.FINISHED_STOPPED
         return None
+
+    def _remove_from_queue(self, request: Request) -> None:
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:  # waiting, or preempted while a step that sampled for it was in flight
+            self.waiting.remove(request)
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status

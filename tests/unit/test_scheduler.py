@@ -177,3 +177,40 @@ def test_engine_side_modules_do_not_import_torch():
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "False"
+
+
+def _sample(out: SchedulerOutput, token: int) -> ModelRunnerOutput:
+    rids = list(out.num_scheduled_tokens)
+    return ModelRunnerOutput(req_ids=rids, sampled_token_ids=[token] * len(rids), logprobs=[None] * len(rids))
+
+
+def test_next_step_is_scheduled_while_one_is_in_flight_without_passing_max_tokens():
+    s = make_scheduler()
+    req = make_request("a", 10, max_tokens=3, ignore_eos=True)
+    s.add_request(req)
+    first = s.schedule()  # prefill: will sample output token 1
+    second = s.schedule()  # decodes token 1 before its value is known (the worker has it)
+    assert second.num_scheduled_tokens == {"a": 1} and req.num_output_placeholders == 2
+    s.update_from_output(first, _sample(first, 7))
+    third = s.schedule()
+    assert third.num_scheduled_tokens == {"a": 1}
+    s.update_from_output(second, _sample(second, 8))
+    fourth = s.schedule()  # 2 tokens out + 1 in flight = max_tokens: nothing more
+    assert fourth.num_scheduled_tokens == {}
+    s.update_from_output(third, _sample(third, 9))
+    assert req.output_token_ids == [7, 8, 9] and req.status == RequestStatus.FINISHED_LENGTH_CAPPED
+    assert s.kv.num_free_blocks == s.kv.num_total_blocks
+
+
+def test_sample_of_a_request_that_stopped_while_in_flight_is_discarded():
+    s = make_scheduler()
+    req = make_request("a", 10, max_tokens=10)
+    s.add_request(req)
+    first = s.schedule()
+    second = s.schedule()
+    outputs = s.update_from_output(first, _sample(first, EOS))
+    assert outputs[0].finish_reason is not None and req.status == RequestStatus.FINISHED_STOPPED
+    assert s.update_from_output(second, _sample(second, 5)) == []
+    assert req.output_token_ids == [EOS]
+    assert "a" in s.schedule().finished_req_ids
+    assert s.kv.num_free_blocks == s.kv.num_total_blocks
