@@ -147,10 +147,7 @@ class KVCacheManager:
             if block is None:
                 break
             computed.append(block)
-        num_computed_tokens = len(computed) * self.block_size
-        self.prefix_cache_queries += request.num_tokens
-        self.prefix_cache_hits += num_computed_tokens
-        return computed, num_computed_tokens
+        return computed, len(computed) * self.block_size
 
     def allocate_slots(
         self,
@@ -162,13 +159,15 @@ class KVCacheManager:
         """Make room for this step's tokens; return the newly allocated block ids, or None.
 
         ``new_computed_blocks``/``num_new_computed_tokens`` are the prefix hits from
-        ``get_computed_blocks`` (only for a request that holds no blocks yet). On None nothing
+        ``get_computed_blocks`` (only for a request that holds no blocks yet); passing them, even
+        empty, counts the lookup in the query / hit counters once it succeeds. On None nothing
         changed. The returned ids exclude the prefix-hit blocks.
         """
         if num_new_tokens < 0 or num_new_computed_tokens < 0:
             raise ValueError(
                 f"token counts must be non-negative, got {num_new_tokens}, {num_new_computed_tokens}"
             )
+        looked_up = new_computed_blocks is not None
         new_computed_blocks = list(new_computed_blocks or [])
         req_blocks = self.req_to_blocks.get(request.request_id, [])
         if new_computed_blocks and req_blocks:
@@ -191,6 +190,9 @@ class KVCacheManager:
         self.num_cached_blocks[request.request_id] = num_cached
 
         if self.enable_caching:
+            if looked_up:  # counted once per admission, not per failed attempt
+                self.prefix_cache_queries += request.num_tokens
+                self.prefix_cache_hits += num_new_computed_tokens
             self._update_block_hashes(request)
             # Blocks full of tokens computed up to the end of this step.
             num_full = min(num_tokens_after // self.block_size, len(request.block_hashes), len(req_blocks))

@@ -250,7 +250,7 @@ def test_reset_prefix_cache_fails_while_in_use_and_succeeds_after():
 def test_hit_and_query_counters_count_tokens():
     mgr = KVCacheManager(num_blocks=20, block_size=BS)
     schedule(mgr, make_request("a", list(range(10))))  # 10 queried, 0 hit
-    mgr.get_computed_blocks(make_request("b", list(range(10))))  # 10 queried, 8 hit
+    schedule(mgr, make_request("b", list(range(10))))  # 10 queried, 8 hit
     assert (mgr.prefix_cache_queries, mgr.prefix_cache_hits) == (20, 8)
     stats = mgr.make_stats()
     assert stats == PrefixCacheStats(queries=20, hits=8)
@@ -287,3 +287,13 @@ def test_num_blocks_for_memory_below_two_blocks_is_a_config_error():
     with pytest.raises(ConfigError) as exc:
         num_blocks_for_memory(2 * 16 * 1024 - 1, bytes_per_token=1024, block_size=16)
     assert exc.value.field == "cache.kv_cache_memory_bytes"
+
+
+def test_lookup_of_a_request_that_does_not_fit_is_not_counted():
+    mgr = KVCacheManager(num_blocks=3, block_size=BS)  # 2 usable blocks
+    schedule(mgr, make_request("a", list(range(2 * BS))))
+    before = (mgr.prefix_cache_queries, mgr.prefix_cache_hits)
+    waiting = make_request("b", list(range(100, 100 + BS)))
+    for _ in range(3):  # the scheduler retries every step while it waits
+        assert schedule(mgr, waiting) is None
+    assert (mgr.prefix_cache_queries, mgr.prefix_cache_hits) == before
