@@ -37,9 +37,11 @@ def _parser() -> argparse.ArgumentParser:
                        help="HF folder or hub id (default: the recipe's llama 'small' demo model)")
     serve.add_argument("--host", default="127.0.0.1", help="address the public gateway binds")
     serve.add_argument("--port", type=int, default=8000,
-                       help="REST/OpenAI port of the Envoy edge (arrives with the next issue; unused now)")
+                       help="REST/OpenAI (and gRPC) port of the Envoy edge in front of the gateways")
     serve.add_argument("--grpc-port", type=int, default=None, help="public gRPC port of the gateway (default: free)")
     serve.add_argument("--api-server-count", type=int, default=1, help="number of gateway processes (A)")
+    serve.add_argument("--served-model-name", default=env_default("--served-model-name"),
+                       help="model name of the OpenAI API (default: the model argument)")
     serve.add_argument("--grace-period", type=float, default=10.0, help="seconds in-flight requests get on stop")
     serve.add_argument("--log-dir", default=None, help="write each role's log to DIR/<role>-<i>.log")
     add_engine_arguments(serve)
@@ -58,6 +60,8 @@ def _parser() -> argparse.ArgumentParser:
     add_server_arguments(gateway, default_port=50050)
     gateway.add_argument("--engines", default=env_default("--engines"),
                          help="engine addresses host:port,... [GRIDSERVE_ENGINES]")
+    gateway.add_argument("--served-model-name", default=env_default("--served-model-name"),
+                         help="model name of the OpenAI API (default: the engine's model) [GRIDSERVE_SERVED_MODEL_NAME]")
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
@@ -106,7 +110,7 @@ def _gateway(args: argparse.Namespace) -> int:
     from gridserve.shared.rpc.client import parse_addresses
 
     engines = parse_addresses(require(args.engines, "--engines", "the engine addresses"), "engine")
-    return serve(engines, args.host, args.port, args.grace_period)
+    return serve(engines, args.host, args.port, args.grace_period, served_model_name=args.served_model_name)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -122,7 +126,8 @@ def _serve(args: argparse.Namespace) -> int:
         model = str(ensure_checkpoint("llama", "small"))
     launcher = Launcher(model, engine_argv(args), host=args.host, grpc_port=args.grpc_port,
                         api_server_count=args.api_server_count, grace_s=args.grace_period,
-                        log_dir=Path(args.log_dir) if args.log_dir else None)
+                        log_dir=Path(args.log_dir) if args.log_dir else None, edge_port=args.port,
+                        served_model_name=args.served_model_name or model)
     stopping = []
 
     def on_signal(signum: int, _frame) -> None:
@@ -134,7 +139,7 @@ def _serve(args: argparse.Namespace) -> int:
         launcher.start()
         print(launcher.table(), flush=True)
         print(f"gridserve ready: model {model}; public gRPC API (gateway) on {launcher.gateway_addresses[0]}; "
-              f"REST/OpenAI on port {args.port} arrives with the Envoy edge (next issue)", flush=True)
+              f"REST and gRPC through the Envoy edge on http://{launcher.edge_address}", flush=True)
         exited = launcher.wait()
         if exited is not None:
             logger.error("%s (pid %d) exited with %s: stopping", exited.role, exited.pid, exited.process.returncode)

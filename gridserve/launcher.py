@@ -2,8 +2,10 @@
 
 Starts N workers, then the engine (``--workers`` = their addresses), then A gateways, each in its
 own process group, and waits for each one's ``grpc.health.v1`` to say SERVING (a worker only
-becomes SERVING once its engine has loaded the model and allocated the KV cache on it). On
-``stop()`` (SIGTERM / Ctrl-C) it stops them in reverse order (gateways, engine, workers), each with
+becomes SERVING once its engine has loaded the model and allocated the KV cache on it). With an
+``edge_port`` it then starts Envoy (role ``edge``, :mod:`gridserve.edge`) on that port in front of
+every gateway, and waits until a gRPC health check through it answers SERVING. On
+``stop()`` (SIGTERM / Ctrl-C) it stops them in reverse order (edge, gateways, engine, workers), each with
 SIGTERM and a grace period, then SIGKILL; children also get SIGTERM if the launcher itself dies.
 """
 
@@ -12,10 +14,12 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,7 +62,8 @@ class Launcher:
 
     def __init__(self, model: str, engine_args: list[str], *, host: str = "127.0.0.1",
                  grpc_port: Optional[int] = None, api_server_count: int = 1, num_workers: int = 1,
-                 log_dir: Optional[Path] = None, grace_s: float = 10.0) -> None:
+                 log_dir: Optional[Path] = None, grace_s: float = 10.0,
+                 edge_port: Optional[int] = None, served_model_name: Optional[str] = None) -> None:
         self.model = model
         self.engine_args = engine_args
         self.host = host
@@ -67,6 +72,9 @@ class Launcher:
         self.num_workers = num_workers
         self.log_dir = log_dir
         self.grace_s = grace_s
+        self.edge_port = edge_port
+        self.served_model_name = served_model_name
+        self._edge_dir: Optional[tempfile.TemporaryDirectory] = None
         self.processes: list[RoleProcess] = []
         self.exit_codes: dict[str, int] = {}  # "role-pid" -> exit status, filled by stop()
 
@@ -82,9 +90,14 @@ class Launcher:
             self._wait_serving(engine)
             for i in range(self.api_server_count):
                 port = self.grpc_port if (i == 0 and self.grpc_port) else None
-                self._wait_serving(self._spawn("gateway", i, ["--engines", engine.address], port))
+                extra = ["--engines", engine.address]
+                if self.served_model_name:
+                    extra += ["--served-model-name", self.served_model_name]
+                self._wait_serving(self._spawn("gateway", i, extra, port))
             for proc in self.processes:
                 self._wait_serving(proc)
+            if self.edge_port is not None:
+                self._wait_serving(self._spawn_edge(self.edge_port))
         except BaseException:
             self.stop()
             raise
@@ -103,6 +116,32 @@ class Launcher:
         proc = RoleProcess(role, address, process, log)
         self.processes.append(proc)
         logger.info("started %s (pid %d) on %s", role, process.pid, address)
+        return proc
+
+    def _spawn_edge(self, port: int) -> RoleProcess:
+        """Envoy on ``port`` in front of every gateway (config written next to the logs or to a temp dir)."""
+        from gridserve.edge import envoy_argv, envoy_config, write_config
+
+        if self.log_dir is not None:
+            folder = self.log_dir
+        else:
+            self._edge_dir = tempfile.TemporaryDirectory(prefix="gridserve-edge-")
+            folder = Path(self._edge_dir.name)
+        config = write_config(folder / "edge-0.json", envoy_config(self.host, port, self.gateway_addresses))
+        log = None
+        if self.log_dir is not None:
+            log = open(self.log_dir / "edge-0.log", "ab")  # noqa: SIM115 - closed in stop()
+        # No preexec_fn here: forking a process whose gRPC threads are busy can block in gRPC's fork
+        # handlers; setpriv (util-linux) gives Envoy the same die-with-the-launcher signal instead.
+        argv = envoy_argv(config)
+        setpriv = shutil.which("setpriv")
+        if setpriv is not None:
+            argv = [setpriv, "--pdeathsig", "TERM", "--", *argv]
+        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT if log else None,
+                                   start_new_session=True)
+        proc = RoleProcess("edge", f"{self.host}:{port}", process, log)
+        self.processes.append(proc)
+        logger.info("started edge (envoy, pid %d) on %s", process.pid, proc.address)
         return proc
 
     def _check_alive(self, proc: RoleProcess) -> None:
@@ -135,6 +174,10 @@ class Launcher:
 
     # ---- run and stop ---------------------------------------------------------------------------------
     @property
+    def edge_address(self) -> Optional[str]:
+        return next((p.address for p in self.processes if p.role == "edge"), None)
+
+    @property
     def gateway_addresses(self) -> list[str]:
         return [p.address for p in self.processes if p.role == "gateway"]
 
@@ -142,7 +185,8 @@ class Launcher:
         lines = [f"{'role':<9}{'pid':>8}  address"]
         lines += [f"{p.role:<9}{p.pid:>8}  {p.address}" for p in self.processes]
         a, n = self.api_server_count, self.num_workers
-        lines.append(f"processes: A + DP + N = {a} + 1 + {n} = {a + 1 + n} (+1 coordinator when DP > 1)")
+        edge = " + 1 edge" if any(p.role == "edge" for p in self.processes) else ""
+        lines.append(f"processes: A + DP + N = {a} + 1 + {n} = {a + 1 + n} (+1 coordinator when DP > 1){edge}")
         return "\n".join(lines)
 
     def wait(self) -> Optional[RoleProcess]:
@@ -170,6 +214,9 @@ class Launcher:
             if proc.log is not None:
                 proc.log.close()
         self.processes = []
+        if self._edge_dir is not None:
+            self._edge_dir.cleanup()
+            self._edge_dir = None
 
 
 def _signal_group(proc: RoleProcess, sig: int) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import uuid
+from typing import Optional
 
 import grpc
 
@@ -26,7 +27,7 @@ SERVICE = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
 
 
 def serve(engine_addresses: list[str], host: str, port: int, grace_s: float = 10.0,
-          connect_timeout_s: float = 600.0) -> int:
+          connect_timeout_s: float = 600.0, served_model_name: Optional[str] = None) -> int:
     server = RpcServer(host, port, max_workers=512, grace_s=grace_s)
     gateway_id = f"gateway-{uuid.uuid4().hex[:8]}"
     engines = [EngineClient(a, gateway_id, on_state=lambda: None) for a in engine_addresses]
@@ -38,7 +39,7 @@ def serve(engine_addresses: list[str], host: str, port: int, grace_s: float = 10
                              info.max_model_len, info.vocab_size, info.max_logprobs)
     for engine in engines:
         engine.on_state = lambda: server.set_serving(service.is_ready())
-    servicer = GatewayServicer(service)
+    servicer = GatewayServicer(service, served_model_name)
     server.add_service(SERVICE, lambda s: gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, s))
     server.on_drain = service.drain
     server.install_signal_handlers()

@@ -5,9 +5,13 @@ from __future__ import annotations
 import logging
 import uuid
 from collections.abc import Iterator
+from typing import Optional
 
 import grpc
+from google.api import httpbody_pb2
 
+from gridserve import __version__
+from gridserve.edge import HTTP_STATUS_HEADER  # the Envoy edge makes it the HTTP status
 from gridserve.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from gridserve.services.gateway.convert import (
     chat_to_pb,
@@ -15,6 +19,7 @@ from gridserve.services.gateway.convert import (
     completion_to_pb,
     prompt_from_pb,
 )
+from gridserve.services.gateway.openai_api import HttpResponse, OpenAIApi
 from gridserve.services.gateway.service import GatewayService
 from gridserve.shared.errors import InvalidArgumentError
 from gridserve.shared.rpc.convert import sampling_params_from_pb
@@ -25,8 +30,9 @@ logger = logging.getLogger(__name__)
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     """Translates the public RPCs into ``GatewayService`` calls."""
 
-    def __init__(self, service: GatewayService) -> None:
+    def __init__(self, service: GatewayService, served_model_name: Optional[str] = None) -> None:
         self.service = service
+        self.openai = OpenAIApi(service, served_model_name, __version__)
 
     def Generate(
         self, request: gateway_pb2.GenerateRequest, context: grpc.ServicerContext
@@ -68,3 +74,35 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         model = gateway_pb2.Model(id=self.service.model_name, max_model_len=self.service.max_model_len,
                                   owned_by="gridserve")
         return gateway_pb2.ListModelsResponse(models=[model])
+
+    # ---- OpenAI-compatible REST (google.api.HttpBody in and out, through the Envoy edge) ----------
+    def OpenAIListModels(self, request: httpbody_pb2.HttpBody, context: grpc.ServicerContext):
+        return _unary(self.openai.models(), context)
+
+    def OpenAICompletions(self, request: httpbody_pb2.HttpBody, context: grpc.ServicerContext):
+        yield from _stream(self.openai.completions(request.data, context.add_callback), context)
+
+    def OpenAIChatCompletions(self, request: httpbody_pb2.HttpBody, context: grpc.ServicerContext):
+        yield from _stream(self.openai.chat_completions(request.data, context.add_callback), context)
+
+    def OpenAIHealth(self, request: httpbody_pb2.HttpBody, context: grpc.ServicerContext):
+        return _unary(self.openai.health(), context)
+
+    def OpenAIVersion(self, request: httpbody_pb2.HttpBody, context: grpc.ServicerContext):
+        return _unary(self.openai.version_info(), context)
+
+
+def _send_status(response: HttpResponse, context: grpc.ServicerContext) -> None:
+    if response.status != 200:
+        context.send_initial_metadata(((HTTP_STATUS_HEADER, str(response.status)),))
+
+
+def _unary(response: HttpResponse, context: grpc.ServicerContext) -> httpbody_pb2.HttpBody:
+    _send_status(response, context)
+    return httpbody_pb2.HttpBody(content_type=response.content_type, data=b"".join(response.chunks))
+
+
+def _stream(response: HttpResponse, context: grpc.ServicerContext) -> Iterator[httpbody_pb2.HttpBody]:
+    _send_status(response, context)
+    for data in response.chunks:
+        yield httpbody_pb2.HttpBody(content_type=response.content_type, data=data)

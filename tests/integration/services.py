@@ -6,6 +6,7 @@ import contextlib
 import logging
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Optional
 
 import grpc
 
@@ -21,9 +22,12 @@ ENGINE_ARGS = ["--kv-cache-memory-bytes", str(KV_BYTES), "--max-num-seqs", "128"
 
 
 @contextlib.contextmanager
-def deployment(model: Path, log_dir: Path, grace_s: float = 5.0) -> Iterator[Launcher]:
-    """Worker, engine and gateway processes; always stopped (process groups killed) on exit."""
-    launcher = Launcher(str(model), ENGINE_ARGS, log_dir=log_dir, grace_s=grace_s)
+def deployment(model: Path, log_dir: Path, grace_s: float = 5.0, edge_port: Optional[int] = None,
+               api_server_count: int = 1) -> Iterator[Launcher]:
+    """Worker, engine and gateway processes (and the Envoy edge on ``edge_port`` if given); always
+    stopped (process groups killed) on exit."""
+    launcher = Launcher(str(model), ENGINE_ARGS, log_dir=log_dir, grace_s=grace_s, edge_port=edge_port,
+                        api_server_count=api_server_count)
     try:
         launcher.start()
         yield launcher

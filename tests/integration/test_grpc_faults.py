@@ -14,6 +14,7 @@ import pytest
 from grpc_health.v1 import health_pb2
 
 from gridserve.common.v1 import common_pb2
+from gridserve.launcher import free_port
 from gridserve.shared.rpc.client import health_status, make_channel
 
 from .services import KV_BYTES, address, deployment, gateway_stub, greedy, pid, token_prompt
@@ -52,7 +53,7 @@ def test_killed_worker_fails_in_flight_requests_with_unavailable_within_5s(llama
 
 def test_serve_prints_the_process_table_and_sigterm_drains_then_stops_every_process(llama_tiny, tmp_path):
     cmd = [sys.executable, "-m", "gridserve.cli", "serve", str(llama_tiny), "--kv-cache-memory-bytes",
-           str(KV_BYTES), "--log-dir", str(tmp_path), "--grace-period", "20"]
+           str(KV_BYTES), "--log-dir", str(tmp_path), "--grace-period", "20", "--port", str(free_port())]
     launcher = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, start_new_session=True)
     try:
         lines = []
@@ -62,8 +63,8 @@ def test_serve_prints_the_process_table_and_sigterm_drains_then_stops_every_proc
                 break
         table = "".join(lines)
         assert "processes: A + DP + N = 1 + 1 + 1 = 3" in table, table
-        pids = {role: int(p) for role, p in re.findall(r"^(worker|engine|gateway)\s+(\d+)\s", table, re.M)}
-        assert set(pids) == {"worker", "engine", "gateway"}
+        pids = {role: int(p) for role, p in re.findall(r"^(worker|engine|gateway|edge)\s+(\d+)\s", table, re.M)}
+        assert set(pids) == {"worker", "engine", "gateway", "edge"}
         gateway = re.search(r"^gateway\s+\d+\s+(\S+)$", table, re.M).group(1)
         with make_channel(gateway) as channel:
             assert health_status(channel) == "SERVING"
@@ -76,7 +77,7 @@ def test_serve_prints_the_process_table_and_sigterm_drains_then_stops_every_proc
             assert len(tokens) == 100 and response.finish_reason == common_pb2.FINISH_REASON_LENGTH
         out, _ = launcher.communicate(timeout=60)
         assert launcher.returncode == 0
-        assert re.search(r"gridserve stopped: \{'gateway-\d+': 0, 'engine-\d+': 0, 'worker-\d+': 0\}", out), out
+        assert re.search(r"gridserve stopped: \{'edge-\d+': 0, 'gateway-\d+': 0, 'engine-\d+': 0, 'worker-\d+': 0\}", out), out
         assert not any(_alive(p) for p in pids.values())
     finally:
         if launcher.poll() is None:

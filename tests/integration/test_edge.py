@@ -1,0 +1,208 @@
+"""The Envoy edge of ``gridserve serve``: REST (gRPC-JSON transcoding) and native gRPC on one port.
+
+One deployment (worker, engine, gateway, real Envoy on a free loopback port) for the module.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+
+import grpc
+import pytest
+
+from gridserve import LLM, SamplingParams
+from gridserve.gateway.v1 import gateway_pb2
+from gridserve.launcher import free_port
+
+from .services import KV_BYTES, deployment, gateway_stub, greedy, token_prompt
+
+pytestmark = pytest.mark.slow
+
+PROMPT = [5, 17, 300, 42, 901, 7]
+MAX_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def edge(llama_tiny, tmp_path_factory):
+    with deployment(llama_tiny, tmp_path_factory.mktemp("logs"), edge_port=free_port()) as launcher:
+        yield launcher
+
+
+def _url(launcher, path: str) -> str:
+    return f"http://{launcher.edge_address}{path}"
+
+
+def _request(url: str, body=None) -> tuple[int, dict, str]:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return resp.status, dict(resp.headers), resp.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, dict(exc.headers), exc.read().decode()
+
+
+def test_edge_is_in_the_process_table_and_stops_with_the_rest(edge):
+    assert [p.role for p in edge.processes][-1] == "edge"
+    assert "edge" in edge.table()
+    assert edge.edge_address.endswith(f":{edge.edge_port}")
+
+
+def test_rest_through_envoy_reaches_the_gateway(edge):
+    status, headers, body = _request(_url(edge, "/v1/gridserve/models"))
+    assert status == 200, body
+    assert headers["content-type"].startswith("application/json")
+    models = json.loads(body)["models"]
+    assert len(models) == 1 and models[0]["owned_by"] == "gridserve" and models[0]["max_model_len"] > 0
+
+
+def test_rest_completion_equals_offline_llm(edge, llama_tiny):
+    body = {"token_ids": {"ids": PROMPT},
+            "sampling_params": {"temperature": 0.0, "max_tokens": MAX_TOKENS, "min_tokens": MAX_TOKENS}}
+    status, _, text = _request(_url(edge, "/v1/gridserve/complete"), body)
+    assert status == 200, text
+    completion = json.loads(text)["completions"][0]
+    llm = LLM(model=str(llama_tiny), kv_cache_memory_bytes=KV_BYTES)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS)
+        (ref,) = llm.generate([{"prompt_token_ids": PROMPT}], params, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert completion["token_ids"] == ref.outputs[0].token_ids
+    assert completion["text"] == ref.outputs[0].text
+
+
+def test_invalid_argument_becomes_http_400(edge):
+    body = {"token_ids": {"ids": PROMPT}, "sampling_params": {"temperature": -1.0, "max_tokens": 4}}
+    status, _, text = _request(_url(edge, "/v1/gridserve/complete"), body)
+    assert status == 400, text
+    assert "temperature" in text
+
+
+def test_native_grpc_on_the_same_port(edge):
+    with grpc.insecure_channel(edge.edge_address) as channel:
+        stub = gateway_stub(channel)
+        ids = []
+        for response in stub.Generate(token_prompt(PROMPT, greedy(MAX_TOKENS)), timeout=60):
+            ids += response.token_ids
+        assert len(ids) == MAX_TOKENS
+        models = stub.ListModels(gateway_pb2.ListModelsRequest(), timeout=10)
+        assert models.models[0].max_model_len > 0
+
+
+# ---- the OpenAI-compatible API, with the official openai client --------------------------------
+@pytest.fixture(scope="module")
+def client(edge):
+    openai = pytest.importorskip("openai")
+    return openai.OpenAI(base_url=f"http://{edge.edge_address}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def model_name(llama_tiny):
+    return str(llama_tiny)  # --served-model-name defaults to the model argument
+
+
+@pytest.fixture(scope="module")
+def offline(llama_tiny):
+    llm = LLM(model=str(llama_tiny), kv_cache_memory_bytes=KV_BYTES)
+    yield llm
+    llm.shutdown()
+
+
+def test_openai_models_list(client, model_name):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [model_name]
+
+
+def test_openai_completion_equals_offline_llm(client, model_name, offline):
+    prompt = "def fibonacci(n):"
+    out = client.completions.create(model=model_name, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
+    (ref,) = offline.generate([prompt], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False)
+    assert out.object == "text_completion" and out.model == model_name
+    assert out.choices[0].text == ref.outputs[0].text
+    assert out.choices[0].finish_reason == ref.outputs[0].finish_reason
+    assert out.usage.prompt_tokens == len(ref.prompt_token_ids)
+    assert out.usage.completion_tokens == len(ref.outputs[0].token_ids)
+
+
+def test_openai_chat_completion(client, model_name, offline):
+    messages = [{"role": "user", "content": "Say hello."}]
+    out = client.chat.completions.create(model=model_name, messages=messages, max_completion_tokens=MAX_TOKENS,
+                                         temperature=0)
+    (ref,) = offline.chat(messages, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False)
+    assert out.object == "chat.completion"
+    assert out.choices[0].message.role == "assistant"
+    assert out.choices[0].message.content == ref.outputs[0].text
+
+
+def test_openai_streaming_completion_ends_with_done(client, model_name, edge):
+    prompt = "import os\n"
+    full = client.completions.create(model=model_name, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
+    stream = client.completions.create(model=model_name, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+                                       stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == full.choices[0].text
+    assert chunks[-1].usage.completion_tokens == MAX_TOKENS
+    body = {"model": model_name, "prompt": prompt, "max_tokens": 3, "stream": True}
+    status, headers, raw = _request(_url(edge, "/v1/completions"), body)
+    assert status == 200 and headers["content-type"].startswith("text/event-stream")
+    events = raw.split("\n\n")
+    assert events[-2:] == ["data: [DONE]", ""]
+    assert all(e.startswith("data: {") for e in events[:-2])
+
+
+def test_openai_streaming_chat_first_chunk_has_role(client, model_name):
+    stream = client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": "Hi"}],
+                                            max_tokens=4, temperature=0, stream=True)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].choices[0].finish_reason in ("length", "stop")
+
+
+def test_openai_errors_are_openai_shaped(client, model_name, edge):
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.completions.create(model=model_name, prompt="x", max_tokens=4, temperature=-1.0)
+    assert bad.value.status_code == 400
+    assert bad.value.body["param"] == "temperature" and "temperature" in bad.value.body["message"]
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.completions.create(model="no-such-model", prompt="x", max_tokens=4)
+    assert missing.value.status_code == 404 and missing.value.body["param"] == "model"
+    status, _, text = _request(_url(edge, "/v1/chat/completions"), {"model": model_name, "messages": []})
+    assert status == 400 and json.loads(text)["error"]["param"] == "messages"
+
+
+def test_health_and_version(edge):
+    status, _, _ = _request(_url(edge, "/health"))
+    assert status == 200
+    status, _, text = _request(_url(edge, "/version"))
+    assert status == 200 and json.loads(text)["version"]
+
+
+def test_openai_n_logprobs_stop_seed_and_length(client, model_name, offline):
+    prompt = "class Foo:"
+    out = client.completions.create(model=model_name, prompt=prompt, max_tokens=MAX_TOKENS, n=2,
+                                    temperature=1.0, seed=7, logprobs=2)
+    again = client.completions.create(model=model_name, prompt=prompt, max_tokens=MAX_TOKENS, n=2,
+                                      temperature=1.0, seed=7, logprobs=2)
+    assert [c.index for c in out.choices] == [0, 1]
+    assert [c.text for c in out.choices] == [c.text for c in again.choices]  # seed reproducibility
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) > 0
+    assert all(len(top) >= 1 for top in lp.top_logprobs)
+    greedy_out = client.completions.create(model=model_name, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
+    assert greedy_out.choices[0].finish_reason == "length"
+    text = greedy_out.choices[0].text
+    stop = text[len(text) // 2:][:2]
+    if stop.strip():
+        stopped = client.completions.create(model=model_name, prompt=prompt, max_tokens=MAX_TOKENS,
+                                            temperature=0, stop=[stop])
+        (ref,) = offline.generate([prompt], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, stop=[stop]),
+                                  use_tqdm=False)
+        assert stopped.choices[0].text == ref.outputs[0].text
+        assert stopped.choices[0].finish_reason == "stop"
+    batch = client.completions.create(model=model_name, prompt=[PROMPT, PROMPT[:3]], max_tokens=3, temperature=0)
+    assert [c.index for c in batch.choices] == [0, 1]

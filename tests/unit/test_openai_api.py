@@ -1,0 +1,97 @@
+"""OpenAI JSON -> prompts / SamplingParams and errors (services/gateway/openai_api.py), no server."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gridserve.services.gateway.openai_api import (
+    DONE,
+    ApiError,
+    chat_messages,
+    chat_request,
+    completion_request,
+    parse_body,
+    sse,
+    to_api_error,
+)
+from gridserve.shared.errors import EngineDeadError, InvalidArgumentError
+
+
+@pytest.mark.parametrize("prompt, expected", [
+    ("hi", ["hi"]),
+    (["a", "b"], ["a", "b"]),
+    ([1, 2, 3], [{"prompt_token_ids": [1, 2, 3]}]),
+    ([[1, 2], [3]], [{"prompt_token_ids": [1, 2]}, {"prompt_token_ids": [3]}]),
+])
+def test_prompt_forms(prompt, expected):
+    prompts, _ = completion_request({"prompt": prompt})
+    assert prompts == expected
+
+
+@pytest.mark.parametrize("prompt", [None, 3, [], [1, "a"], [[1], []], {"x": 1}])
+def test_bad_prompt_names_the_field(prompt):
+    with pytest.raises(ApiError) as err:
+        completion_request({"prompt": prompt})
+    assert err.value.status == 400 and err.value.param == "prompt"
+
+
+def test_completion_fields_map_onto_sampling_params_and_unknown_ones_are_ignored():
+    _, params = completion_request({
+        "prompt": "x", "n": 2, "max_tokens": 7, "temperature": 0.5, "top_p": 0.9, "top_k": 5, "min_p": 0.1,
+        "seed": 3, "presence_penalty": 0.2, "frequency_penalty": 0.3, "repetition_penalty": 1.1,
+        "logit_bias": {"17": -100}, "logprobs": 2, "stop": "\n", "user": "u", "no_such_field": 1,
+    })
+    assert (params.n, params.max_tokens, params.temperature, params.top_p, params.top_k) == (2, 7, 0.5, 0.9, 5)
+    assert (params.min_p, params.seed, params.logprobs, params.stop) == (0.1, 3, 2, ["\n"])
+    assert (params.presence_penalty, params.frequency_penalty, params.repetition_penalty) == (0.2, 0.3, 1.1)
+    assert params.logit_bias == {17: -100.0}
+    _, params = completion_request({"prompt": "x", "stop": ["a", "b"], "top_k": -1})
+    assert params.stop == ["a", "b"] and params.top_k == 0 and params.max_tokens == 16
+
+
+def test_chat_fields():
+    params = chat_request({"max_tokens": 5, "max_completion_tokens": 9, "logprobs": True, "top_logprobs": 3})
+    assert params.max_tokens == 9 and params.logprobs == 3
+    assert chat_request({}).logprobs is None and chat_request({}).max_tokens is None
+    params = chat_request({"response_format": {"type": "json_object"}})
+    assert params.structured_outputs.json_object
+    schema = {"type": "object"}
+    params = chat_request({"response_format": {"type": "json_schema", "json_schema": {"schema": schema}}})
+    assert params.structured_outputs.json == schema
+    messages = chat_messages({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]})
+    assert messages == [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": "x", "temperature": "hot"}, "temperature"),
+    ({"prompt": "x", "stop": 3}, "stop"),
+    ({"prompt": "x", "max_tokens": True}, "max_tokens"),
+    ({"prompt": "x", "logit_bias": {"a": 1}}, "logit_bias"),
+    ({"prompt": "x", "response_format": {"type": "yaml"}}, "response_format"),
+])
+def test_wrong_types_are_400_naming_the_field(body, param):
+    with pytest.raises(ApiError) as err:
+        completion_request(body)
+    assert err.value.status == 400 and err.value.param == param
+    error = json.loads(err.value.body())["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["param"] == param
+
+
+def test_error_mapping_and_body_parsing():
+    err = to_api_error(InvalidArgumentError("sampling_params.temperature", "must be >= 0"))
+    assert (err.status, err.param) == (400, "temperature") and "temperature" in err.message
+    assert to_api_error(EngineDeadError("down")).status == 503
+    with pytest.raises(ApiError):
+        parse_body(b"{not json")
+    with pytest.raises(ApiError):
+        parse_body(b"[1]")
+    with pytest.raises(ApiError):
+        chat_messages({"messages": []})
+    assert parse_body(b"") == {}
+
+
+def test_sse_framing():
+    assert sse({"a": 1}) == b'data: {"a":1}\n\n'
+    assert DONE == b"data: [DONE]\n\n"
