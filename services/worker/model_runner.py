@@ -109,7 +109,7 @@ class ModelRunner:
             return ModelRunnerOutput()
         inputs = self._prepare_inputs(sched)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
-        prompt_logprobs = self._prompt_logprobs(sched, inputs, hidden) if self._wants_prompt_logprobs else {}
+        prompt_logprobs = self._prompt_logprobs(sched, inputs, hidden)
         if not inputs.sampling_req_ids:
             return ModelRunnerOutput(prompt_logprobs=prompt_logprobs)
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
@@ -139,10 +139,6 @@ class ModelRunner:
                 tokenizer, self.config.model.vocab_size, eos_token_id=self.eos_token_id
             )
         return self.structured_output
-
-    @property
-    def _wants_prompt_logprobs(self) -> bool:
-        return any(s.params.prompt_logprobs is not None for s in self.requests.values())
 
     def _update_states(self, sched: SchedulerOutput) -> None:
         for req_id in sched.finished_req_ids:
