@@ -8,8 +8,7 @@ from __future__ import annotations
 from concurrent.futures import Future
 from typing import Any, Optional, Union
 
-from gridserve.services.engine.executor import WORKER_METHODS, Executor
-from gridserve.shared.errors import InvalidArgumentError
+from gridserve.services.engine.executor import Executor, check_worker_method
 
 
 class UniProcExecutor(Executor):
@@ -30,8 +29,7 @@ class UniProcExecutor(Executor):
         kwargs: Optional[dict[str, Any]] = None,
         non_block: bool = False,
     ) -> Union[list[Any], Future]:
-        if method not in WORKER_METHODS:
-            raise InvalidArgumentError("method", f"{method!r} is not a worker method")
+        check_worker_method(method)
         future: Future = Future()
         try:
             future.set_result([getattr(self.worker, method)(*args, **(kwargs or {}))])

@@ -15,7 +15,7 @@ from concurrent.futures import Future
 from typing import Any, Optional, Union
 
 from gridserve.shared.config import GridserveConfig
-from gridserve.shared.errors import ConfigError
+from gridserve.shared.errors import ConfigError, InvalidArgumentError
 from gridserve.shared.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
 # The fixed allow-list of worker methods an executor may call.
@@ -32,6 +32,12 @@ WORKER_METHODS = frozenset(
         "shutdown",
     }
 )
+
+def check_worker_method(method: str) -> None:
+    """Refuse any method outside the worker allow-list."""
+    if method not in WORKER_METHODS:
+        raise InvalidArgumentError("method", f"{method!r} is not a worker method")
+
 
 _BACKENDS = {
     "uni": "gridserve.uniproc_executor:UniProcExecutor",

@@ -17,9 +17,9 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeoutError
 from typing import Any, Optional, Union
 
-from gridserve.services.engine.executor.base import WORKER_METHODS, Executor
+from gridserve.services.engine.executor.base import Executor, check_worker_method
 from gridserve.services.engine.executor.worker_stream import WorkerStream
-from gridserve.shared.errors import ConfigError, EngineDeadError, InvalidArgumentError
+from gridserve.shared.errors import ConfigError, EngineDeadError
 from gridserve.shared.rpc.worker_convert import config_to_pb, scheduler_output_to_pb
 from gridserve.worker.v1 import worker_pb2
 
@@ -62,8 +62,7 @@ class GrpcExecutor(Executor):
         kwargs: Optional[dict[str, Any]] = None,
         non_block: bool = False,
     ) -> Union[list[Any], Future]:
-        if method not in WORKER_METHODS:
-            raise InvalidArgumentError("method", f"{method!r} is not a worker method")
+        check_worker_method(method)
         timeout = timeout or (LOAD_TIMEOUT_S if method in _SLOW_METHODS else STEP_TIMEOUT_S)
         shared = self._payload(method, args, kwargs or {})
         futures = [
