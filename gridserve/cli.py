@@ -42,6 +42,8 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-server-count", type=int, default=1, help="number of gateway processes (A)")
     serve.add_argument("--served-model-name", default=env_default("--served-model-name"),
                        help="model name of the OpenAI API (default: the model argument)")
+    serve.add_argument("--api-key", default=env_default("--api-key"),
+                       help="require `Authorization: Bearer KEY` on /v1 routes and gRPC calls [GRIDSERVE_API_KEY]")
     serve.add_argument("--grace-period", type=float, default=10.0, help="seconds in-flight requests get on stop")
     serve.add_argument("--log-dir", default=None, help="write each role's log to DIR/<role>-<i>.log")
     add_engine_arguments(serve)
@@ -62,6 +64,9 @@ def _parser() -> argparse.ArgumentParser:
                          help="engine addresses host:port,... [GRIDSERVE_ENGINES]")
     gateway.add_argument("--served-model-name", default=env_default("--served-model-name"),
                          help="model name of the OpenAI API (default: the engine's model) [GRIDSERVE_SERVED_MODEL_NAME]")
+    gateway.add_argument("--api-key", default=env_default("--api-key"),
+                         help="require `Authorization: Bearer KEY` on /v1 routes and gRPC calls "
+                              "[GRIDSERVE_API_KEY]")
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
@@ -77,6 +82,10 @@ def _parser() -> argparse.ArgumentParser:
     from gridserve.bench import sampler as sampler_bench
 
     sampler_bench.add_arguments(sampler)
+    edge_bench = bench_sub.add_parser("edge", help="TTFT through the Envoy edge vs straight to the gateway")
+    from gridserve.bench import edge as edge_bench_module
+
+    edge_bench_module.add_arguments(edge_bench)
     return parser
 
 
@@ -110,7 +119,8 @@ def _gateway(args: argparse.Namespace) -> int:
     from gridserve.shared.rpc.client import parse_addresses
 
     engines = parse_addresses(require(args.engines, "--engines", "the engine addresses"), "engine")
-    return serve(engines, args.host, args.port, args.grace_period, served_model_name=args.served_model_name)
+    return serve(engines, args.host, args.port, args.grace_period, served_model_name=args.served_model_name,
+                 api_key=args.api_key)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -127,7 +137,7 @@ def _serve(args: argparse.Namespace) -> int:
     launcher = Launcher(model, engine_argv(args), host=args.host, grpc_port=args.grpc_port,
                         api_server_count=args.api_server_count, grace_s=args.grace_period,
                         log_dir=Path(args.log_dir) if args.log_dir else None, edge_port=args.port,
-                        served_model_name=args.served_model_name or model)
+                        served_model_name=args.served_model_name or model, api_key=args.api_key)
     stopping = []
 
     def on_signal(signum: int, _frame) -> None:
@@ -163,6 +173,10 @@ def _bench(args: argparse.Namespace) -> int:
         from gridserve.bench.sampler import run as run_sampler
 
         return run_sampler(args)
+    if args.bench_command == "edge":
+        from gridserve.bench.edge import run as run_edge
+
+        return run_edge(args)
     from gridserve.bench.throughput import run
 
     return run(args)

@@ -41,6 +41,18 @@ function envoy_on_response(handle)
   end
 end
 """
+# A request that never reached a gateway (refused or reset connection, no response started) is
+# retried on another replica: killing a replica loses no new request.
+_RETRY = {
+    "retry_on": "connect-failure,refused-stream,reset,unavailable",
+    "num_retries": 2,
+    "retry_host_predicate": [{
+        "name": "envoy.retry_host_predicates.previous_hosts",
+        "typed_config": {"@type": "type.googleapis.com/envoy.extensions.retry.host.previous_hosts.v3."
+                                  "PreviousHostsPredicate"},
+    }],
+    "host_selection_retry_max_attempts": 3,
+}
 _HTTP_OPTIONS = "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
 
 
@@ -99,7 +111,8 @@ def envoy_config(host: str, port: int, gateways: list[str], *,
             "virtual_hosts": [{
                 "name": "gateway",
                 "domains": ["*"],
-                "routes": [{"match": {"prefix": "/"}, "route": {"cluster": CLUSTER, "timeout": "0s"}}],
+                "routes": [{"match": {"prefix": "/"},
+                            "route": {"cluster": CLUSTER, "timeout": "0s", "retry_policy": _RETRY}}],
             }],
         },
         "http_filters": [
@@ -124,6 +137,18 @@ def envoy_config(host: str, port: int, gateways: list[str], *,
             },
         },
         "load_assignment": {"cluster_name": CLUSTER, "endpoints": [{"lb_endpoints": endpoints}]},
+        # A replica that refuses or drops connections leaves the rotation at once, before the next
+        # health check notices; its status answers (e.g. 503 without an engine) do not count.
+        "outlier_detection": {
+            "split_external_local_origin_errors": True,
+            "consecutive_local_origin_failure": 1,
+            "enforcing_consecutive_local_origin_failure": 100,
+            "enforcing_consecutive_5xx": 0,
+            "enforcing_consecutive_gateway_failure": 0,
+            "interval": interval,
+            "base_ejection_time": "5s",
+            "max_ejection_percent": 100,
+        },
         "health_checks": [{
             "timeout": "1s",
             "interval": interval,

@@ -11,7 +11,6 @@ SIGTERM and a grace period, then SIGKILL; children also get SIGTERM if the launc
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import shutil
@@ -30,7 +29,6 @@ from gridserve.shared.rpc.client import health_status, make_channel, wait_until_
 logger = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT_S = float(os.environ.get("GRIDSERVE_STARTUP_TIMEOUT_S", "600"))
-_PR_SET_PDEATHSIG = 1
 
 
 @dataclass
@@ -51,10 +49,17 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
-def _die_with_parent() -> None:
-    """In the child: get SIGTERM when the launcher dies, so no role outlives it."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+def _die_with_launcher(argv: list[str]) -> list[str]:
+    """``argv`` run so that the child gets SIGTERM when the launcher dies (no role outlives it).
+
+    setpriv (util-linux) sets the parent-death signal and execs the command. A ``preexec_fn`` would
+    do the same, but forking a process whose gRPC threads are busy can block in gRPC's fork handlers.
+    """
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        logger.debug("setpriv not found: children will not follow the launcher if it is killed")
+        return argv
+    return [setpriv, "--pdeathsig", "TERM", "--", *argv]
 
 
 class Launcher:
@@ -63,7 +68,8 @@ class Launcher:
     def __init__(self, model: str, engine_args: list[str], *, host: str = "127.0.0.1",
                  grpc_port: Optional[int] = None, api_server_count: int = 1, num_workers: int = 1,
                  log_dir: Optional[Path] = None, grace_s: float = 10.0,
-                 edge_port: Optional[int] = None, served_model_name: Optional[str] = None) -> None:
+                 edge_port: Optional[int] = None, served_model_name: Optional[str] = None,
+                 api_key: Optional[str] = None, edge_admin_port: Optional[int] = None) -> None:
         self.model = model
         self.engine_args = engine_args
         self.host = host
@@ -74,6 +80,8 @@ class Launcher:
         self.grace_s = grace_s
         self.edge_port = edge_port
         self.served_model_name = served_model_name
+        self.api_key = api_key
+        self.edge_admin_port = edge_admin_port
         self._edge_dir: Optional[tempfile.TemporaryDirectory] = None
         self.processes: list[RoleProcess] = []
         self.exit_codes: dict[str, int] = {}  # "role-pid" -> exit status, filled by stop()
@@ -93,7 +101,9 @@ class Launcher:
                 extra = ["--engines", engine.address]
                 if self.served_model_name:
                     extra += ["--served-model-name", self.served_model_name]
-                self._wait_serving(self._spawn("gateway", i, extra, port))
+                # The key travels in the environment, not on a command line anyone can read.
+                env = {"GRIDSERVE_API_KEY": self.api_key} if self.api_key else None
+                self._wait_serving(self._spawn("gateway", i, extra, port, env))
             for proc in self.processes:
                 self._wait_serving(proc)
             if self.edge_port is not None:
@@ -102,7 +112,8 @@ class Launcher:
             self.stop()
             raise
 
-    def _spawn(self, role: str, index: int, extra: list[str], port: Optional[int] = None) -> RoleProcess:
+    def _spawn(self, role: str, index: int, extra: list[str], port: Optional[int] = None,
+               env: Optional[dict[str, str]] = None) -> RoleProcess:
         port = port or free_port(self.host)
         address = f"{self.host}:{port}"
         argv = [sys.executable, "-m", "gridserve.cli", role, "--host", self.host, "--port", str(port),
@@ -111,8 +122,9 @@ class Launcher:
         if self.log_dir is not None:
             self.log_dir.mkdir(parents=True, exist_ok=True)
             log = open(self.log_dir / f"{role}-{index}.log", "ab")  # noqa: SIM115 - closed in stop()
-        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT if log else None,
-                                   start_new_session=True, preexec_fn=_die_with_parent)
+        process = subprocess.Popen(_die_with_launcher(argv), stdout=log,
+                                   stderr=subprocess.STDOUT if log else None, start_new_session=True,
+                                   env={**os.environ, **env} if env else None)
         proc = RoleProcess(role, address, process, log)
         self.processes.append(proc)
         logger.info("started %s (pid %d) on %s", role, process.pid, address)
@@ -127,17 +139,12 @@ class Launcher:
         else:
             self._edge_dir = tempfile.TemporaryDirectory(prefix="gridserve-edge-")
             folder = Path(self._edge_dir.name)
-        config = write_config(folder / "edge-0.json", envoy_config(self.host, port, self.gateway_addresses))
+        config = write_config(folder / "edge-0.json", envoy_config(self.host, port, self.gateway_addresses,
+                                                                   admin_port=self.edge_admin_port))
         log = None
         if self.log_dir is not None:
             log = open(self.log_dir / "edge-0.log", "ab")  # noqa: SIM115 - closed in stop()
-        # No preexec_fn here: forking a process whose gRPC threads are busy can block in gRPC's fork
-        # handlers; setpriv (util-linux) gives Envoy the same die-with-the-launcher signal instead.
-        argv = envoy_argv(config)
-        setpriv = shutil.which("setpriv")
-        if setpriv is not None:
-            argv = [setpriv, "--pdeathsig", "TERM", "--", *argv]
-        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT if log else None,
+        process = subprocess.Popen(_die_with_launcher(envoy_argv(config)), stdout=log, stderr=subprocess.STDOUT if log else None,
                                    start_new_session=True)
         proc = RoleProcess("edge", f"{self.host}:{port}", process, log)
         self.processes.append(proc)

@@ -14,6 +14,7 @@ from typing import Optional
 import grpc
 
 from gridserve.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from gridserve.services.gateway.auth import ApiKeyInterceptor
 from gridserve.services.gateway.engine_client import EngineClient
 from gridserve.services.gateway.service import GatewayService
 from gridserve.services.gateway.servicer import GatewayServicer
@@ -27,8 +28,10 @@ SERVICE = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
 
 
 def serve(engine_addresses: list[str], host: str, port: int, grace_s: float = 10.0,
-          connect_timeout_s: float = 600.0, served_model_name: Optional[str] = None) -> int:
-    server = RpcServer(host, port, max_workers=512, grace_s=grace_s)
+          connect_timeout_s: float = 600.0, served_model_name: Optional[str] = None,
+          api_key: Optional[str] = None) -> int:
+    interceptors = [ApiKeyInterceptor(api_key)] if api_key else []
+    server = RpcServer(host, port, max_workers=512, grace_s=grace_s, interceptors=interceptors)
     gateway_id = f"gateway-{uuid.uuid4().hex[:8]}"
     engines = [EngineClient(a, gateway_id, on_state=lambda: None) for a in engine_addresses]
     try:
@@ -45,6 +48,7 @@ def serve(engine_addresses: list[str], host: str, port: int, grace_s: float = 10
     server.install_signal_handlers()
     server.start()
     server.set_serving(service.is_ready())
-    logger.info("gateway %s on %s for %s", gateway_id, server.address, info.model)
+    logger.info("gateway %s on %s for %s%s", gateway_id, server.address, info.model,
+                " (API key required)" if api_key else "")
     server.wait()
     return 0

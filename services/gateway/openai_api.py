@@ -9,6 +9,7 @@ wraps those chunks in ``google.api.HttpBody`` messages.
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
@@ -24,6 +25,8 @@ from gridserve.shared.sampling_params import SamplingParams, StructuredOutputsPa
 JSON = "application/json"
 SSE = "text/event-stream"
 DONE = b"data: [DONE]\n\n"
+
+logger = logging.getLogger(__name__)
 
 
 class ApiError(Exception):
@@ -60,6 +63,7 @@ def sse(obj: Any) -> bytes:
 
 
 def to_api_error(exc: Exception) -> ApiError:
+    """The OpenAI error of a known failure; anything else is re-raised (a bug, not a user error)."""
     if isinstance(exc, ApiError):
         return exc
     if isinstance(exc, InvalidArgumentError):
@@ -69,6 +73,23 @@ def to_api_error(exc: Exception) -> ApiError:
     if isinstance(exc, EngineDeadError):
         return ApiError(503, str(exc), None, "ServiceUnavailableError")
     raise exc
+
+
+def with_inband_errors(events: Iterator[bytes], on_error: Callable[[], None] = lambda: None) -> Iterator[bytes]:
+    """An SSE stream that, when it fails after the response has started, sends the error as one
+    ``data: {"error": {...}}`` event and then ``data: [DONE]`` (an HTTP/1.1 client sees no trailers,
+    so the status alone would be lost); ``on_error`` releases what the stream held."""
+    try:
+        yield from events
+    except Exception as exc:  # noqa: BLE001 - every failure is reported in-band
+        try:
+            error = to_api_error(exc)
+        except Exception:  # noqa: BLE001 - an unexpected one is logged and reported as a 500
+            logger.exception("stream failed")
+            error = ApiError(500, f"internal error: {type(exc).__name__}", None, "InternalServerError")
+        on_error()
+        yield sse(json.loads(error.body()))
+        yield DONE
 
 
 # ---- requests --------------------------------------------------------------------------------
@@ -281,6 +302,49 @@ class OpenAIApi:
     def version_info(self) -> HttpResponse:
         return HttpResponse(200, JSON, [_dumps({"version": self.version})])
 
+    # ---- tokenizer routes (vLLM's /tokenize and /detokenize) ---------------------------------
+    def tokenize(self, data: bytes) -> HttpResponse:
+        """``{"prompt": str}`` or ``{"messages": [...]}`` -> ``{"count", "max_model_len", "tokens"}``."""
+        try:
+            body = parse_body(data)
+            self._check_model(body)
+            add_special = _get(body, "add_special_tokens", (bool,), True)
+            if "messages" in body:
+                prompt = self.service.chat_prompt(chat_messages(body), _get(body, "chat_template", (str,)),
+                                                  _get(body, "add_generation_prompt", (bool,), True))
+                tokens = prompt["prompt_token_ids"]
+            else:
+                text = _get(body, "prompt", (str,))
+                if text is None:
+                    raise ApiError(400, "prompt: expected a string (or give messages)", "prompt")
+                tokens = list(self.service.tokenizer.encode(text, add_special))
+            result: dict[str, Any] = {"count": len(tokens), "max_model_len": self.service.max_model_len,
+                                      "tokens": tokens, "token_strs": None}
+            if _get(body, "return_token_strs", (bool,), False):
+                result["token_strs"] = [self.service.tokenizer.decode([t]) for t in tokens]
+            return HttpResponse(200, JSON, [_dumps(result)])
+        except Exception as exc:  # noqa: BLE001 - mapped to an OpenAI error or re-raised
+            error = to_api_error(exc)
+            return HttpResponse(error.status, JSON, [error.body()])
+
+    def detokenize(self, data: bytes) -> HttpResponse:
+        """``{"tokens": [int, ...]}`` -> ``{"prompt": str}``."""
+        try:
+            body = parse_body(data)
+            self._check_model(body)
+            tokens = body.get("tokens")
+            if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool)
+                                                       for t in tokens):
+                raise ApiError(400, "tokens: expected a list of token ids", "tokens")
+            vocab = self.service.input_processor.vocab_size
+            bad = [t for t in tokens if not 0 <= t < vocab]
+            if bad:
+                raise ApiError(400, f"tokens: token id {bad[0]} is out of range [0, {vocab})", "tokens")
+            return HttpResponse(200, JSON, [_dumps({"prompt": self.service.tokenizer.decode(tokens)})])
+        except Exception as exc:  # noqa: BLE001 - mapped to an OpenAI error or re-raised
+            error = to_api_error(exc)
+            return HttpResponse(error.status, JSON, [error.body()])
+
     # ---- completions ------------------------------------------------------------------------
     def completions(self, data: bytes, on_done: Callable) -> HttpResponse:
         try:
@@ -292,16 +356,18 @@ class OpenAIApi:
                 include_usage = bool((_get(body, "stream_options", (dict,), {}) or {}).get("include_usage"))
                 streams = [self.service.generate(p, params, "", on_done) for p in prompts]
                 first = next(streams[0])  # validation errors surface here, before the status is sent
-                return HttpResponse(200, SSE, self._completion_events(prompts, streams, first, params,
-                                                                      echo, include_usage))
+                events = self._completion_events(prompts, streams, first, params, echo, include_usage)
+                return HttpResponse(200, SSE, with_inband_errors(events, lambda: _close(streams)))
             outs = [self.service.complete(p, params, "", on_done) for p in prompts]
             return HttpResponse(200, JSON, [_dumps(self._completion_body(prompts, outs, params, echo))])
         except Exception as exc:  # noqa: BLE001 - mapped to an OpenAI error or re-raised
             error = to_api_error(exc)
             return HttpResponse(error.status, JSON, [error.body()])
 
-    def _prompt_text(self, prompt: PromptType, out_prompt_ids: list[int]) -> str:
-        return prompt if isinstance(prompt, str) else self.service.tokenizer.decode(out_prompt_ids)
+    def _prompt_text(self, prompt: PromptType, out_prompt_ids: Optional[list[int]] = None) -> str:
+        if isinstance(prompt, str):
+            return prompt
+        return self.service.tokenizer.decode(out_prompt_ids or prompt["prompt_token_ids"])
 
     def _completion_body(self, prompts: list[PromptType], outs: list[RequestOutput],
                          params: SamplingParams, echo: bool) -> dict:
@@ -334,7 +400,7 @@ class OpenAIApi:
                     text = delta.text
                     if echo and delta.index not in echoed:
                         echoed.add(delta.index)
-                        text = (prompt if isinstance(prompt, str) else "") + text
+                        text = self._prompt_text(prompt) + text
                     logprobs = None
                     if params.logprobs is not None and delta.logprobs:
                         logprobs = completion_logprobs(delta.logprobs, delta.token_ids)
@@ -367,8 +433,8 @@ class OpenAIApi:
                 include_usage = bool((_get(body, "stream_options", (dict,), {}) or {}).get("include_usage"))
                 stream = self.service.generate(prompt, params, "", on_done)
                 first = next(stream)
-                return HttpResponse(200, SSE, self._chat_events(_chain(first, stream), params, top_n,
-                                                                include_usage))
+                events = self._chat_events(_chain(first, stream), params, top_n, include_usage)
+                return HttpResponse(200, SSE, with_inband_errors(events, lambda: _close([stream])))
             out = self.service.complete(prompt, params, "", on_done)
             return HttpResponse(200, JSON, [_dumps(self._chat_body(out, params, top_n))])
         except Exception as exc:  # noqa: BLE001 - mapped to an OpenAI error or re-raised
@@ -414,6 +480,12 @@ class OpenAIApi:
         if include_usage:
             yield sse({**base, "choices": [], "usage": usage})
         yield DONE
+
+
+def _close(streams: list[Iterator[StreamChunk]]) -> None:
+    """Close every request stream (each aborts its engine requests if they are still running)."""
+    for stream in streams:
+        stream.close()
 
 
 def _chain(first: StreamChunk, rest: Iterator[StreamChunk]) -> Iterator[StreamChunk]:

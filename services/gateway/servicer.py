@@ -85,6 +85,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     def OpenAIChatCompletions(self, request: httpbody_pb2.HttpBody, context: grpc.ServicerContext):
         yield from _stream(self.openai.chat_completions(request.data, context.add_callback), context)
 
+    def OpenAITokenize(self, request: httpbody_pb2.HttpBody, context: grpc.ServicerContext):
+        return _unary(self.openai.tokenize(request.data), context)
+
+    def OpenAIDetokenize(self, request: httpbody_pb2.HttpBody, context: grpc.ServicerContext):
+        return _unary(self.openai.detokenize(request.data), context)
+
     def OpenAIHealth(self, request: httpbody_pb2.HttpBody, context: grpc.ServicerContext):
         return _unary(self.openai.health(), context)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent import futures
 from typing import Optional
 
@@ -29,11 +29,12 @@ logger = logging.getLogger(__name__)
 class RpcServer:
     """One gRPC server with health, reflection and graceful shutdown."""
 
-    def __init__(self, host: str, port: int, max_workers: int = 32, grace_s: float = 10.0) -> None:
+    def __init__(self, host: str, port: int, max_workers: int = 32, grace_s: float = 10.0,
+                 interceptors: Sequence[grpc.ServerInterceptor] = ()) -> None:
         self.grace_s = grace_s
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rpc"),
-            interceptors=[ErrorInterceptor()],
+            interceptors=[*interceptors, ErrorInterceptor()],
             options=SERVER_OPTIONS,
         )
         self.health = health.HealthServicer()

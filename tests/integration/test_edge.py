@@ -206,3 +206,44 @@ def test_openai_n_logprobs_stop_seed_and_length(client, model_name, offline):
         assert stopped.choices[0].finish_reason == "stop"
     batch = client.completions.create(model=model_name, prompt=[PROMPT, PROMPT[:3]], max_tokens=3, temperature=0)
     assert [c.index for c in batch.choices] == [0, 1]
+
+
+def test_tokenize_and_detokenize_routes(edge, model_name):
+    status, _, text = _request(_url(edge, "/tokenize"), {"model": model_name, "prompt": "def main():"})
+    assert status == 200, text
+    tokenized = json.loads(text)
+    assert tokenized["count"] == len(tokenized["tokens"]) > 0 and tokenized["max_model_len"] > 0
+    status, _, text = _request(_url(edge, "/detokenize"), {"model": model_name, "tokens": tokenized["tokens"]})
+    assert status == 200 and json.loads(text)["prompt"].endswith("def main():")
+    status, _, text = _request(_url(edge, "/tokenize"),
+                               {"messages": [{"role": "user", "content": "hi"}], "add_generation_prompt": True})
+    assert status == 200 and json.loads(text)["count"] > 2
+    status, _, text = _request(_url(edge, "/detokenize"), {"tokens": [10**9]})
+    assert status == 400 and json.loads(text)["error"]["param"] == "tokens"
+
+
+def test_curl_n_shows_events_one_by_one_then_done(edge, model_name):
+    """``curl -N`` (no buffering) prints each SSE event as its engine step finishes."""
+    import shutil
+    import subprocess
+    import time
+
+    curl = shutil.which("curl")
+    if curl is None:
+        pytest.skip("curl is not installed")
+    body = json.dumps({"model": model_name, "prompt": "x", "max_tokens": 48, "min_tokens": 48,
+                       "temperature": 0, "stream": True})
+    start = time.monotonic()
+    proc = subprocess.Popen([curl, "-sS", "-N", "-H", "Content-Type: application/json", "-d", body,
+                             _url(edge, "/v1/completions")], stdout=subprocess.PIPE, text=True)
+    arrivals = []
+    for line in proc.stdout:
+        if line.startswith("data: "):
+            arrivals.append((time.monotonic() - start, line.strip()))
+    assert proc.wait(timeout=60) == 0
+    assert arrivals[-1][1] == "data: [DONE]"
+    texts = [json.loads(line[6:])["choices"][0]["text"] for _, line in arrivals[:-1]]
+    assert len(texts) >= 2 and sum(map(bool, texts)) >= 2
+    first, done = arrivals[0][0], arrivals[-1][0]
+    # Buffered to the end, every event would arrive with [DONE]: the first comes well before it.
+    assert done - first > 0.25 * done, arrivals

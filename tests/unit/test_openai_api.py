@@ -95,3 +95,88 @@ def test_error_mapping_and_body_parsing():
 def test_sse_framing():
     assert sse({"a": 1}) == b'data: {"a":1}\n\n'
     assert DONE == b"data: [DONE]\n\n"
+
+
+class _FakeTokenizer:
+    def encode(self, text, add_special_tokens=True):
+        return ([1] if add_special_tokens else []) + [ord(c) for c in text]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(i) for i in ids if i != 1)
+
+
+class _FakeService:
+    """Just enough of GatewayService: a stream that fails after its first chunk."""
+
+    model_name = "m"
+    max_model_len = 64
+
+    def __init__(self):
+        from types import SimpleNamespace
+
+        self.tokenizer = _FakeTokenizer()
+        self.input_processor = SimpleNamespace(vocab_size=128)
+        self.closed = 0
+
+    def chat_prompt(self, messages, template, add_generation_prompt):
+        return {"prompt_token_ids": self.tokenizer.encode(messages[-1]["content"])}
+
+    def generate(self, prompt, params, request_id, on_done):
+        from gridserve.services.gateway.service import SampleDelta, StreamChunk
+
+        try:
+            yield StreamChunk("r", [SampleDelta(0, "a", [97])], 3)
+            raise EngineDeadError("engine 127.0.0.1:1: UNAVAILABLE")
+        finally:
+            self.closed += 1
+
+
+def _events(response) -> list:
+    return [chunk.decode().removeprefix("data: ").strip() for chunk in response.chunks]
+
+
+def test_error_after_the_stream_started_is_sent_in_band_then_done():
+    from gridserve.services.gateway.openai_api import OpenAIApi
+
+    service = _FakeService()
+    api = OpenAIApi(service, "m")
+    response = api.completions(json.dumps({"prompt": "hi", "stream": True}).encode(), lambda fn: None)
+    assert response.status == 200
+    events = _events(response)
+    assert json.loads(events[0])["choices"][0]["text"] == "a"
+    error = json.loads(events[1])["error"]
+    assert error["code"] == 503 and "UNAVAILABLE" in error["message"]
+    assert events[2:] == ["[DONE]"] and service.closed == 1
+
+    response = api.chat_completions(json.dumps({"messages": [{"role": "user", "content": "x"}],
+                                                "stream": True}).encode(), lambda fn: None)
+    events = _events(response)
+    assert json.loads(events[-2])["error"]["type"] == "ServiceUnavailableError" and events[-1] == "[DONE]"
+
+
+def test_streamed_echo_of_a_token_id_prompt_is_its_text():
+    from gridserve.services.gateway.openai_api import OpenAIApi
+
+    api = OpenAIApi(_FakeService(), "m")
+    body = {"prompt": [ord("h"), ord("i")], "stream": True, "echo": True}
+    events = _events(api.completions(json.dumps(body).encode(), lambda fn: None))
+    assert json.loads(events[0])["choices"][0]["text"] == "hia"
+
+
+def test_tokenize_and_detokenize_routes():
+    from gridserve.services.gateway.openai_api import OpenAIApi
+
+    api = OpenAIApi(_FakeService(), "m")
+    response = api.tokenize(b'{"prompt": "hi", "return_token_strs": true}')
+    assert response.status == 200
+    assert json.loads(b"".join(response.chunks)) == {"count": 3, "max_model_len": 64, "tokens": [1, 104, 105],
+                                                      "token_strs": ["", "h", "i"]}
+    body = json.loads(b"".join(api.tokenize(b'{"prompt": "hi", "add_special_tokens": false}').chunks))
+    assert body["tokens"] == [104, 105]
+    assert json.loads(b"".join(api.detokenize(b'{"tokens": [104, 105]}').chunks)) == {"prompt": "hi"}
+    for route, data, param in [(api.tokenize, b"{}", "prompt"), (api.detokenize, b'{"tokens": [500]}', "tokens"),
+                               (api.detokenize, b'{"tokens": "x"}', "tokens")]:
+        response = route(data)
+        assert response.status == 400
+        assert json.loads(b"".join(response.chunks))["error"]["param"] == param
+    assert api.tokenize(b'{"prompt": "x", "model": "other"}').status == 404

@@ -1,0 +1,99 @@
+"""``--api-key``: the gateway's bearer-token check, one gRPC server interceptor for every path.
+
+Clients send ``authorization: Bearer <key>``, as an HTTP header through the Envoy edge (the
+transcoder passes headers on as gRPC metadata) or as metadata on a native gRPC call. As with
+``vllm serve --api-key``, the REST routes under ``/v1`` need the key and ``/health``, ``/version``,
+``/tokenize`` and ``/detokenize`` do not; health checks and reflection stay open so probes and
+tools work. A missing or wrong key is ``UNAUTHENTICATED`` for native gRPC and an OpenAI-shaped
+HTTP 401 body for the REST routes (which return ``google.api.HttpBody``).
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Callable
+from typing import Any, Optional
+
+import grpc
+from google.api import httpbody_pb2
+
+from gridserve.edge import HTTP_STATUS_HEADER
+from gridserve.services.gateway.openai_api import JSON, ApiError
+
+GATEWAY = "/gridserve.gateway.v1.Gateway/"
+# Gateway methods reachable without the key (vLLM leaves these REST paths open too).
+OPEN_METHODS = frozenset(GATEWAY + m for m in ("OpenAIHealth", "OpenAIVersion", "OpenAITokenize",
+                                               "OpenAIDetokenize"))
+# Routes answering google.api.HttpBody: a refusal there is an HTTP 401 with OpenAI's error body.
+REST_PREFIX = GATEWAY + "OpenAI"
+
+
+def _bearer(metadata: Optional[tuple]) -> Optional[str]:
+    for key, value in metadata or ():
+        if key == "authorization" and isinstance(value, str) and value.startswith("Bearer "):
+            return value[len("Bearer "):]
+    return None
+
+
+class ApiKeyInterceptor(grpc.ServerInterceptor):
+    """Refuses every ``Gateway`` call that does not carry the configured key."""
+
+    def __init__(self, api_key: str) -> None:
+        if not api_key:
+            raise ValueError("api_key must not be empty")
+        self._key = api_key.encode()
+
+    def _allowed(self, details: grpc.HandlerCallDetails) -> bool:
+        method = details.method
+        if not method.startswith(GATEWAY) or method in OPEN_METHODS:
+            return True
+        given = _bearer(details.invocation_metadata)
+        return given is not None and hmac.compare_digest(given.encode(), self._key)
+
+    def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails) -> Any:
+        handler = continuation(details)
+        if handler is None or self._allowed(details):
+            return handler
+        if details.method.startswith(REST_PREFIX):
+            return _http_401(handler)
+        return _unauthenticated(handler)
+
+
+_MESSAGE = "Unauthorized: a valid API key is required (header `Authorization: Bearer <key>`)"
+
+
+def _error_body() -> httpbody_pb2.HttpBody:
+    error = ApiError(401, _MESSAGE, None, "AuthenticationError")
+    return httpbody_pb2.HttpBody(content_type=JSON, data=error.body())
+
+
+def _http_401(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    def answer(request: Any, context: grpc.ServicerContext) -> httpbody_pb2.HttpBody:
+        context.send_initial_metadata(((HTTP_STATUS_HEADER, "401"),))
+        return _error_body()
+
+    def answer_stream(request: Any, context: grpc.ServicerContext):
+        yield answer(request, context)
+
+    serializers = {"request_deserializer": handler.request_deserializer,
+                   "response_serializer": handler.response_serializer}
+    if handler.unary_stream is not None:
+        return grpc.unary_stream_rpc_method_handler(answer_stream, **serializers)
+    return grpc.unary_unary_rpc_method_handler(answer, **serializers)
+
+
+def _unauthenticated(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    def refuse(request: Any, context: grpc.ServicerContext) -> None:
+        context.abort(grpc.StatusCode.UNAUTHENTICATED, _MESSAGE)
+
+    def refuse_stream(request: Any, context: grpc.ServicerContext):
+        refuse(request, context)
+        yield  # pragma: no cover - abort raises
+
+    serializers = {"request_deserializer": handler.request_deserializer,
+                   "response_serializer": handler.response_serializer}
+    if handler.unary_stream is not None:
+        return grpc.unary_stream_rpc_method_handler(refuse_stream, **serializers)
+    if handler.stream_unary is not None or handler.stream_stream is not None:
+        raise NotImplementedError("the Gateway service has no client-streaming methods")
+    return grpc.unary_unary_rpc_method_handler(refuse, **serializers)
