@@ -7,7 +7,7 @@ PORT ?= 8000
 MODEL ?=
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test install lint demo-model bench bench-executor clean
+.PHONY: serve test install lint demo-model bench bench-executor bench-serve clean images
 
 # The venv is rebuilt when the project's dependency list changes.
 $(STAMP): pyproject.toml setup.py
@@ -47,6 +47,23 @@ bench: install
 
 bench-executor: install
 	$(PY) -m gridserve.cli bench executor --output-json benchmarks/results/executor_overhead.json
+
+# Online load against a server already running on $(PORT) (`make serve` in another shell).
+bench-serve: install
+	$(PY) -m gridserve.cli bench serve --base-url http://127.0.0.1:$(PORT)
+
+# Container images, one per role (docker/Dockerfile targets), with docker or podman.
+IMAGE_PREFIX ?= gridserve
+IMAGE_TAG ?= 0.1.0
+ROLES := gateway engine coordinator worker
+images:
+	@engine=$$(command -v docker || command -v podman); \
+	if [ -z "$$engine" ]; then echo "make images: neither docker nor podman is installed" >&2; exit 1; fi; \
+	if ! $$engine info >/dev/null 2>&1; then echo "make images: $$engine is installed but its engine does not answer ($$engine info fails)" >&2; exit 1; fi; \
+	for role in $(ROLES); do \
+	  echo "$$engine build --target $$role -t $(IMAGE_PREFIX)-$$role:$(IMAGE_TAG)"; \
+	  $$engine build -f docker/Dockerfile --target $$role -t $(IMAGE_PREFIX)-$$role:$(IMAGE_TAG) . || exit 1; \
+	done
 
 clean:
 	rm -rf $(VENV) build *.egg-info $(PROTO_STAMP) gridserve/common gridserve/gateway gridserve/engine gridserve/worker gridserve/coordinator

@@ -82,10 +82,24 @@ def _parser() -> argparse.ArgumentParser:
     from gridserve.bench import sampler as sampler_bench
 
     sampler_bench.add_arguments(sampler)
+    serve_bench = bench_sub.add_parser("serve", help="online load against an OpenAI-compatible server")
+    from gridserve.bench import serve as serve_bench_module
+
+    serve_bench_module.add_arguments(serve_bench)
+    from gridserve.bench import engine as engine_bench
+
+    step = bench_sub.add_parser("step", help="decode-step wall time vs the model forward inside it")
+    engine_bench.add_step_arguments(step)
+    prefix = bench_sub.add_parser("prefix", help="TTFT with a cached long prefix vs a cold one")
+    engine_bench.add_prefix_arguments(prefix)
     edge_bench = bench_sub.add_parser("edge", help="TTFT through the Envoy edge vs straight to the gateway")
     from gridserve.bench import edge as edge_bench_module
 
     edge_bench_module.add_arguments(edge_bench)
+    plot = bench_sub.add_parser("plot", help="throughput and latency vs concurrency from bench serve JSON")
+    from gridserve.bench import plot as plot_bench
+
+    plot_bench.add_arguments(plot)
     return parser
 
 
@@ -173,10 +187,22 @@ def _bench(args: argparse.Namespace) -> int:
         from gridserve.bench.sampler import run as run_sampler
 
         return run_sampler(args)
+    if args.bench_command == "serve":
+        from gridserve.bench.serve import run as run_serve
+
+        return run_serve(args)
+    if args.bench_command in ("step", "prefix"):
+        from gridserve.bench import engine as engine_bench
+
+        return engine_bench.run_step(args) if args.bench_command == "step" else engine_bench.run_prefix(args)
     if args.bench_command == "edge":
         from gridserve.bench.edge import run as run_edge
 
         return run_edge(args)
+    if args.bench_command == "plot":
+        from gridserve.bench.plot import run as run_plot
+
+        return run_plot(args)
     from gridserve.bench.throughput import run
 
     return run(args)
