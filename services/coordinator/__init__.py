@@ -1,0 +1,1 @@
+"""The data-parallel coordinator role: engines report their load, gateways watch it."""

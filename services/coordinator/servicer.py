@@ -1,0 +1,56 @@
+"""The coordinator's gRPC servicer: ``ReportLoad`` (engines, client stream) and ``WatchLoad``
+(gateways, server stream); protobuf <-> ``LoadTable`` only."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterator
+
+import grpc
+
+from gridserve.coordinator.v1 import coordinator_pb2, coordinator_pb2_grpc
+from gridserve.services.coordinator.load_table import EngineLoad, LoadTable
+
+logger = logging.getLogger(__name__)
+
+# A snapshot goes out at once when something changed, and at least this often otherwise.
+PUBLISH_INTERVAL_S = float(os.environ.get("GRIDSERVE_COORDINATOR_PUBLISH_INTERVAL_S", "1.0"))
+
+
+def load_to_pb(load: EngineLoad) -> coordinator_pb2.EngineLoad:
+    return coordinator_pb2.EngineLoad(dp_rank=load.dp_rank, address=load.address, num_waiting=load.num_waiting,
+                                      num_running=load.num_running, kv_cache_usage=load.kv_cache_usage)
+
+
+class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
+    def __init__(self, table: LoadTable) -> None:
+        self.table = table
+        self.stopping = threading.Event()
+
+    def ReportLoad(self, request_iterator: Iterator[coordinator_pb2.ReportLoadRequest],
+                   context: grpc.ServicerContext) -> coordinator_pb2.ReportLoadResponse:
+        rank = None
+        try:
+            for request in request_iterator:
+                load = request.load
+                if rank is None:
+                    logger.info("engine %d (%s) reports its load", load.dp_rank, load.address)
+                rank = load.dp_rank
+                self.table.update(EngineLoad(load.dp_rank, load.address, load.num_waiting, load.num_running,
+                                             load.kv_cache_usage, time.monotonic()))
+        finally:
+            if rank is not None:
+                logger.info("engine %d stopped reporting: removed", rank)
+                self.table.remove(rank)
+        return coordinator_pb2.ReportLoadResponse()
+
+    def WatchLoad(self, request: coordinator_pb2.WatchLoadRequest,
+                  context: grpc.ServicerContext) -> Iterator[coordinator_pb2.WatchLoadResponse]:
+        logger.info("gateway %s watches the load", request.gateway_id or "?")
+        version = -1
+        while context.is_active() and not self.stopping.is_set():
+            version, wave, loads = self.table.wait_for_change(version, PUBLISH_INTERVAL_S)
+            yield coordinator_pb2.WatchLoadResponse(engines=[load_to_pb(x) for x in loads], wave=wave)

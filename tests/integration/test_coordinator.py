@@ -1,0 +1,83 @@
+"""The DP coordinator over real gRPC on loopback: engines' LoadReporters stream load in, a
+gateway's LoadWatcher hands it to its Router; an engine that stops reporting leaves the table."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+import pytest
+
+from gridserve.coordinator.v1 import coordinator_pb2
+from gridserve.services.coordinator.load_table import LoadTable
+from gridserve.services.coordinator.servicer import CoordinatorServicer
+from gridserve.services.engine.load_reporter import LoadReporter
+from gridserve.services.gateway.load_watcher import LoadWatcher
+from gridserve.services.gateway.router import ReportedLoad, Router
+from gridserve.shared.rpc.server import RpcServer
+
+
+@dataclass
+class _Load:
+    num_waiting: int
+    num_running: int
+    kv_cache_usage: float
+
+
+def _wait(predicate, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+@pytest.fixture
+def coordinator():
+    from gridserve.coordinator.v1 import coordinator_pb2_grpc
+
+    server = RpcServer("127.0.0.1", 0, max_workers=16, grace_s=1.0)
+    servicer = CoordinatorServicer(LoadTable())
+    name = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name
+    server.add_service(name, lambda s: coordinator_pb2_grpc.add_CoordinatorServicer_to_server(servicer, s))
+    server.on_drain = lambda timeout: servicer.stopping.set()
+    server.start()
+    server.set_serving(True)
+    yield server, servicer
+    server.shutdown()
+
+
+def test_reports_reach_the_gateways_router_promptly_and_a_silent_engine_leaves(coordinator):
+    server, servicer = coordinator
+    loads = [_Load(0, 0, 0.0), _Load(0, 0, 0.0)]
+    lock = threading.Lock()
+
+    def load_of(rank):
+        def read():
+            with lock:
+                return loads[rank]
+        return read
+
+    router = Router(2)
+    watcher = LoadWatcher(server.address, "gw-test", router)
+    reporters = [LoadReporter(server.address, r, f"127.0.0.1:{9000 + r}", load_of(r), interval_s=5.0)
+                 for r in range(2)]
+    try:
+        _wait(lambda: router._reported[0] is not None and router._reported[1] is not None)
+        with lock:
+            loads[0] = _Load(7, 30, 0.75)
+        # A change is published at once (well before the 1 s periodic snapshot and the 5 s report interval).
+        start = time.monotonic()
+        _wait(lambda: router._reported[0] == ReportedLoad(7, 30, 0.75))
+        assert time.monotonic() - start < 1.0
+        assert router.choose([True, True], [0, 0]) == 1  # the loaded engine is avoided
+        version, _, table = servicer.table.snapshot()
+        assert [x.dp_rank for x in table] == [0, 1] and table[0].address == "127.0.0.1:9000"
+        reporters[0].close()  # engine 0 goes away: its stream ends, the coordinator forgets it
+        _wait(lambda: router._reported[0] is None)
+        assert [x.dp_rank for x in servicer.table.snapshot()[2]] == [1]
+        assert watcher.snapshots >= 2
+    finally:
+        for reporter in reporters:
+            reporter.close()
+        watcher.close()
