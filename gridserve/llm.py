@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Sequence
 from typing import Any, Optional, Union
 
 from tqdm.auto import tqdm
 
+from gridserve.launcher import Launcher
 from gridserve.llm_engine import LLMEngine
 from gridserve.services.gateway.processor import PromptType
 from gridserve.shared.config import GridserveConfig
@@ -32,7 +34,13 @@ class LLM:
     def __init__(self, model: str, **kwargs: Any) -> None:
         self.config = GridserveConfig.from_kwargs(model=model, **kwargs).finalize()
         self.tokenizer = _load_tokenizer(self.config.model.tokenizer_path)
-        self.llm_engine = LLMEngine(self.config, self.tokenizer)
+        self._workers = _start_local_workers(self.config)
+        try:
+            self.llm_engine = LLMEngine(self.config, self.tokenizer)
+        except BaseException:
+            if self._workers is not None:
+                self._workers.stop()
+            raise
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer
@@ -101,7 +109,33 @@ class LLM:
         return self.llm_engine.core.stats()
 
     def shutdown(self) -> None:
-        self.llm_engine.shutdown()
+        """Stop the engine and, with tensor / pipeline parallelism, the worker processes."""
+        try:
+            self.llm_engine.shutdown()
+        finally:
+            if self._workers is not None:
+                self._workers.stop()
+                self._workers = None
+
+
+def _start_local_workers(config: GridserveConfig) -> Optional[Launcher]:
+    """With ``tensor_parallel_size x pipeline_parallel_size > 1`` and no worker addresses given, start
+    that many local worker services and point the engine at them (the ``grpc`` executor, as ``serve``)."""
+    parallel = config.parallel
+    if parallel.world_size == 1 or parallel.worker_addresses:
+        if parallel.worker_addresses:
+            parallel.executor_backend = "grpc"
+        return None
+    from gridserve.launcher import Launcher
+
+    launcher = Launcher(config.model.model_path, [], tensor_parallel_size=parallel.tensor_parallel_size,
+                        pipeline_parallel_size=parallel.pipeline_parallel_size, grace_s=5.0)
+    parallel.worker_addresses = launcher.start_workers()
+    parallel.executor_backend = "grpc"
+    # The workers exit when the engine's streams close; this stops any that did not.
+    weakref.finalize(launcher, launcher.stop)
+    logger.info("started %d local workers: %s", parallel.world_size, ", ".join(parallel.worker_addresses))
+    return launcher
 
 
 def _load_tokenizer(path: str) -> Any:

@@ -17,13 +17,14 @@ Tokenizer
     the prompt with ``<|im_start|>assistant\\n``).
 
 Checkpoints
-    ``ARCHS`` lists the ``(arch, size)`` pairs: llama tiny/small/base, qwen2 tiny, mistral tiny and
-    opt tiny/small. Weights are float32, initialised with ``torch.manual_seed(0)`` by transformers'
-    default init and then reshaped deterministically so that the random models are useful for
-    testing (see :func:`_make_useful`): greedy decoding produces varied tokens rather than one
-    repeated token, top logprobs are spread out, and biases / norm weights are non-trivial so an
-    engine that drops them disagrees with the reference. mistral-tiny (``sliding_window=None``) is
-    the llama-tiny architecture with the same seed, so the two hold identical weights and outputs.
+    ``ARCHS`` lists the ``(arch, size)`` pairs: llama tiny/small/base, qwen2 tiny, mistral tiny,
+    mixtral tiny (MoE: 4 experts, top-2) and opt tiny/small. Weights are float32, initialised with
+    ``torch.manual_seed(0)`` by transformers' default init and then reshaped deterministically so
+    that the random models are useful for testing (see :func:`_make_useful`): greedy decoding
+    produces varied tokens rather than one repeated token, top logprobs are spread out, and biases /
+    norm weights are non-trivial so an engine that drops them disagrees with the reference.
+    mistral-tiny (``sliding_window=None``) is the llama-tiny architecture with the same seed, so the
+    two hold identical weights and outputs.
 
 Determinism
     Building twice gives byte-identical files for a given environment (Python installation, torch,
@@ -94,6 +95,8 @@ _LINEAR_GAIN = 1.3
 _LOGIT_STD = 3.0
 _NORM_NOISE = 0.1
 _BIAS_STD = 0.02
+# Mixtral's router and fused expert weights are plain parameters, not nn.Linear: scaled by name.
+_MOE_WEIGHTS = ("mlp.gate.weight", "mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 
 _TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512,
@@ -113,6 +116,8 @@ ARCHS: dict[tuple[str, str], dict[str, Any]] = {
     ("qwen2", "tiny"): {**_TINY, "rms_norm_eps": 1e-6, "tie_word_embeddings": True},
     ("mistral", "tiny"): {**_TINY, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
                           "sliding_window": None},
+    ("mixtral", "tiny"): {**_TINY, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+                          "sliding_window": None, "num_local_experts": 4, "num_experts_per_tok": 2},
     ("opt", "tiny"): {"hidden_size": 64, "ffn_dim": 128, "num_hidden_layers": 2,
                       "num_attention_heads": 4, "max_position_embeddings": 512,
                       "word_embed_proj_dim": 64, "vocab_size": 4096},
@@ -240,6 +245,10 @@ def _make_config(arch: str, size: str) -> Any:
         from transformers import MistralConfig
 
         return MistralConfig(**kwargs, **ids)
+    if arch == "mixtral":
+        from transformers import MixtralConfig
+
+        return MixtralConfig(**kwargs, **ids)
     if arch == "opt":
         from transformers import OPTConfig
 
@@ -262,8 +271,9 @@ def _make_useful(model: Any, init_std: float) -> None:
     and a tied one (qwen2, opt) greedily repeats its last token forever; logits are also nearly
     uniform (std ~0.16). So, deterministically (plain float multiplies, seeded noise):
 
-    * the decoder's linear weights are scaled to std ``_LINEAR_GAIN / sqrt(fan_in)``, so attention
-      and MLP outputs dominate the embedding and next tokens depend on the context;
+    * the decoder's linear weights (and Mixtral's router and experts) are scaled to std
+      ``_LINEAR_GAIN / sqrt(fan_in)``, so attention and MLP outputs dominate the embedding and next
+      tokens depend on the context (and router logits are spread, so top-k rarely ties);
     * the final norm's weight is scaled so the logits have std ~``_LOGIT_STD`` (top logprobs are
       well separated; scaling the norm rather than the lm_head leaves tied input embeddings alone);
     * norm weights get ``1 + N(0, _NORM_NOISE)`` and zero biases ``N(0, _BIAS_STD)`` so that a
@@ -278,7 +288,9 @@ def _make_useful(model: Any, init_std: float) -> None:
             if isinstance(module, torch.nn.Linear) and module is not lm_head:
                 module.weight.mul_(_LINEAR_GAIN / (init_std * math.sqrt(module.in_features)))
         for name, param in model.named_parameters():
-            if name.endswith("bias"):
+            if name.endswith(_MOE_WEIGHTS):  # [..., out, in]: fan_in is the last dim
+                param.mul_(_LINEAR_GAIN / (init_std * math.sqrt(param.shape[-1])))
+            elif name.endswith("bias"):
                 param.normal_(0.0, _BIAS_STD)
             elif "norm" in name and param.dim() == 1:
                 param.add_(torch.randn_like(param), alpha=_NORM_NOISE)

@@ -26,7 +26,10 @@ ENGINE_OPTIONS: list[tuple[str, Any, Any, str]] = [
     ("--kv-cache-memory-bytes", int, None, "KV-cache budget in bytes (default: profiled / 2 GiB on CPU)"),
     ("--seed", int, 0, "random seed"),
     ("--device", str, "auto", "worker device (auto, cpu, cuda)"),
-    ("--tensor-parallel-size", int, 1, "tensor-parallel workers per engine (only 1 for now)"),
+    ("--tensor-parallel-size", int, 1, "tensor-parallel workers per pipeline stage (-tp)"),
+    ("--pipeline-parallel-size", int, 1, "pipeline stages per engine (-pp)"),
+    ("--distributed-init-address", str, None,
+     "host:port of the workers' torch.distributed rendezvous (default: a free loopback port)"),
 ]
 
 
@@ -49,9 +52,35 @@ def add_server_arguments(parser: argparse.ArgumentParser, default_port: Optional
                         help="seconds in-flight requests get on SIGTERM [GRIDSERVE_GRACE_PERIOD]")
 
 
+def add_observability_arguments(parser: argparse.ArgumentParser, metrics_port: bool = True) -> None:
+    """``--metrics-port`` (Prometheus ``/metrics``; off unless given), ``--otlp-traces-endpoint``
+    (OpenTelemetry traces over OTLP/gRPC; off unless given) and ``--log-format``."""
+    if metrics_port:
+        parser.add_argument("--metrics-port", type=int, default=env_default("--metrics-port", None, int),
+                            help="serve Prometheus /metrics on this port (0: a free one; default: off) "
+                                 "[GRIDSERVE_METRICS_PORT]")
+    parser.add_argument("--otlp-traces-endpoint", default=env_default("--otlp-traces-endpoint"),
+                        help="export OpenTelemetry traces to this OTLP/gRPC endpoint, e.g. "
+                             "http://127.0.0.1:4317 (default: off) [GRIDSERVE_OTLP_TRACES_ENDPOINT]")
+    parser.add_argument("--log-format", choices=("text", "json"), default=env_default("--log-format", "text"),
+                        help="log lines as text or one JSON object per line [GRIDSERVE_LOG_FORMAT]")
+
+
+def observability_argv(args: argparse.Namespace) -> list[str]:
+    """The tracing and log flags of ``args`` again (``serve`` passes them to every role)."""
+    argv = ["--log-format", args.log_format]
+    if args.otlp_traces_endpoint:
+        argv += ["--otlp-traces-endpoint", args.otlp_traces_endpoint]
+    return argv
+
+
+_SHORT_FLAGS = {"--tensor-parallel-size": "-tp", "--pipeline-parallel-size": "-pp"}
+
+
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     for flag, kind, default, help_text in ENGINE_OPTIONS:
-        parser.add_argument(flag, type=kind, default=env_default(flag, default, kind),
+        flags = [flag, _SHORT_FLAGS[flag]] if flag in _SHORT_FLAGS else [flag]
+        parser.add_argument(*flags, type=kind, default=env_default(flag, default, kind),
                             help=f"{help_text} [{env_name(flag)}]")
     parser.add_argument("--no-prefix-caching", action="store_true",
                         default=bool(env_default("--no-prefix-caching", "")), help="disable prefix caching")
@@ -69,17 +98,18 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
     return argv
 
 
-def check_tensor_parallel(size: int) -> None:
-    if size != 1:
-        raise ConfigError("parallel.tensor_parallel_size",
-                          f"tensor parallelism is not supported yet (got {size}); use 1")
+def check_parallel_sizes(args: argparse.Namespace) -> None:
+    for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+        value = getattr(args, name)
+        if value < 1:
+            raise ConfigError(f"parallel.{name}", f"must be a positive integer, got {value}")
 
 
 def engine_config(args: argparse.Namespace, worker_addresses: list[str]):
     """The engine's ``GridserveConfig`` from its options (model resolved)."""
     from gridserve.shared.config import GridserveConfig
 
-    check_tensor_parallel(args.tensor_parallel_size)
+    check_parallel_sizes(args)
     return GridserveConfig.from_kwargs(
         model=args.model,
         dtype=args.dtype,
@@ -91,6 +121,8 @@ def engine_config(args: argparse.Namespace, worker_addresses: list[str]):
         seed=args.seed,
         device=args.device,
         tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size,
+        distributed_init_address=args.distributed_init_address or "",
         enable_prefix_caching=not args.no_prefix_caching,
         distributed_executor_backend="grpc",
         worker_addresses=worker_addresses,

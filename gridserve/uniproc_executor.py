@@ -9,6 +9,7 @@ from concurrent.futures import Future
 from typing import Any, Optional, Union
 
 from gridserve.services.engine.executor import Executor, check_worker_method
+from gridserve.shared.errors import ConfigError
 
 
 class UniProcExecutor(Executor):
@@ -16,6 +17,12 @@ class UniProcExecutor(Executor):
 
     def _init_executor(self) -> None:
         from gridserve.services.worker.worker import Worker
+
+        if self.config.parallel.world_size > 1:
+            raise ConfigError(
+                "parallel.executor_backend",
+                "the in-process executor runs one worker; tensor / pipeline parallelism needs 'grpc'",
+            )
 
         self.worker = Worker(self.config)
         self.worker.init_device()

@@ -15,11 +15,16 @@ from pathlib import Path
 from typing import Any, Optional
 
 from gridserve.shared.errors import ConfigError
+from gridserve.shared.parallel import check_model_shardable, kv_head_shard, stage_layers
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 DEVICES = ("auto", "cpu", "cuda")
 EXECUTORS = ("uni", "grpc")
+# Architectures whose model classes shard across tensor-parallel workers / split into pipeline stages.
+PARALLEL_ARCHITECTURES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM"})
+TENSOR_PARALLEL_ARCHITECTURES = PARALLEL_ARCHITECTURES | {"OPTForCausalLM"}
+PIPELINE_PARALLEL_ARCHITECTURES = PARALLEL_ARCHITECTURES
 
 
 def _positive(section: str, name: str, value: Optional[int], allow_none: bool = True) -> None:
@@ -170,6 +175,9 @@ class ParallelConfig:
     executor_backend: str = "uni"
     # Addresses (host:port) of the worker services the ``grpc`` executor drives, rank order.
     worker_addresses: list[str] = field(default_factory=list)
+    # host:port where the workers rendezvous for torch.distributed (rank 0 listens there). Empty:
+    # the engine picks a free loopback port (workers on the engine's machine).
+    distributed_init_address: str = ""
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
@@ -182,6 +190,18 @@ class ParallelConfig:
     @property
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    def check_model(self, architecture: str, hf_config: dict) -> None:
+        """Refuse, naming the field, a model this parallel layout cannot split."""
+        for name, supported in (("tensor_parallel_size", TENSOR_PARALLEL_ARCHITECTURES),
+                                ("pipeline_parallel_size", PIPELINE_PARALLEL_ARCHITECTURES)):
+            if getattr(self, name) > 1 and architecture not in supported:
+                raise ConfigError(
+                    f"parallel.{name}",
+                    f"{architecture!r} does not support it; supported: {', '.join(sorted(supported))}",
+                )
+        if self.world_size > 1:
+            check_model_shardable(hf_config, self.tensor_parallel_size, self.pipeline_parallel_size)
 
 
 @dataclass
@@ -211,12 +231,21 @@ class GridserveConfig:
 
     def finalize(self) -> GridserveConfig:
         """Resolve the model and fill defaults that depend on it."""
-        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
-            if getattr(self.parallel, name) != 1:
-                raise ConfigError(f"parallel.{name}", "only 1 is supported so far (parallelism is not built yet)")
+        if self.parallel.data_parallel_size != 1:
+            raise ConfigError("parallel.data_parallel_size", "only 1 is supported so far")
         self.model.resolve()
+        self.parallel.check_model(self.model.architecture, self.model.hf_config)
         self.scheduler.finalize(self.max_model_len)
         return self
+
+    def kv_bytes_per_token_per_rank(self) -> int:
+        """Bytes of K and V one token occupies on the busiest worker: its stage's layers, its heads."""
+        p, m = self.parallel, self.model
+        if p.world_size == 1:
+            return m.kv_bytes_per_token()
+        layers = stage_layers(m.num_layers, p.pipeline_parallel_size, 0).size  # stage 0 is the largest
+        heads = kv_head_shard(m.num_kv_heads, p.tensor_parallel_size, 0).size
+        return 2 * layers * heads * m.head_dim * DTYPE_BYTES[m.resolved_dtype]
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> GridserveConfig:

@@ -25,6 +25,8 @@ class NewRequestData:
     num_computed_tokens: int
     # Non-empty when a preempted request resumes: its earlier output is recomputed as prompt.
     output_token_ids: list[int] = field(default_factory=list)
+    # W3C traceparent of the engine's span of the request ("" when tracing is off).
+    traceparent: str = ""
 
 
 @dataclass
@@ -34,6 +36,9 @@ class CachedRequestData:
     req_id: str
     new_block_ids: list[int]
     num_computed_tokens: int
+    # Tokens sampled since the worker last saw the request; sent only with pipeline parallelism
+    # (the last stage samples, every stage needs them). Otherwise the worker appends its own samples.
+    new_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass

@@ -57,3 +57,10 @@ def mistral_tiny() -> Path:
     from gridserve.recipe import ensure_checkpoint
 
     return ensure_checkpoint("mistral", "tiny")
+
+
+@pytest.fixture(scope="session")
+def mixtral_tiny() -> Path:
+    from gridserve.recipe import ensure_checkpoint
+
+    return ensure_checkpoint("mixtral", "tiny")

@@ -3,7 +3,7 @@
 Engines report (waiting, running, KV-cache usage) whenever it changes; an engine whose report stream
 ends leaves the table. Watchers block in ``wait_for_change`` until the version moves past theirs or
 the publish interval passes (then they republish the same snapshot, so a gateway notices a silent
-coordinator). The wave counter is kept here for MoE lockstep (advanced by ``start_wave``).
+coordinator). ``bump`` wakes them for a change kept elsewhere (the MoE wave state).
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ class LoadTable:
     def __init__(self) -> None:
         self._loads: dict[int, EngineLoad] = {}
         self._version = 0
-        self._wave = 0
         self._changed = threading.Condition()
 
     def update(self, load: EngineLoad) -> None:
@@ -48,19 +47,18 @@ class LoadTable:
                 self._version += 1
                 self._changed.notify_all()
 
-    def start_wave(self) -> int:
+    def bump(self) -> None:
+        """Wake every watcher (something they publish besides the loads changed)."""
         with self._changed:
-            self._wave += 1
             self._version += 1
             self._changed.notify_all()
-            return self._wave
 
-    def snapshot(self) -> tuple[int, int, list[EngineLoad]]:
-        """(version, wave, loads sorted by DP rank)."""
+    def snapshot(self) -> tuple[int, list[EngineLoad]]:
+        """(version, loads sorted by DP rank)."""
         with self._changed:
-            return self._version, self._wave, [self._loads[r] for r in sorted(self._loads)]
+            return self._version, [self._loads[r] for r in sorted(self._loads)]
 
-    def wait_for_change(self, version: int, timeout: float) -> tuple[int, int, list[EngineLoad]]:
+    def wait_for_change(self, version: int, timeout: float) -> tuple[int, list[EngineLoad]]:
         """The snapshot once the version differs from ``version``, or after ``timeout`` seconds."""
         deadline = time.monotonic() + timeout
         with self._changed:
@@ -69,7 +67,7 @@ class LoadTable:
                 if left <= 0:
                     break
                 self._changed.wait(left)
-            return self._version, self._wave, [self._loads[r] for r in sorted(self._loads)]
+            return self._version, [self._loads[r] for r in sorted(self._loads)]
 
 
 def _key(load: EngineLoad) -> tuple:

@@ -7,10 +7,17 @@ start (it holds no model); on SIGTERM the watch streams end and the server stops
 from __future__ import annotations
 
 import logging
+import time
+from typing import Optional
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import GaugeMetricFamily
 
 from gridserve.coordinator.v1 import coordinator_pb2, coordinator_pb2_grpc
 from gridserve.services.coordinator.load_table import LoadTable
 from gridserve.services.coordinator.servicer import CoordinatorServicer
+from gridserve.services.coordinator.waves import Waves
+from gridserve.shared.observability.metrics import start_metrics_server
 from gridserve.shared.rpc.server import RpcServer
 
 logger = logging.getLogger(__name__)
@@ -18,9 +25,29 @@ logger = logging.getLogger(__name__)
 SERVICE = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name
 
 
-def serve(host: str, port: int, grace_s: float = 5.0) -> int:
+class _LoadAge:
+    """``gridserve:coordinator_load_age_seconds{engine}``: seconds since each engine last reported."""
+
+    def __init__(self, table: LoadTable) -> None:
+        self.table = table
+
+    def collect(self):
+        age = GaugeMetricFamily("gridserve:coordinator_load_age_seconds",
+                                "Seconds since the engine's last load report", labels=["engine"])
+        now = time.monotonic()
+        for load in self.table.snapshot()[1]:
+            age.add_metric([str(load.dp_rank)], now - load.reported_at)
+        yield age
+
+
+def serve(host: str, port: int, grace_s: float = 5.0, metrics_port: Optional[int] = None,
+          data_parallel_size: int = 1) -> int:
     server = RpcServer(host, port, max_workers=256, grace_s=grace_s)
-    servicer = CoordinatorServicer(LoadTable())
+    table = LoadTable()
+    servicer = CoordinatorServicer(table, Waves(data_parallel_size, on_change=table.bump))
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_LoadAge(table))
+    metrics_server = start_metrics_server(registry, host, metrics_port)
     server.add_service(SERVICE, lambda s: coordinator_pb2_grpc.add_CoordinatorServicer_to_server(servicer, s))
     server.on_drain = lambda timeout: servicer.stopping.set()
     server.install_signal_handlers()
@@ -28,4 +55,6 @@ def serve(host: str, port: int, grace_s: float = 5.0) -> int:
     server.set_serving(True)
     logger.info("coordinator on %s", server.address)
     server.wait()
+    if metrics_server is not None:
+        metrics_server.stop()
     return 0

@@ -7,6 +7,7 @@ The core owns the scheduler and the KV-cache manager and drives the workers thro
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Iterable
 from concurrent.futures import Future
 from typing import Optional
@@ -34,12 +35,15 @@ class EngineCore:
             num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
         )
         self.scheduler = Scheduler(config, self.kv_cache_manager)
-        self._in_flight: Optional[tuple[SchedulerOutput, Future]] = None
+        # Batches submitted and not yet updated from, oldest first. At rest it holds up to
+        # ``max_concurrent_batches`` (one per pipeline stage); a step adds one before taking one.
+        self.max_concurrent_batches = self.executor.max_concurrent_batches
+        self._batches: deque[tuple[SchedulerOutput, Future]] = deque()
 
     def _initialize_kv_cache(self) -> int:
         cache = self.config.cache
         available = self.executor.determine_available_memory()
-        num_blocks = num_blocks_for_memory(available, self.config.model.kv_bytes_per_token(), cache.block_size)
+        num_blocks = num_blocks_for_memory(available, self.config.kv_bytes_per_token_per_rank(), cache.block_size)
         if (num_blocks - 1) * cache.block_size < self.config.max_model_len:
             raise ConfigError(
                 "cache.kv_cache_memory_bytes",
@@ -58,25 +62,33 @@ class EngineCore:
         return self.scheduler.abort_requests(request_ids)
 
     def has_unfinished_requests(self) -> bool:
-        return self._in_flight is not None or self.scheduler.has_unfinished_requests()
+        return bool(self._batches) or self.scheduler.has_unfinished_requests()
 
     def step(self) -> list[EngineCoreOutput]:
-        """Schedule and submit the next batch, then finish the previous one; return its new tokens.
+        """Schedule and submit the next batch, then finish the oldest one; return its new tokens.
 
-        One step stays in flight: the next batch is scheduled while the worker runs the current one
-        (its requests' next tokens count as placeholders, already held by the worker), so the
-        engine's Python work overlaps the forward pass. The first call returns nothing.
+        Batches stay in flight: the next one is scheduled while the workers run the current ones, so
+        the engine's Python work overlaps the forward pass, and with pipeline parallelism every
+        stage has a batch (up to ``max_concurrent_batches``). With one stage a request's next token
+        counts as a placeholder the worker already holds; with several, a request waits for its
+        sample to return before it is scheduled again. Returns nothing while the queue fills.
         """
-        submitted = None
-        if self.scheduler.has_unfinished_requests():
-            # Submitted even when empty: it carries the ids the worker must forget.
+        submitted_work = False
+        if self.scheduler.has_unfinished_requests() and len(self._batches) <= self.max_concurrent_batches:
             scheduler_output = self.scheduler.schedule()
-            submitted = (scheduler_output, self.executor.execute_model(scheduler_output, non_block=True))
-        previous, self._in_flight = self._in_flight, submitted
-        if previous is None:
+            # An empty plan still goes out when it carries ids the workers must forget.
+            if not scheduler_output.is_empty or scheduler_output.finished_req_ids or not self._batches:
+                future = self.executor.execute_model(scheduler_output, non_block=True)
+                self._batches.append((scheduler_output, future))
+                submitted_work = not scheduler_output.is_empty
+        if not self._batches or (submitted_work and len(self._batches) <= self.max_concurrent_batches):
             return []
-        scheduler_output, future = previous
+        scheduler_output, future = self._batches.popleft()
         return self.scheduler.update_from_output(scheduler_output, future.result())
+
+    def execute_dummy_batch(self) -> None:
+        """One empty step through the executor (an idle engine's part of an MoE wave)."""
+        self.executor.execute_model(SchedulerOutput())
 
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()

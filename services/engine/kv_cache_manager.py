@@ -94,6 +94,9 @@ class KVCacheManager:
         self.num_cached_blocks: dict[str, int] = {}
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        # Lookups of requests resuming after preemption (they mostly hit their own blocks).
+        self.preempted_prefix_cache_queries = 0
+        self.preempted_prefix_cache_hits = 0
 
     # ---- sizes and stats -------------------------------------------------------------------
 
@@ -190,7 +193,10 @@ class KVCacheManager:
         self.num_cached_blocks[request.request_id] = num_cached
 
         if self.enable_caching:
-            if looked_up:  # counted once per admission, not per failed attempt
+            if looked_up and request.num_preemptions:  # a resumed request: counted apart (vLLM)
+                self.preempted_prefix_cache_queries += request.num_tokens
+                self.preempted_prefix_cache_hits += num_new_computed_tokens
+            elif looked_up:  # counted once per admission, not per failed attempt
                 self.prefix_cache_queries += request.num_tokens
                 self.prefix_cache_hits += num_new_computed_tokens
             self._update_block_hashes(request)

@@ -20,7 +20,10 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from gridserve.services.engine.core import EngineCore
+from gridserve.services.engine.observability import EngineObserver
 from gridserve.services.engine.request import Request
+from gridserve.services.engine.scheduler import SchedulerStats
+from gridserve.services.engine.waves import WaveClient
 from gridserve.shared.errors import EngineDeadError, FailedPreconditionError, InvalidArgumentError
 from gridserve.shared.outputs import EngineCoreOutput, FinishReason
 
@@ -43,9 +46,14 @@ class EngineLoad:
 class EngineLoop:
     """Runs ``core.step()`` in a thread and routes outputs to the gateway that sent each request."""
 
-    def __init__(self, core: EngineCore, on_health: Callable[[bool], None]) -> None:
+    def __init__(self, core: EngineCore, on_health: Callable[[bool], None],
+                 observer: Optional[EngineObserver] = None, waves: Optional[WaveClient] = None) -> None:
         self.core = core
         self.on_health = on_health
+        self.waves = waves  # MoE with DP > 1: step in lockstep with the other engines
+        # Metrics, request log lines and spans; the scheduler collects step stats for it.
+        self.observer = observer or EngineObserver()
+        core.scheduler.take_step_stats()
         self.error: Optional[EngineDeadError] = None
         self.sleeping = False
         self.draining = False
@@ -93,13 +101,14 @@ class EngineLoop:
             if self.error is None and not self._stop.is_set():
                 self.call(lambda: self._drop_gateway(gateway_id, sink))
 
-    def load(self) -> EngineLoad:
-        def snapshot() -> EngineLoad:
-            stats, kv = self.core.stats(), self.core.kv_cache_manager
-            return EngineLoad(stats.num_waiting, stats.num_running, stats.kv_cache_usage,
-                              kv.num_free_blocks, kv.num_total_blocks, stats.num_preemptions, self.sleeping)
+    def stats(self, timeout: float = 60.0) -> SchedulerStats:
+        """One snapshot of the scheduler, taken between steps: the load report and the metrics."""
+        return self.call(self.core.stats, timeout=timeout)
 
-        return self.call(snapshot)
+    def load(self) -> EngineLoad:
+        stats = self.stats()
+        return EngineLoad(stats.num_waiting, stats.num_running, stats.kv_cache_usage, stats.kv_free_blocks,
+                          stats.kv_total_blocks, stats.num_preemptions, self.sleeping)
 
     def sleep(self, level: int) -> None:
         def go() -> None:
@@ -142,18 +151,47 @@ class EngineLoop:
     # ---- the loop thread ----------------------------------------------------------------------------
     def _run(self) -> None:
         while True:
-            busy = self.error is None and not self.sleeping and self.core.has_unfinished_requests()
-            self._drain_inbox(block=not busy)
+            self._drain_inbox(block=not self._has_step())
             if self._stop.is_set() and self._inbox.empty():
                 return
-            if self.error is not None or self.sleeping or not self.core.has_unfinished_requests():
+            if not self._has_step():
                 continue
+            if not self.core.has_unfinished_requests():
+                self._dummy_step()
+                continue
+            start = time.perf_counter()
             try:
                 outputs = self.core.step()
             except Exception as exc:  # noqa: BLE001 - any step failure kills the engine
                 self._die(exc)
                 continue
             self._publish(outputs)
+            self._observe(time.perf_counter() - start)
+            if self.waves is not None:
+                self.waves.after_step(self.core.has_unfinished_requests(), dummy=False)
+
+    def _has_step(self) -> bool:
+        """Whether the next iteration runs a step: requests to serve, or an MoE wave to keep up."""
+        if self.error is not None or self.sleeping:
+            return False
+        if self.core.has_unfinished_requests():
+            return True
+        return self.waves is not None and self.waves.poll()
+
+    def _dummy_step(self) -> None:
+        try:
+            self.core.execute_dummy_batch()
+        except Exception as exc:  # noqa: BLE001 - a step failure kills the engine
+            self._die(exc)
+            return
+        self.waves.after_step(self.core.has_unfinished_requests(), dummy=True)
+
+    def _observe(self, step_seconds: Optional[float]) -> None:
+        """Hand the step's stats to the observer; its failure must not stop the loop."""
+        try:
+            self.observer.on_step(self.core.scheduler.take_step_stats(), step_seconds)
+        except Exception:  # noqa: BLE001 - metrics / logs / spans are best effort
+            logger.exception("observability of a step failed")
 
     def _drain_inbox(self, block: bool) -> None:
         try:
@@ -178,12 +216,20 @@ class EngineLoop:
             raise FailedPreconditionError(f"gateway {gateway_id!r} has no open StreamOutputs stream")
         if request.request_id in self._routes:
             raise InvalidArgumentError("request_id", f"{request.request_id!r} is already in the engine")
+        self.observer.on_add(request)
         self.core.add_request(request)
         self._routes[request.request_id] = gateway_id
+        if self.waves is not None:
+            try:
+                self.waves.on_request()
+            except Exception as exc:  # noqa: BLE001 - serve it anyway; the others join late
+                logger.error("could not start an MoE wave: %s", exc)
 
     def _abort(self, request_ids: list[str]) -> list[str]:
         aborted = self.core.abort_requests(request_ids)
         self._publish([EngineCoreOutput(rid, [], finish_reason=FinishReason.ABORT) for rid in aborted])
+        if aborted:
+            self._observe(None)
         return aborted
 
     def _publish(self, outputs: list[EngineCoreOutput]) -> None:

@@ -2,43 +2,108 @@
 
 Connects to its worker services (GrpcExecutor), sizes and allocates the KV cache, starts the busy
 loop and serves ``EngineCore``. SERVING once the workers hold the model and the cache; NOT_SERVING
-when a worker dies or while draining on SIGTERM.
+when a worker dies or while draining on SIGTERM. With ``metrics_port`` it serves Prometheus
+``/metrics``; with an OTLP endpoint it exports a span per request (queue, prefill, decode).
 """
 
 from __future__ import annotations
 
 import logging
+from typing import Optional
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily
 
 from gridserve.engine.v1 import engine_pb2, engine_pb2_grpc
 from gridserve.services.engine.core import EngineCore
+from gridserve.services.engine.load_reporter import LoadReporter
 from gridserve.services.engine.loop import EngineLoop
+from gridserve.services.engine.metrics import EngineMetrics
+from gridserve.services.engine.observability import EngineObserver
+from gridserve.services.engine.scheduler import SchedulerStats
 from gridserve.services.engine.servicer import EngineServicer
+from gridserve.services.engine.waves import WaveClient, is_moe
 from gridserve.shared.config import GridserveConfig
+from gridserve.shared.observability.metrics import start_metrics_server
+from gridserve.shared.observability.tracing import Tracing
 from gridserve.shared.rpc.server import RpcServer
 
 logger = logging.getLogger(__name__)
 
 SERVICE = engine_pb2.DESCRIPTOR.services_by_name["EngineCore"].full_name
+SCRAPE_TIMEOUT_S = 5.0
 
 
-def serve(config: GridserveConfig, host: str, port: int, grace_s: float = 10.0) -> int:
+def serve(config: GridserveConfig, host: str, port: int, grace_s: float = 10.0, *,
+          metrics_port: Optional[int] = None, otlp_traces_endpoint: Optional[str] = None,
+          coordinator: Optional[str] = None, data_parallel_rank: int = 0, data_parallel_size: int = 1) -> int:
     """Run the engine until SIGTERM; ``config`` must name its workers (executor ``grpc``)."""
+    registry = CollectorRegistry(auto_describe=False)
+    metrics_server = start_metrics_server(registry, host, metrics_port)
+    tracing = Tracing.create("gridserve-engine", otlp_traces_endpoint)
     server = RpcServer(host, port, max_workers=64, grace_s=grace_s)
-    servicer = EngineServicer(config)
+    servicer = EngineServicer(config, metrics_port=metrics_server.port if metrics_server else 0,
+                              tracing=tracing is not None)
     server.add_service(SERVICE, lambda s: engine_pb2_grpc.add_EngineCoreServicer_to_server(servicer, s))
     server.install_signal_handlers()
     server.start()  # answers health (NOT_SERVING) while the workers load
     core = EngineCore(config)
-    loop = EngineLoop(core, on_health=server.set_serving)
+    metrics = None
+    if metrics_server is not None:
+        metrics = EngineMetrics(config, lambda: _snapshot(servicer), engine=str(data_parallel_rank),
+                                registry=registry)
+    observer = EngineObserver(metrics, tracing, engine=str(data_parallel_rank))
+    observer.instrument(core.executor)
+    waves = None
+    if coordinator and data_parallel_size > 1 and is_moe(config.model.hf_config):
+        waves = WaveClient(coordinator, data_parallel_rank)  # MoE: step in lockstep with the other engines
+    if waves is not None and metrics_server is not None:
+        registry.register(_WaveMetrics(waves, str(data_parallel_rank)))
+    loop = EngineLoop(core, on_health=server.set_serving, observer=observer, waves=waves)
     core.executor.on_failure = loop.fail
     servicer.loop = loop
 
     def drain(timeout: float) -> None:
         loop.drain(timeout)
         core.shutdown()
+        if tracing is not None:
+            tracing.shutdown()
 
+    reporter = None
+    if coordinator:
+        reporter = LoadReporter(coordinator, data_parallel_rank, server.address, loop.load)
     server.on_drain = drain
     server.set_serving(True)
     logger.info("engine ready on %s: %d KV blocks", server.address, config.cache.num_blocks or 0)
     server.wait()
+    if reporter is not None:
+        reporter.close()
+    if waves is not None:
+        waves.close()
+    if metrics_server is not None:
+        metrics_server.stop()
     return 0
+
+
+class _WaveMetrics:
+    """``gridserve:wave_dummy_steps_total`` and ``gridserve:waves_completed_total`` (MoE with DP)."""
+
+    def __init__(self, waves: WaveClient, engine: str) -> None:
+        self.waves, self.engine = waves, engine
+
+    def collect(self):
+        for name, doc, value in (
+            ("gridserve:wave_dummy_steps", "Empty steps run to keep an MoE wave in lockstep", self.waves.dummy_steps),
+            ("gridserve:waves_completed", "MoE request waves this engine took part in", self.waves.waves_completed),
+        ):
+            family = CounterMetricFamily(name, doc, labels=["engine"])
+            family.add_metric([self.engine], value)
+            yield family
+
+
+def _snapshot(servicer: EngineServicer) -> Optional[SchedulerStats]:
+    """The scheduler's stats for a scrape; None while the engine starts, sleeps a step away, or is dead."""
+    try:
+        return servicer.loop.stats(timeout=SCRAPE_TIMEOUT_S)
+    except Exception:  # noqa: BLE001 - a scrape must not fail because the engine is busy or dead
+        return None

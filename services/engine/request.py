@@ -50,8 +50,11 @@ class Request:
         eos_token_id: Optional[int] = None,
         arrival_time: Optional[float] = None,
         cache_salt: Optional[str] = None,
+        parent_request_id: Optional[str] = None,
     ) -> None:
         self.request_id = request_id
+        # The id the client sees (the gateway's request id): logs and spans name the request by it.
+        self.parent_request_id = parent_request_id or request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.eos_token_id = eos_token_id
@@ -68,6 +71,14 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: Union[int, str, None] = None
         self.block_hashes: list[bytes] = []
+        # Timeline (time.monotonic()) for metrics, logs and traces; None until it happens.
+        self.scheduled_time: Optional[float] = None  # first admitted to the running batch
+        self.first_token_time: Optional[float] = None
+        self.finished_time: Optional[float] = None
+        # W3C traceparent of the engine's span of this request ("" when tracing is off); the
+        # workers parent their spans of the request to it.
+        self.traceparent = ""
+        self.span: object = None  # the open engine span (tracing on), ended when the request finishes
 
     @property
     def num_tokens(self) -> int:

@@ -12,9 +12,10 @@ rejoins the front of the queue, to be recomputed later (its prefix may still hit
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from gridserve.services.engine.kv_cache_manager import KVCacheManager
 from gridserve.services.engine.request import Request, RequestStatus
@@ -32,7 +33,8 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class SchedulerStats:
-    """A snapshot of the scheduler's load, for load reports and metrics."""
+    """A snapshot of the scheduler's load and cumulative counters: the one source of the engine's
+    load report (``GetLoad``) and of its Prometheus metrics."""
 
     num_waiting: int
     num_running: int
@@ -40,6 +42,19 @@ class SchedulerStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_preemptions: int
+    kv_free_blocks: int = 0
+    kv_total_blocks: int = 0
+    num_prompt_tokens: int = 0  # prompt tokens of requests that produced their first token
+    num_generation_tokens: int = 0
+
+
+@dataclass
+class StepStats:
+    """What the steps since the last ``take_step_stats()`` did (metrics, request log lines, spans).
+    Collected only once someone asks (the engine loop does; the offline engine does not)."""
+
+    iteration_tokens: list[int] = field(default_factory=list)  # tokens scheduled per step
+    finished: list[Request] = field(default_factory=list)
 
 
 class Scheduler:
@@ -57,6 +72,14 @@ class Scheduler:
         # Requests the worker should forget at the next step (finished, aborted or preempted).
         self._forget: set[str] = set()
         self.num_preemptions = 0
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+        self.step_stats: StepStats | None = None  # collected from the first take_step_stats()
+        # With pipeline parallelism the last stage samples while earlier stages already run the next
+        # batch, so a request is not scheduled again until its sample is back, and the engine sends
+        # every stage the tokens it has not seen (request id -> tokens the workers hold).
+        self.pipelined = config.parallel.pipeline_parallel_size > 1
+        self._worker_tokens: dict[str, int] = {}
 
     # ---- admission and removal ------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -90,6 +113,8 @@ class Scheduler:
             self._schedule_waiting(out, budget)
         out.finished_req_ids = self._forget
         self._forget = set()
+        if self.step_stats is not None and out.total_num_scheduled_tokens:
+            self.step_stats.iteration_tokens.append(out.total_num_scheduled_tokens)
         for request_id, n in out.num_scheduled_tokens.items():
             request = self.requests[request_id]
             request.num_computed_tokens += n
@@ -117,7 +142,8 @@ class Scheduler:
             if new_blocks is None:
                 break
             out.scheduled_cached_reqs.append(
-                CachedRequestData(request.request_id, new_blocks, request.num_computed_tokens)
+                CachedRequestData(request.request_id, new_blocks, request.num_computed_tokens,
+                                  self._unsent_tokens(request))
             )
             self._record(out, request, n)
             budget -= n
@@ -127,6 +153,8 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
+            if self.pipelined and request.num_output_placeholders:
+                break  # preempted while its sample is still in the pipeline: resume once it is back
             if request.sampling_params.prompt_logprobs is None:
                 hit_blocks, num_hit = self.kv.get_computed_blocks(request)
             else:  # every prompt position must be computed to report its logprob
@@ -139,8 +167,12 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self.running.append(request)
+            if self.pipelined:
+                self._worker_tokens[request.request_id] = request.num_tokens
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_hit
+            if request.scheduled_time is None:
+                request.scheduled_time = time.monotonic()
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit
             out.scheduled_new_reqs.append(
@@ -151,6 +183,7 @@ class Scheduler:
                     block_ids=self.kv.get_block_ids(request.request_id),
                     num_computed_tokens=num_hit,
                     output_token_ids=list(request.output_token_ids),
+                    traceparent=request.traceparent,
                 )
             )
             self._record(out, request, n)
@@ -163,6 +196,8 @@ class Scheduler:
         sample lands gets nothing more.
         """
         pending = request.num_output_placeholders
+        if pending and self.pipelined:
+            return 0  # its sample is still in the pipeline; the first stage does not have it yet
         if pending:
             max_tokens = request.sampling_params.max_tokens
             if max_tokens is not None and request.num_output_tokens + pending >= max_tokens:
@@ -170,6 +205,13 @@ class Scheduler:
             if request.num_tokens + pending >= self.max_model_len:
                 return 0
         return request.num_tokens + pending - request.num_computed_tokens
+
+    def _unsent_tokens(self, request: Request) -> list[int]:
+        if not self.pipelined:
+            return []
+        sent = self._worker_tokens.get(request.request_id, request.num_tokens)
+        self._worker_tokens[request.request_id] = request.num_tokens
+        return request.all_token_ids[sent:]
 
     @staticmethod
     def _record(out: SchedulerOutput, request: Request, n: int) -> None:
@@ -185,18 +227,23 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(request)
         self._forget.add(request.request_id)
+        self._worker_tokens.pop(request.request_id, None)
 
     # ---- results ---------------------------------------------------------------------------
     def update_from_output(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Append sampled tokens, apply stop conditions, free finished requests."""
         outputs = []
         prompt_logprobs = dict(result.prompt_logprobs)
+        now = time.monotonic()
         for request_id, token, logprobs in zip(result.req_ids, result.sampled_token_ids, result.logprobs):
             request = self.requests.get(request_id)
             if request is None or request.is_finished:
                 continue  # finished or aborted while the step ran: its sample is discarded
             request.num_output_placeholders = max(request.num_output_placeholders - 1, 0)
             request.append_output_token_ids(token)
+            if request.first_token_time is None:
+                request.first_token_time = now
+                self.num_prompt_tokens += request.num_prompt_tokens
             status = self._stop_status(request, token)
             if status is not None:
                 self._remove_from_queue(request)
@@ -212,6 +259,7 @@ class Scheduler:
                     num_cached_tokens=max(request.num_cached_tokens, 0),
                 )
             )
+        self.num_generation_tokens += len(outputs)
         for request_id, entries in prompt_logprobs.items():  # prefill chunks that sampled nothing
             if request_id in self.requests:
                 outputs.append(EngineCoreOutput(request_id, [], new_prompt_logprobs=entries))
@@ -240,8 +288,12 @@ class Scheduler:
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
+        request.finished_time = time.monotonic()
+        if self.step_stats is not None:
+            self.step_stats.finished.append(request)
         self.kv.free(request)
         self._forget.add(request.request_id)
+        self._worker_tokens.pop(request.request_id, None)
         del self.requests[request.request_id]
 
     def stats(self) -> SchedulerStats:
@@ -252,4 +304,13 @@ class Scheduler:
             prefix_cache_queries=self.kv.prefix_cache_queries,
             prefix_cache_hits=self.kv.prefix_cache_hits,
             num_preemptions=self.num_preemptions,
+            kv_free_blocks=self.kv.num_free_blocks,
+            kv_total_blocks=self.kv.num_total_blocks,
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_generation_tokens=self.num_generation_tokens,
         )
+
+    def take_step_stats(self) -> StepStats:
+        """The step stats gathered since the last call (collection starts with the first call)."""
+        stats, self.step_stats = self.step_stats, StepStats()
+        return stats or StepStats()

@@ -13,6 +13,7 @@ from gridserve.services.engine.loop import EngineLoop
 from gridserve.services.engine.request import Request
 from gridserve.shared.config import GridserveConfig
 from gridserve.shared.errors import EngineDeadError, InvalidArgumentError
+from gridserve.shared.observability.tracing import traceparent_from_metadata
 from gridserve.shared.rpc.convert import engine_output_to_pb, sampling_params_from_pb
 
 logger = logging.getLogger(__name__)
@@ -21,8 +22,10 @@ logger = logging.getLogger(__name__)
 class EngineServicer(engine_pb2_grpc.EngineCoreServicer):
     """Translates RPCs into ``EngineLoop`` calls."""
 
-    def __init__(self, config: GridserveConfig) -> None:
+    def __init__(self, config: GridserveConfig, metrics_port: int = 0, tracing: bool = False) -> None:
         self.config = config
+        self.metrics_port = metrics_port
+        self.tracing = tracing  # read the caller's traceparent from the metadata
         self._loop: Optional[EngineLoop] = None
 
     @property
@@ -46,7 +49,10 @@ class EngineServicer(engine_pb2_grpc.EngineCoreServicer):
             sampling_params_from_pb(request.sampling_params),
             eos_token_id=self.config.model.eos_token_id,
             cache_salt=request.cache_salt if request.HasField("cache_salt") else None,
+            parent_request_id=request.parent_request_id if request.HasField("parent_request_id") else None,
         )
+        if self.tracing:
+            domain.traceparent = traceparent_from_metadata(context.invocation_metadata())
         self.loop.add_request(domain, request.gateway_id)
         return engine_pb2.AddRequestResponse()
 
@@ -74,6 +80,7 @@ class EngineServicer(engine_pb2_grpc.EngineCoreServicer):
             num_kv_blocks=cache.num_blocks or 0,
             num_workers=self.config.parallel.world_size,
             max_logprobs=model.max_logprobs,
+            metrics_port=self.metrics_port,
         )
 
     def GetLoad(self, request: engine_pb2.GetLoadRequest, context: grpc.ServicerContext):

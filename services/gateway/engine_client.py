@@ -18,6 +18,7 @@ import grpc
 
 from gridserve.engine.v1 import engine_pb2, engine_pb2_grpc
 from gridserve.shared.errors import EngineDeadError
+from gridserve.shared.observability.tracing import TRACEPARENT
 from gridserve.shared.rpc.client import DEFAULT_DEADLINE_S, make_channel
 from gridserve.shared.rpc.convert import engine_output_from_pb, sampling_params_to_pb
 from gridserve.shared.sampling_params import SamplingParams
@@ -41,6 +42,7 @@ class EngineClient:
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._stream: Optional[grpc.Future] = None
+        self._metrics_port: Optional[int] = None
         self._thread = threading.Thread(target=self._run, name=f"engine-{address}", daemon=True)
         self._thread.start()
 
@@ -55,11 +57,19 @@ class EngineClient:
         with self._lock:
             self._queues[request_id] = outputs
 
+    @property
+    def num_in_flight(self) -> int:
+        """This gateway's engine requests on this engine now (registered, not yet finished)."""
+        return len(self._queues)
+
     def unregister(self, request_id: str) -> None:
         with self._lock:
             self._queues.pop(request_id, None)
 
-    def add_request(self, request_id: str, token_ids: list[int], params: SamplingParams) -> None:
+    def add_request(self, request_id: str, token_ids: list[int], params: SamplingParams,
+                    parent_request_id: str = "", traceparent: str = "") -> None:
+        """``parent_request_id``: the id the client sees; ``traceparent``: the gateway span (W3C),
+        sent as gRPC metadata."""
         if not self.ready.is_set():
             raise EngineDeadError(f"engine {self.address} is not reachable")
         self.stub.AddRequest(
@@ -68,9 +78,23 @@ class EngineClient:
                 gateway_id=self.gateway_id,
                 prompt_token_ids=token_ids,
                 sampling_params=sampling_params_to_pb(params),
+                parent_request_id=parent_request_id or None,
             ),
             timeout=DEFAULT_DEADLINE_S,
+            metadata=((TRACEPARENT, traceparent),) if traceparent else None,
         )
+
+    def metrics_url(self) -> Optional[str]:
+        """The engine's ``/metrics`` URL (asked once with GetInfo), or None when it has none."""
+        if self._metrics_port is None:
+            try:
+                self._metrics_port = self.info(timeout=2.0).metrics_port
+            except grpc.RpcError:
+                return None
+        if not self._metrics_port:
+            return None
+        host = self.address.rpartition(":")[0]
+        return f"http://{host}:{self._metrics_port}/metrics"
 
     def abort(self, request_ids: list[str]) -> None:
         """Best effort: a failure is logged (the engine may be gone)."""

@@ -16,10 +16,14 @@ import grpc
 from gridserve.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from gridserve.services.gateway.auth import ApiKeyInterceptor
 from gridserve.services.gateway.engine_client import EngineClient
+from gridserve.services.gateway.load_watcher import LoadWatcher
+from gridserve.services.gateway.observability import GatewayMetrics
 from gridserve.services.gateway.service import GatewayService
 from gridserve.services.gateway.servicer import GatewayServicer
 from gridserve.services.gateway.tokenizer import GatewayTokenizer
 from gridserve.shared.errors import EngineDeadError
+from gridserve.shared.observability.metrics import start_metrics_server
+from gridserve.shared.observability.tracing import Tracing
 from gridserve.shared.rpc.server import RpcServer
 
 logger = logging.getLogger(__name__)
@@ -29,7 +33,8 @@ SERVICE = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
 
 def serve(engine_addresses: list[str], host: str, port: int, grace_s: float = 10.0,
           connect_timeout_s: float = 600.0, served_model_name: Optional[str] = None,
-          api_key: Optional[str] = None) -> int:
+          api_key: Optional[str] = None, metrics_port: Optional[int] = None,
+          otlp_traces_endpoint: Optional[str] = None, coordinator: Optional[str] = None) -> int:
     interceptors = [ApiKeyInterceptor(api_key)] if api_key else []
     server = RpcServer(host, port, max_workers=512, grace_s=grace_s, interceptors=interceptors)
     gateway_id = f"gateway-{uuid.uuid4().hex[:8]}"
@@ -38,17 +43,37 @@ def serve(engine_addresses: list[str], host: str, port: int, grace_s: float = 10
         info = engines[0].info(timeout=connect_timeout_s)
     except grpc.RpcError as exc:
         raise EngineDeadError(f"cannot reach the engine at {engine_addresses[0]}: {exc.code().name}") from None
+    model_name = served_model_name or info.model
+    metrics = GatewayMetrics(model_name) if metrics_port is not None else None
+    tracing = Tracing.create("gridserve-gateway", otlp_traces_endpoint)
     service = GatewayService(GatewayTokenizer(info.tokenizer_path), engines, info.model,
-                             info.max_model_len, info.vocab_size, info.max_logprobs)
+                             info.max_model_len, info.vocab_size, info.max_logprobs, metrics, tracing)
+    metrics_server = None
+    if metrics is not None:
+        # The edge's GET /metrics shows these, with every engine's metrics merged in.
+        metrics.add_engines(lambda: [(e.metrics_url(), {"engine": str(i), "model_name": model_name})
+                                     for i, e in enumerate(engines)])
+        metrics_server = start_metrics_server(metrics.registry, host, metrics_port)
     for engine in engines:
         engine.on_state = lambda: server.set_serving(service.is_ready())
+    # DP > 1: route by the load every engine reports to the coordinator.
+    watcher = LoadWatcher(coordinator, gateway_id, service.router) if coordinator else None
     servicer = GatewayServicer(service, served_model_name)
     server.add_service(SERVICE, lambda s: gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, s))
-    server.on_drain = service.drain
+    def drain(timeout: float) -> None:
+        service.drain(timeout)
+        if tracing is not None:
+            tracing.shutdown()
+
+    server.on_drain = drain
     server.install_signal_handlers()
     server.start()
     server.set_serving(service.is_ready())
     logger.info("gateway %s on %s for %s%s", gateway_id, server.address, info.model,
                 " (API key required)" if api_key else "")
     server.wait()
+    if watcher is not None:
+        watcher.close()
+    if metrics_server is not None:
+        metrics_server.stop()
     return 0

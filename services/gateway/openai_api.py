@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import logging
 import time
-import uuid
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -346,19 +345,20 @@ class OpenAIApi:
             return HttpResponse(error.status, JSON, [error.body()])
 
     # ---- completions ------------------------------------------------------------------------
-    def completions(self, data: bytes, on_done: Callable) -> HttpResponse:
+    def completions(self, data: bytes, on_done: Callable, traceparent: str = "") -> HttpResponse:
         try:
             body = parse_body(data)
             self._check_model(body)
             prompts, params = completion_request(body)
+            rank = _get(body, "data_parallel_rank", (int,))  # vLLM's extension: pin an engine
             echo = bool(_get(body, "echo", (bool,), False))
             if _get(body, "stream", (bool,), False):
                 include_usage = bool((_get(body, "stream_options", (dict,), {}) or {}).get("include_usage"))
-                streams = [self.service.generate(p, params, "", on_done) for p in prompts]
+                streams = [self.service.generate(p, params, "", on_done, traceparent, rank) for p in prompts]
                 first = next(streams[0])  # validation errors surface here, before the status is sent
                 events = self._completion_events(prompts, streams, first, params, echo, include_usage)
                 return HttpResponse(200, SSE, with_inband_errors(events, lambda: _close(streams)))
-            outs = [self.service.complete(p, params, "", on_done) for p in prompts]
+            outs = [self.service.complete(p, params, "", on_done, traceparent, rank) for p in prompts]
             return HttpResponse(200, JSON, [_dumps(self._completion_body(prompts, outs, params, echo))])
         except Exception as exc:  # noqa: BLE001 - mapped to an OpenAI error or re-raised
             error = to_api_error(exc)
@@ -382,13 +382,13 @@ class OpenAIApi:
                     logprobs = completion_logprobs(c.logprobs, c.token_ids, len(prefix))
                 choices.append({"index": i * params.n + c.index, "text": prefix + c.text, "logprobs": logprobs,
                                 "finish_reason": _finish(c.finish_reason), "stop_reason": c.stop_reason})
-        return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+        return {"id": f"cmpl-{outs[0].request_id}", "object": "text_completion", "created": int(time.time()),
                 "model": self.model, "choices": choices, "usage": _usage(prompt_tokens, completion_tokens)}
 
     def _completion_events(self, prompts: list[PromptType], streams: list[Iterator[StreamChunk]],
                            first: StreamChunk, params: SamplingParams, echo: bool,
                            include_usage: bool) -> Iterator[bytes]:
-        base = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+        base = {"id": f"cmpl-{first.request_id}", "object": "text_completion", "created": int(time.time()),
                 "model": self.model}
         prompt_tokens = completion_tokens = 0
         for i, (prompt, stream) in enumerate(zip(prompts, streams)):
@@ -419,23 +419,24 @@ class OpenAIApi:
         yield DONE
 
     # ---- chat -------------------------------------------------------------------------------
-    def chat_completions(self, data: bytes, on_done: Callable) -> HttpResponse:
+    def chat_completions(self, data: bytes, on_done: Callable, traceparent: str = "") -> HttpResponse:
         try:
             body = parse_body(data)
             self._check_model(body)
             messages = chat_messages(body)
             params = chat_request(body)
+            rank = _get(body, "data_parallel_rank", (int,))
             template = _get(body, "chat_template", (str,))
             add_generation_prompt = _get(body, "add_generation_prompt", (bool,), True)
             prompt = self.service.chat_prompt(messages, template, add_generation_prompt)
             top_n = params.logprobs or 0
             if _get(body, "stream", (bool,), False):
                 include_usage = bool((_get(body, "stream_options", (dict,), {}) or {}).get("include_usage"))
-                stream = self.service.generate(prompt, params, "", on_done)
+                stream = self.service.generate(prompt, params, "", on_done, traceparent, rank)
                 first = next(stream)
-                events = self._chat_events(_chain(first, stream), params, top_n, include_usage)
+                events = self._chat_events(_chain(first, stream), params, top_n, include_usage, first.request_id)
                 return HttpResponse(200, SSE, with_inband_errors(events, lambda: _close([stream])))
-            out = self.service.complete(prompt, params, "", on_done)
+            out = self.service.complete(prompt, params, "", on_done, traceparent, rank)
             return HttpResponse(200, JSON, [_dumps(self._chat_body(out, params, top_n))])
         except Exception as exc:  # noqa: BLE001 - mapped to an OpenAI error or re-raised
             error = to_api_error(exc)
@@ -451,13 +452,13 @@ class OpenAIApi:
                             "logprobs": logprobs, "finish_reason": _finish(c.finish_reason),
                             "stop_reason": c.stop_reason})
         completion_tokens = sum(len(c.token_ids) for c in out.outputs)
-        return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+        return {"id": f"chatcmpl-{out.request_id}", "object": "chat.completion", "created": int(time.time()),
                 "model": self.model, "choices": choices,
                 "usage": _usage(len(out.prompt_token_ids), completion_tokens)}
 
     def _chat_events(self, chunks: Iterator[StreamChunk], params: SamplingParams, top_n: int,
-                     include_usage: bool) -> Iterator[bytes]:
-        base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk",
+                     include_usage: bool, request_id: str) -> Iterator[bytes]:
+        base = {"id": f"chatcmpl-{request_id}", "object": "chat.completion.chunk",
                 "created": int(time.time()), "model": self.model}
         extra = {"usage": None} if include_usage else {}
         yield sse({**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},

@@ -2,8 +2,8 @@
 
 Each engine's score is its queue depth and running count as last reported to the coordinator
 (``4 * waiting + running``, so a queued request weighs more than a running one), plus what this
-gateway itself sent it since that report (so a burst between two snapshots does not all land on
-the same engine), plus a penalty once its KV cache is more than half full. The lowest score wins;
+gateway itself sent it since that report and is still in flight (so a burst between two snapshots
+does not all land on the same engine), plus a penalty once its KV cache is more than half full. The lowest score wins;
 ties go to the first engine from a start index that rotates on every call. Without any report
 (no coordinator, DP = 1) the score is this gateway's own in-flight count per engine. An explicit
 ``data_parallel_rank`` on a request wins over the score.
@@ -31,10 +31,12 @@ class ReportedLoad:
 
 
 def engine_score(load: Optional[ReportedLoad], sent_since_report: int, in_flight: int) -> float:
-    """Lower is better. ``in_flight`` counts only when the engine has never reported."""
+    """Lower is better. Of the requests sent since the report only those still in flight count
+    (short ones may have come and gone between two reports); without any report, ``in_flight``."""
     if load is None:
         return float(in_flight)
-    score = WAITING_WEIGHT * (load.num_waiting + sent_since_report) + load.num_running
+    unseen = min(sent_since_report, in_flight)
+    score = WAITING_WEIGHT * (load.num_waiting + unseen) + load.num_running
     if load.kv_cache_usage > 0.5:
         score += KV_PENALTY * 2.0 * (load.kv_cache_usage - 0.5)
     return score

@@ -1,17 +1,16 @@
 """``GatewayService``: the gateway's request handling, free of protobuf.
 
 A request is validated and tokenized (``InputProcessor``), fanned out into ``n`` engine requests
-(``child_requests``), sent to an engine picked round-robin among the ready ones, and followed step by
-step: each engine batch goes through an ``OutputProcessor`` (incremental detokenization, stop
-strings, logprobs) and yields a ``StreamChunk`` with what every sample added. Text that might
-still turn out to be the start of a stop string is held back until it cannot. When the caller goes
-away (client cancel, deadline, error) before the end, the engine requests are aborted, which frees
-their KV blocks.
+(``child_requests``), sent to the engine the ``Router`` picks by load among the ready ones, and
+followed step by step: each engine batch goes through an ``OutputProcessor`` (incremental
+detokenization, stop strings, logprobs) and yields a ``StreamChunk`` with what every sample added.
+Text that might still turn out to be the start of a stop string is held back until it cannot. When
+the caller goes away (client cancel, deadline, error) before the end, the engine requests are
+aborted, which frees their KV blocks.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 import queue
 import threading
@@ -21,13 +20,16 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from gridserve.services.gateway.engine_client import EngineClient
+from gridserve.services.gateway.observability import GatewayMetrics, RequestObservation
 from gridserve.services.gateway.processor import (
     InputProcessor,
     OutputProcessor,
     PromptType,
     child_requests,
 )
+from gridserve.services.gateway.router import Router
 from gridserve.shared.errors import EngineDeadError
+from gridserve.shared.observability.tracing import Tracing
 from gridserve.shared.outputs import Logprob, RequestOutput
 from gridserve.shared.sampling_params import SamplingParams
 
@@ -72,16 +74,20 @@ class GatewayService:
     """Validation, tokenization, engine selection and streaming for every gateway RPC."""
 
     def __init__(self, tokenizer: Any, engines: list[EngineClient], model_name: str,
-                 max_model_len: int, vocab_size: int, max_logprobs: int) -> None:
+                 max_model_len: int, vocab_size: int, max_logprobs: int,
+                 metrics: Optional[GatewayMetrics] = None, tracing: Optional[Tracing] = None) -> None:
         self.tokenizer = tokenizer
         self.engines = engines
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.input_processor = InputProcessor(tokenizer, max_model_len, vocab_size, max_logprobs)
-        self._next_engine = itertools.count()
         self._in_flight = 0
         self._idle = threading.Condition()
         self.draining = False
+        self.router = Router(len(engines))
+        self.metrics = metrics
+        self.tracing = tracing
+        self._engine_labels = {id(e): str(i) for i, e in enumerate(engines)}  # index in --engines
 
     # ---- generation -----------------------------------------------------------------------------
     def generate(
@@ -90,15 +96,27 @@ class GatewayService:
         params: SamplingParams,
         request_id: str = "",
         on_done: Callable[[Callable[[], None]], Any] = lambda fn: None,
+        traceparent: str = "",
+        data_parallel_rank: Optional[int] = None,
     ) -> Iterator[StreamChunk]:
-        """Stream one request; ``on_done`` registers a callback run when the caller goes away."""
+        """Stream one request; ``on_done`` registers a callback run when the caller goes away;
+        ``traceparent`` (W3C) makes the request's spans part of the caller's trace."""
         if self.draining:
             raise EngineDeadError("the gateway is shutting down")
-        processed = self.input_processor.process(prompt, params)
+        client_id = request_id
         request_id = request_id or uuid.uuid4().hex
-        parent_id = uuid.uuid4().hex  # engine-side ids stay unique whatever the client sends
+        # Engine-side ids stay unique whatever the client sends; a gateway-made id is used as is, so
+        # the id the client sees is the one in every role's logs and spans.
+        parent_id = uuid.uuid4().hex if client_id else request_id
+        observation = RequestObservation(request_id, traceparent, self.metrics, self.tracing)
+        try:
+            with observation.phase("validate_and_tokenize"):
+                processed = self.input_processor.process(prompt, params)
+            engine = self._pick_engine(data_parallel_rank)
+        except Exception as exc:
+            observation.end({}, 0, exc)
+            raise
         engine_ids = child_requests(parent_id, processed.sampling_params)
-        engine = self._pick_engine()
         processor = OutputProcessor(self.tokenizer)
         processor.add_request(parent_id, processed, engine_ids)
         samples = processor.parents[parent_id].samples
@@ -108,34 +126,46 @@ class GatewayService:
             engine.register(child_id, outputs)
         sent = {child_id: _SentState() for child_id, _, _ in engine_ids}
         self._enter()
-        finished = False
+        observation.on_engine(self._engine_labels.get(id(engine), engine.address))
+        finished, error = False, None
         try:
-            for child_id, _, child_params in engine_ids:
-                engine.add_request(child_id, processed.prompt_token_ids, child_params)
-            while not finished:
-                item = outputs.get()
-                if item is _CANCELLED:
-                    return
-                if isinstance(item, Exception):
-                    raise item
-                done, to_abort = processor.process_outputs([item])
-                if to_abort:
-                    engine.abort(to_abort)
-                finished = bool(done)
-                deltas = [_delta(samples[c], sent[c]) for c in sent]
-                yield StreamChunk(request_id, [d for d in deltas if d is not None],
-                                  len(processed.prompt_token_ids), done[0] if done else None)
+            with observation.phase("generate_and_detokenize"):
+                for child_id, _, child_params in engine_ids:
+                    engine.add_request(child_id, processed.prompt_token_ids, child_params,
+                                       parent_request_id=request_id, traceparent=observation.traceparent)
+                while not finished:
+                    item = outputs.get()
+                    if item is _CANCELLED:
+                        return
+                    if isinstance(item, Exception):
+                        raise item
+                    observation.on_output(item)
+                    done, to_abort = processor.process_outputs([item])
+                    if to_abort:
+                        engine.abort(to_abort)
+                    sample = samples.get(item.request_id)
+                    if sample is not None and sample.finish_reason is not None and not sent[item.request_id].finished:
+                        observation.on_sample_finished(sample.finish_reason)
+                    finished = bool(done)
+                    deltas = [_delta(samples[c], sent[c]) for c in sent]
+                    yield StreamChunk(request_id, [d for d in deltas if d is not None],
+                                      len(processed.prompt_token_ids), done[0] if done else None)
+        except BaseException as exc:
+            error = exc if not isinstance(exc, GeneratorExit) else None
+            raise
         finally:
             for child_id in sent:
                 engine.unregister(child_id)
             if not finished:
                 engine.abort(list(sent))
             self._exit()
+            observation.end(samples, len(processed.prompt_token_ids), error)
 
     def complete(self, prompt: PromptType, params: SamplingParams, request_id: str = "",
-                 on_done: Callable[[Callable[[], None]], Any] = lambda fn: None) -> RequestOutput:
+                 on_done: Callable[[Callable[[], None]], Any] = lambda fn: None,
+                 traceparent: str = "", data_parallel_rank: Optional[int] = None) -> RequestOutput:
         final = None
-        for chunk in self.generate(prompt, params, request_id, on_done):
+        for chunk in self.generate(prompt, params, request_id, on_done, traceparent, data_parallel_rank):
             final = chunk.final or final
         if final is None:
             raise EngineDeadError("the request ended without a result")
@@ -149,11 +179,11 @@ class GatewayService:
         return {"prompt_token_ids": list(ids)}
 
     # ---- engines and draining -------------------------------------------------------------------
-    def _pick_engine(self) -> EngineClient:
-        ready = [e for e in self.engines if e.ready.is_set()]
-        if not ready:
-            raise EngineDeadError("no engine is available")
-        return ready[next(self._next_engine) % len(ready)]
+    def _pick_engine(self, data_parallel_rank: Optional[int] = None) -> EngineClient:
+        """The engine for a new request: the ``Router``'s choice by load (or the explicit rank)."""
+        ready = [e.ready.is_set() for e in self.engines]
+        in_flight = [e.num_in_flight for e in self.engines]
+        return self.engines[self.router.choose(ready, in_flight, data_parallel_rank)]
 
     def is_ready(self) -> bool:
         return not self.draining and any(e.ready.is_set() for e in self.engines)

@@ -22,6 +22,7 @@ from gridserve.services.gateway.convert import (
 from gridserve.services.gateway.openai_api import HttpResponse, OpenAIApi
 from gridserve.services.gateway.service import GatewayService
 from gridserve.shared.errors import InvalidArgumentError
+from gridserve.shared.observability.tracing import traceparent_from_metadata
 from gridserve.shared.rpc.convert import sampling_params_from_pb
 
 logger = logging.getLogger(__name__)
@@ -39,13 +40,15 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     ) -> Iterator[gateway_pb2.GenerateResponse]:
         params = sampling_params_from_pb(request.sampling_params)
         request_id = request.request_id or uuid.uuid4().hex
-        for chunk in self.service.generate(prompt_from_pb(request), params, request_id, context.add_callback):
+        for chunk in self.service.generate(prompt_from_pb(request), params, request_id, context.add_callback,
+                                           self._traceparent(context), _dp_rank(request)):
             yield from chunk_to_pb(chunk)
 
     def Complete(self, request: gateway_pb2.CompleteRequest, context: grpc.ServicerContext):
         params = sampling_params_from_pb(request.sampling_params)
         request_id = request.request_id or uuid.uuid4().hex
-        out = self.service.complete(prompt_from_pb(request), params, request_id, context.add_callback)
+        out = self.service.complete(prompt_from_pb(request), params, request_id, context.add_callback,
+                                    self._traceparent(context), _dp_rank(request))
         return completion_to_pb(request_id, out)
 
     def Chat(self, request: gateway_pb2.ChatRequest, context: grpc.ServicerContext):
@@ -58,8 +61,15 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             request.add_generation_prompt if request.HasField("add_generation_prompt") else True,
         )
         request_id = request.request_id or uuid.uuid4().hex
-        out = self.service.complete(prompt, params, request_id, context.add_callback)
+        out = self.service.complete(prompt, params, request_id, context.add_callback, self._traceparent(context),
+                                    _dp_rank(request))
         return chat_to_pb(request_id, out)
+
+    def _traceparent(self, context: grpc.ServicerContext) -> str:
+        """The caller's W3C trace context (gRPC metadata; Envoy passes the HTTP header), tracing on."""
+        if self.service.tracing is None:
+            return ""
+        return traceparent_from_metadata(context.invocation_metadata())
 
     def Tokenize(self, request: gateway_pb2.TokenizeRequest, context: grpc.ServicerContext):
         add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
@@ -80,10 +90,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         return _unary(self.openai.models(), context)
 
     def OpenAICompletions(self, request: httpbody_pb2.HttpBody, context: grpc.ServicerContext):
-        yield from _stream(self.openai.completions(request.data, context.add_callback), context)
+        yield from _stream(self.openai.completions(request.data, context.add_callback, self._traceparent(context)),
+                           context)
 
     def OpenAIChatCompletions(self, request: httpbody_pb2.HttpBody, context: grpc.ServicerContext):
-        yield from _stream(self.openai.chat_completions(request.data, context.add_callback), context)
+        yield from _stream(self.openai.chat_completions(request.data, context.add_callback,
+                                                        self._traceparent(context)), context)
 
     def OpenAITokenize(self, request: httpbody_pb2.HttpBody, context: grpc.ServicerContext):
         return _unary(self.openai.tokenize(request.data), context)
@@ -96,6 +108,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
     def OpenAIVersion(self, request: httpbody_pb2.HttpBody, context: grpc.ServicerContext):
         return _unary(self.openai.version_info(), context)
+
+
+def _dp_rank(request) -> Optional[int]:
+    return request.data_parallel_rank if request.HasField("data_parallel_rank") else None
 
 
 def _send_status(response: HttpResponse, context: grpc.ServicerContext) -> None:

@@ -1,11 +1,19 @@
-"""Builds a model from its config and fills it with the checkpoint's weights."""
+"""Builds a model from its config and fills it with the checkpoint's weights.
+
+The model is built on the meta device (each tensor-parallel rank builds only its shard), moved to
+the device uninitialised, and filled by its ``load_weights`` from lazily read checkpoint tensors:
+a sharded layer reads only its slice, and ``LoadReport`` records how much of each tensor was read.
+"""
 
 from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterator
+import math
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Optional
 
 import torch
 from torch import nn
@@ -19,8 +27,65 @@ logger = logging.getLogger(__name__)
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def iterate_weights(model_path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(name, tensor)`` from ``*.safetensors`` (sharded or not) or ``pytorch_model*.bin``."""
+class CheckpointTensor:
+    """One checkpoint tensor, read lazily: a tensor-parallel layer reads only its rows or columns.
+
+    Backed by a safetensors slice (``safe_open(...).get_slice``: only the requested bytes are read)
+    or by an already-loaded tensor (``pytorch_model.bin``). Every read is recorded in ``report``.
+    """
+
+    def __init__(self, name: str, shape: tuple[int, ...], read: Callable[[tuple], torch.Tensor],
+                 report: LoadReport) -> None:
+        self.name = name
+        self.shape = shape
+        self._read = read
+        self._report = report
+
+    def full(self) -> torch.Tensor:
+        return self._take(tuple(slice(None) for _ in self.shape))
+
+    def rows(self, start: int, end: int) -> torch.Tensor:
+        """``tensor[start:end]`` (dim 0)."""
+        return self._take((slice(start, end),) + tuple(slice(None) for _ in self.shape[1:]))
+
+    def cols(self, start: int, end: int) -> torch.Tensor:
+        """``tensor[:, start:end]`` (dim 1)."""
+        return self._take((slice(None), slice(start, end)))
+
+    def narrow(self, dim: int, start: int, end: int) -> torch.Tensor:
+        """``start:end`` along ``dim``, whole along the others (a TP slice of stacked expert weights)."""
+        return self._take(tuple(slice(start, end) if d == dim else slice(None) for d in range(len(self.shape))))
+
+    def _take(self, index: tuple) -> torch.Tensor:
+        tensor = self._read(index)
+        self._report.record(self.name, tensor.numel(), math.prod(self.shape))
+        return tensor
+
+
+@dataclass
+class LoadReport:
+    """Elements read of every checkpoint tensor: proof that a rank read only its shards."""
+
+    read: dict[str, tuple[int, int]] = field(default_factory=dict)  # name -> (elements read, total)
+
+    def record(self, name: str, elements: int, total: int) -> None:
+        done, _ = self.read.get(name, (0, total))
+        self.read[name] = (done + elements, total)
+
+    def fraction(self, name: str) -> float:
+        done, total = self.read[name]
+        return done / total if total else 1.0
+
+    def max_fraction(self, names: Iterable[str]) -> float:
+        return max((self.fraction(n) for n in names), default=0.0)
+
+
+def iterate_weights(model_path: str | Path, report: Optional[LoadReport] = None) -> Iterator[tuple[str, CheckpointTensor]]:
+    """Yield ``(name, CheckpointTensor)`` from ``*.safetensors`` (sharded or not) or ``pytorch_model*.bin``.
+
+    A yielded tensor is readable until the next one is requested (its file stays open till then).
+    """
+    report = report if report is not None else LoadReport()
     folder = Path(model_path)
     index = folder / "model.safetensors.index.json"
     if index.is_file():
@@ -35,14 +100,16 @@ def iterate_weights(model_path: str | Path) -> Iterator[tuple[str, torch.Tensor]
         for file in st_files:
             with safe_open(str(file), framework="pt", device="cpu") as f:
                 for name in f.keys():
-                    yield name, f.get_tensor(name)
+                    sliced = f.get_slice(name)
+                    yield name, CheckpointTensor(name, tuple(sliced.get_shape()), sliced.__getitem__, report)
         return
     bin_files = sorted(folder.glob("pytorch_model*.bin"))
     if not bin_files:
         raise ModelNotFoundError(f"no *.safetensors or pytorch_model*.bin weights in {str(folder)!r}")
     for file in bin_files:
         state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
-        yield from state.items()
+        for name, tensor in state.items():
+            yield name, CheckpointTensor(name, tuple(tensor.shape), tensor.__getitem__, report)
 
 
 def load_model(config: GridserveConfig, device: torch.device) -> nn.Module:
@@ -52,15 +119,22 @@ def load_model(config: GridserveConfig, device: torch.device) -> nn.Module:
     with torch.device("meta"):
         model = model_class(config=config)
     model = model.to_empty(device=device).to(dtype)
-    loaded = model.load_weights(iterate_weights(config.model.model_path))
+    report = LoadReport()
+    loaded = model.load_weights(iterate_weights(config.model.model_path, report))
     missing = {name for name, _ in model.named_parameters()} - loaded
     if missing:
         raise ModelNotFoundError(
             f"checkpoint {config.model.model_path!r} lacks weights for: {', '.join(sorted(missing)[:8])}"
         )
     _reset_non_persistent(model, device)
-    logger.info("loaded %s (%s) on %s", config.model.architecture, config.model.resolved_dtype, device)
+    model.load_report = report
+    logger.info("loaded %s (%s) on %s: %.1f MiB of parameters", config.model.architecture,
+                config.model.resolved_dtype, device, parameter_bytes(model) / 2**20)
     return model.eval()
+
+
+def parameter_bytes(model: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
 def _reset_non_persistent(model: nn.Module, device: torch.device) -> None:

@@ -1,14 +1,22 @@
 """Entry point of the worker role: ``gridserve worker --port PORT``.
 
 The worker is NOT_SERVING until an engine has loaded the model and allocated the KV cache
-through ``CollectiveRPC``; it stays up for that engine until SIGTERM.
+through ``CollectiveRPC``; it stays up for that engine until SIGTERM. A worker of a tensor /
+pipeline parallel group exits when its engine's stream ends (its process group cannot be reused).
 """
 
 from __future__ import annotations
 
 import logging
+import os
+from typing import Optional
 
+from prometheus_client import CollectorRegistry
+
+from gridserve.services.worker.observability import WorkerObserver
 from gridserve.services.worker.servicer import WorkerServicer
+from gridserve.shared.observability.metrics import start_metrics_server
+from gridserve.shared.observability.tracing import Tracing
 from gridserve.shared.rpc.server import RpcServer
 from gridserve.worker.v1 import worker_pb2, worker_pb2_grpc
 
@@ -17,12 +25,25 @@ logger = logging.getLogger(__name__)
 SERVICE = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
 
 
-def serve(host: str, port: int) -> int:
+def serve(host: str, port: int, *, metrics_port: Optional[int] = None,
+          otlp_traces_endpoint: Optional[str] = None) -> int:
+    registry = CollectorRegistry(auto_describe=False) if metrics_port is not None else None
+    metrics_server = start_metrics_server(registry, host, metrics_port) if registry is not None else None
+    observer = WorkerObserver(registry, Tracing.create("gridserve-worker", otlp_traces_endpoint))
     server = RpcServer(host, port, max_workers=8)
-    servicer = WorkerServicer(on_ready=server.set_serving)
+    servicer = WorkerServicer(on_ready=server.set_serving, on_orphaned=_exit, observer=observer)
     server.add_service(SERVICE, lambda s: worker_pb2_grpc.add_WorkerServicer_to_server(servicer, s))
     server.install_signal_handlers()
     server.start()
     server.wait()
+    observer.shutdown()
+    if metrics_server is not None:
+        metrics_server.stop()
     logger.info("worker stopped")
     return 0
+
+
+def _exit(code: int) -> None:
+    """Leave at once: a rank whose group is gone may be blocked in a collective that never returns."""
+    logging.shutdown()
+    os._exit(code)

@@ -16,6 +16,7 @@ import torch
 
 from gridserve.services.worker.attention import AttentionMetadata
 from gridserve.services.worker.loader import TORCH_DTYPES, load_model
+from gridserve.services.worker.parallel_state import get_parallel_state
 from gridserve.services.worker.sampler import (
     Penalties,
     Sampler,
@@ -75,20 +76,27 @@ class ModelRunner:
         self.model: Optional[torch.nn.Module] = None
         self.kv_caches: list[torch.Tensor] = []
         self.structured_output: Optional[StructuredOutputManager] = None  # built on first use
+        self.parallel = get_parallel_state()
+        # The rank that samples and answers the engine: TP rank 0 of the last pipeline stage.
+        self.is_driver = self.parallel.layout.is_output_rank
+        # With one stage every rank keeps its own samples (TP ranks get the driver's by broadcast);
+        # with several, the last stage samples and the engine sends the tokens to every stage.
+        self.keeps_own_samples = self.parallel.pp_size == 1
 
     # ---- setup -------------------------------------------------------------------------
     def load_model(self) -> None:
         self.model = load_model(self.config, self.device)
 
-    def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
-        m = self.config.model
-        return (2, num_blocks, self.block_size, m.num_kv_heads, m.head_dim)
+    def kv_cache_shape(self, num_blocks: int, layer) -> tuple[int, ...]:
+        """One layer's KV tensor: only the KV heads this rank holds."""
+        return (2, num_blocks, self.block_size, layer.num_kv_heads, layer.head_size)
 
     def initialize_cache(self, num_blocks: int) -> None:
-        """Allocate one KV tensor per layer and bind it to that layer's attention."""
+        """Allocate one KV tensor per layer of this stage and bind it to that layer's attention."""
         layers = self.model.attention_layers()
         self.kv_caches = [
-            torch.zeros(self.kv_cache_shape(num_blocks), dtype=self.dtype, device=self.device) for _ in layers
+            torch.zeros(self.kv_cache_shape(num_blocks, layer), dtype=self.dtype, device=self.device)
+            for layer in layers
         ]
         for layer, cache in zip(layers, self.kv_caches):
             layer.kv_cache = cache
@@ -103,23 +111,32 @@ class ModelRunner:
 
     # ---- one step ----------------------------------------------------------------------
     @torch.inference_mode()
-    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, sched: SchedulerOutput) -> Optional[ModelRunnerOutput]:
+        """One step; the samples on the driver rank, ``None`` on every other rank."""
         self._update_states(sched)
         if sched.is_empty:
-            return ModelRunnerOutput()
+            return ModelRunnerOutput() if self.is_driver else None
         inputs = self._prepare_inputs(sched)
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+        hidden = self._forward(inputs)
+        if hidden is None:  # not the last pipeline stage: the activations went to the next one
+            return None
         prompt_logprobs = self._prompt_logprobs(sched, inputs, hidden)
         if not inputs.sampling_req_ids:
-            return ModelRunnerOutput(prompt_logprobs=prompt_logprobs)
+            return ModelRunnerOutput(prompt_logprobs=prompt_logprobs) if self.is_driver else None
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        if logits is None:  # a TP rank other than the first: the driver samples
+            if self.keeps_own_samples:
+                self._append_samples(inputs.sampling_req_ids, self._receive_samples(len(inputs.sampling_req_ids)))
+            return None
         if self.structured_output is not None and self.structured_output.has_requests:
             self.structured_output.apply_bitmask(logits, inputs.sampling_req_ids)
         meta = self._sampling_metadata(inputs.sampling_req_ids, logits.shape[-1])
         sampled, logprobs = self.sampler(logits, meta)
+        if self.keeps_own_samples:
+            self.parallel.broadcast_from_first(sampled.to(torch.int64))
         tokens = sampled.tolist()
-        for req_id, token in zip(inputs.sampling_req_ids, tokens):
-            self.requests[req_id].token_ids.append(token)
+        if self.keeps_own_samples:
+            self._append_samples(inputs.sampling_req_ids, tokens)
         if self.structured_output is not None and self.structured_output.has_requests:
             self.structured_output.accept_tokens(inputs.sampling_req_ids, tokens)
         return ModelRunnerOutput(
@@ -128,6 +145,29 @@ class ModelRunner:
             logprobs=logprobs or [None] * len(tokens),
             prompt_logprobs=prompt_logprobs,
         )
+
+    def _forward(self, inputs: StepInputs) -> Optional[torch.Tensor]:
+        """Run this stage's layers: activations in from the previous stage, out to the next one."""
+        if self.parallel.pp_size == 1:
+            return self.model(inputs.input_ids, inputs.positions, inputs.meta)
+        layout = self.parallel.layout
+        intermediate = None
+        if not layout.is_first_stage:
+            shape = (inputs.input_ids.shape[0], int(self.config.model.hf_config["hidden_size"]))
+            intermediate = tuple(self.parallel.recv_from_prev_stage([shape, shape], self.dtype, self.device))
+        out = self.model(inputs.input_ids, inputs.positions, inputs.meta, intermediate)
+        if layout.is_last_stage:
+            return out
+        self.parallel.send_to_next_stage(list(out))
+        return None
+
+    def _receive_samples(self, n: int) -> list[int]:
+        tokens = torch.empty(n, dtype=torch.int64, device=self.device)
+        return self.parallel.broadcast_from_first(tokens).tolist()
+
+    def _append_samples(self, req_ids: list[str], tokens: list[int]) -> None:
+        for req_id, token in zip(req_ids, tokens):
+            self.requests[req_id].token_ids.append(token)
 
     def _structured_output_manager(self) -> StructuredOutputManager:
         """The grammar-mask manager, built (with the tokenizer) when the first structured request arrives."""
@@ -166,7 +206,7 @@ class ModelRunner:
             if generator is not None and new.output_token_ids:
                 _advance(generator, len(new.output_token_ids), self.config.model.vocab_size, self.device)
             self.requests[new.req_id] = state
-            if params.structured_outputs is not None:
+            if params.structured_outputs is not None and self.is_driver:
                 self._structured_output_manager().add_request(
                     new.req_id, params.structured_outputs, new.output_token_ids
                 )
@@ -174,6 +214,7 @@ class ModelRunner:
             state = self.requests[cached.req_id]
             state.block_ids.extend(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
+            state.token_ids.extend(cached.new_token_ids)
 
     def _prepare_inputs(self, sched: SchedulerOutput) -> StepInputs:
         req_ids = list(sched.num_scheduled_tokens)
@@ -279,7 +320,10 @@ class ModelRunner:
             if k is None or start >= end:
                 continue
             first_row = inputs.row_starts[i]
-            logits = self.model.compute_logits(hidden[first_row : first_row + end - start]).float()
+            logits = self.model.compute_logits(hidden[first_row : first_row + end - start])
+            if logits is None:  # a TP rank other than the first (it still joined the gather)
+                continue
+            logits = logits.float()
             targets = torch.tensor(state.token_ids[start + 1 : end + 1], dtype=torch.int64, device=self.device)
             entries = gather_logprobs(torch.log_softmax(logits, dim=-1), targets, max(k, 1))
             result[req_id] = [trim_logprobs(e, k) for e in entries]

@@ -14,6 +14,7 @@ from typing import Optional
 
 import grpc
 
+from gridserve.services.worker.observability import WorkerObserver
 from gridserve.services.worker.worker import Worker
 from gridserve.shared.errors import FailedPreconditionError
 from gridserve.shared.rpc.worker_convert import (
@@ -29,9 +30,14 @@ logger = logging.getLogger(__name__)
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     """Serves one engine's call stream; ``on_ready`` reports whether the worker can serve."""
 
-    def __init__(self, on_ready: Callable[[bool], None]) -> None:
+    def __init__(self, on_ready: Callable[[bool], None],
+                 on_orphaned: Optional[Callable[[int], None]] = None,
+                 observer: Optional[WorkerObserver] = None) -> None:
         self.worker: Optional[Worker] = None
+        self.observer = observer if observer is not None and observer.enabled else None  # metrics / spans
         self.on_ready = on_ready
+        self.on_orphaned = on_orphaned
+        self._shut_down = False
         self._lock = threading.Lock()  # one engine stream drives the worker at a time
         self._loaded = False
 
@@ -40,6 +46,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     ) -> Iterator[worker_pb2.CollectiveRPCResponse]:
         if not self._lock.acquire(blocking=False):
             raise FailedPreconditionError("another engine already drives this worker")
+        context.add_callback(self._stream_ended)
         try:
             for request in request_iterator:
                 yield self._call(request)
@@ -49,6 +56,15 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             logger.info("engine stream closed")  # the engine went away (shutdown or failure)
         finally:
             self._lock.release()
+
+    def _stream_ended(self) -> None:
+        """A worker of a parallel group belongs to one engine session: when its stream ends (the
+        engine shut down, failed, or gave up on the group) it exits, even out of a stuck collective."""
+        if self.worker is None or self.worker.world_size == 1 or self.on_orphaned is None:
+            return
+        logger.warning("engine stream of rank %d ended%s: exiting", self.worker.rank,
+                       "" if self._shut_down else " without shutdown")
+        self.on_orphaned(0 if self._shut_down else 1)
 
     def _call(self, request: worker_pb2.CollectiveRPCRequest) -> worker_pb2.CollectiveRPCResponse:
         response = worker_pb2.CollectiveRPCResponse(call_id=request.call_id)
@@ -64,15 +80,24 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     def _dispatch(self, method: Optional[str], args, response: worker_pb2.CollectiveRPCResponse) -> None:
         if method == "init_device":
-            self.worker = Worker(config_from_pb(args.config), rank=args.rank, local_rank=args.local_rank)
+            self.worker = Worker(config_from_pb(args.config), rank=args.rank, local_rank=args.local_rank,
+                                 distributed_init_address=args.distributed_init_address)
+            if args.world_size and args.world_size != self.worker.world_size:
+                raise FailedPreconditionError(
+                    f"world size {args.world_size} disagrees with the config's {self.worker.world_size}")
             self.worker.init_device()
             return
         if self.worker is None:
             raise FailedPreconditionError(f"{method} before init_device")
         worker = self.worker
         if method == "execute_model":
-            out = worker.execute_model(scheduler_output_from_pb(args.scheduler_output))
-            response.model_runner_output.CopyFrom(runner_output_to_pb(out))
+            plan = scheduler_output_from_pb(args.scheduler_output)
+            if self.observer is None:
+                out = worker.execute_model(plan)
+            else:
+                out = self.observer.execute(worker.execute_model, plan, worker.rank)
+            if out is not None:  # other ranks answer with an empty ack
+                response.model_runner_output.CopyFrom(runner_output_to_pb(out))
         elif method == "determine_available_memory":
             response.available_memory_bytes = worker.determine_available_memory()
         elif method == "load_model":
@@ -88,6 +113,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         elif method == "wake_up":
             worker.wake_up(list(args.tags) or None)
         elif method == "shutdown":
+            self._shut_down = True
             self.on_ready(False)
             worker.shutdown()
         else:

@@ -1,5 +1,8 @@
 """Worker: one device. Sets it up, measures the memory left for the KV cache, owns the ModelRunner.
 
+A worker of a tensor / pipeline parallel group joins its peers' torch.distributed rendezvous in
+``init_device`` (NCCL on CUDA, gloo on CPU) before the model is built, so each rank builds its shard.
+
 The executor (in-process or over gRPC) calls these methods by name; each is one entry of the
 worker's fixed method allow-list.
 """
@@ -14,7 +17,14 @@ from typing import Optional
 import torch
 
 from gridserve.services.worker.model_runner import ModelRunner
+from gridserve.services.worker.parallel_state import (
+    ParallelState,
+    init_distributed,
+    set_parallel_state,
+)
 from gridserve.shared.config import GridserveConfig
+from gridserve.shared.errors import ConfigError
+from gridserve.shared.parallel import RankLayout
 from gridserve.shared.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -44,10 +54,14 @@ def keep_large_allocations() -> None:
 class Worker:
     """Device setup, memory profiling and sleep / wake-up around one ``ModelRunner``."""
 
-    def __init__(self, config: GridserveConfig, rank: int = 0, local_rank: int = 0) -> None:
+    def __init__(self, config: GridserveConfig, rank: int = 0, local_rank: int = 0,
+                 distributed_init_address: str = "") -> None:
         self.config = config
         self.rank = rank
         self.local_rank = local_rank
+        p = config.parallel
+        self.layout = RankLayout(rank, p.tensor_parallel_size, p.pipeline_parallel_size)
+        self.distributed_init_address = distributed_init_address
         self.device: Optional[torch.device] = None
         self.runner: Optional[ModelRunner] = None
         self.num_blocks = 0
@@ -66,8 +80,18 @@ class Worker:
             torch.set_num_threads(threads)
             if os.environ.get("GRIDSERVE_CPU_MALLOC_TUNING", "1") != "0":
                 keep_large_allocations()
+        if self.layout.world_size > 1:
+            if not self.distributed_init_address:
+                raise ConfigError("parallel.distributed_init_address", "workers of a group need a rendezvous address")
+            init_distributed(self.layout, self.distributed_init_address, self.device)
+        else:
+            set_parallel_state(ParallelState.single())
         torch.manual_seed(self.config.model.seed)
         self.runner = ModelRunner(self.config, self.device)
+
+    @property
+    def world_size(self) -> int:
+        return self.layout.world_size
 
     def load_model(self) -> None:
         self.runner.load_model()
@@ -108,7 +132,8 @@ class Worker:
         self.num_blocks = num_blocks
         self.runner.initialize_cache(num_blocks)
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, scheduler_output: SchedulerOutput) -> Optional[ModelRunnerOutput]:
+        """The step's samples on the output rank; ``None`` (an empty ack) on every other rank."""
         return self.runner.execute_model(scheduler_output)
 
     def check_health(self) -> None:

@@ -86,12 +86,14 @@ def scheduler_output_to_pb(out: SchedulerOutput) -> worker_pb2.SchedulerOutput:
                 block_ids=r.block_ids,
                 num_computed_tokens=r.num_computed_tokens,
                 output_token_ids=r.output_token_ids,
+                traceparent=r.traceparent,
             )
             for r in out.scheduled_new_reqs
         ],
         scheduled_cached_reqs=[
             worker_pb2.CachedRequestData(
-                req_id=r.req_id, new_block_ids=r.new_block_ids, num_computed_tokens=r.num_computed_tokens
+                req_id=r.req_id, new_block_ids=r.new_block_ids, num_computed_tokens=r.num_computed_tokens,
+                new_token_ids=r.new_token_ids,
             )
             for r in out.scheduled_cached_reqs
         ],
@@ -111,17 +113,31 @@ def scheduler_output_from_pb(msg: worker_pb2.SchedulerOutput) -> SchedulerOutput
                 block_ids=list(r.block_ids),
                 num_computed_tokens=r.num_computed_tokens,
                 output_token_ids=list(r.output_token_ids),
+                traceparent=r.traceparent,
             )
             for r in msg.scheduled_new_reqs
         ],
         scheduled_cached_reqs=[
-            CachedRequestData(r.req_id, list(r.new_block_ids), r.num_computed_tokens)
+            CachedRequestData(r.req_id, list(r.new_block_ids), r.num_computed_tokens, list(r.new_token_ids))
             for r in msg.scheduled_cached_reqs
         ],
-        num_scheduled_tokens=dict(msg.num_scheduled_tokens),
+        num_scheduled_tokens=_in_plan_order(msg),
         total_num_scheduled_tokens=msg.total_num_scheduled_tokens,
         finished_req_ids=set(msg.finished_req_ids),
     )
+
+
+def _in_plan_order(msg: worker_pb2.SchedulerOutput) -> dict[str, int]:
+    """``num_scheduled_tokens`` in the scheduler's order (running, then new requests).
+
+    A protobuf map has no order (it differs between processes), but every tensor-parallel rank
+    must pack the batch, and pair the driver's samples with requests, in the same order.
+    """
+    counts = dict(msg.num_scheduled_tokens)
+    ordered = [r.req_id for r in msg.scheduled_cached_reqs] + [r.req_id for r in msg.scheduled_new_reqs]
+    plan = {req_id: counts.pop(req_id) for req_id in ordered if req_id in counts}
+    plan.update(sorted(counts.items()))
+    return plan
 
 
 # ---- model runner output ------------------------------------------------------------------------

@@ -23,11 +23,13 @@ ENGINE_ARGS = ["--kv-cache-memory-bytes", str(KV_BYTES), "--max-num-seqs", "128"
 
 @contextlib.contextmanager
 def deployment(model: Path, log_dir: Path, grace_s: float = 5.0, edge_port: Optional[int] = None,
-               api_server_count: int = 1, **launcher_kwargs) -> Iterator[Launcher]:
+               api_server_count: int = 1, engine_args: Optional[list[str]] = None,
+               **launcher_kwargs) -> Iterator[Launcher]:
     """Worker, engine and gateway processes (and the Envoy edge on ``edge_port`` if given); always
     stopped (process groups killed) on exit. Other keywords go to ``Launcher`` (``api_key``, ...)."""
-    launcher = Launcher(str(model), ENGINE_ARGS, log_dir=log_dir, grace_s=grace_s, edge_port=edge_port,
-                        api_server_count=api_server_count, **launcher_kwargs)
+    launcher = Launcher(str(model), ENGINE_ARGS if engine_args is None else engine_args, log_dir=log_dir,
+                        grace_s=grace_s, edge_port=edge_port, api_server_count=api_server_count,
+                        **launcher_kwargs)
     try:
         launcher.start()
         yield launcher

@@ -12,6 +12,7 @@ import pytest
 from gridserve.coordinator.v1 import coordinator_pb2
 from gridserve.services.coordinator.load_table import LoadTable
 from gridserve.services.coordinator.servicer import CoordinatorServicer
+from gridserve.services.coordinator.waves import Waves
 from gridserve.services.engine.load_reporter import LoadReporter
 from gridserve.services.gateway.load_watcher import LoadWatcher
 from gridserve.services.gateway.router import ReportedLoad, Router
@@ -37,7 +38,8 @@ def coordinator():
     from gridserve.coordinator.v1 import coordinator_pb2_grpc
 
     server = RpcServer("127.0.0.1", 0, max_workers=16, grace_s=1.0)
-    servicer = CoordinatorServicer(LoadTable())
+    table = LoadTable()
+    servicer = CoordinatorServicer(table, Waves(2, on_change=table.bump))
     name = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name
     server.add_service(name, lambda s: coordinator_pb2_grpc.add_CoordinatorServicer_to_server(servicer, s))
     server.on_drain = lambda timeout: servicer.stopping.set()
@@ -71,11 +73,11 @@ def test_reports_reach_the_gateways_router_promptly_and_a_silent_engine_leaves(c
         _wait(lambda: router._reported[0] == ReportedLoad(7, 30, 0.75))
         assert time.monotonic() - start < 1.0
         assert router.choose([True, True], [0, 0]) == 1  # the loaded engine is avoided
-        version, _, table = servicer.table.snapshot()
+        version, table = servicer.table.snapshot()
         assert [x.dp_rank for x in table] == [0, 1] and table[0].address == "127.0.0.1:9000"
         reporters[0].close()  # engine 0 goes away: its stream ends, the coordinator forgets it
         _wait(lambda: router._reported[0] is None)
-        assert [x.dp_rank for x in servicer.table.snapshot()[2]] == [1]
+        assert [x.dp_rank for x in servicer.table.snapshot()[1]] == [1]
         assert watcher.snapshots >= 2
     finally:
         for reporter in reporters:

@@ -121,7 +121,7 @@ def _stream_one(address: str, i: int, max_tokens: int) -> tuple[str, int]:
         conn.request("POST", "/v1/completions", json.dumps(body), headers)
         resp = conn.getresponse()
         if resp.status != 200:
-            return f"error: HTTP {resp.status}", 0
+            return f"error: HTTP {resp.status}: {resp.read()[:300]!r}", 0
         for raw in resp:
             line = raw.decode().strip()
             if line == "data: [DONE]":
@@ -174,3 +174,20 @@ def test_killing_a_replica_mid_run_loses_no_new_request(edge):
     # Streams on the killed replica end (cut off, not hung); those on the other one complete.
     assert sum(r[0] == "ok" for r in in_flight) >= len(in_flight) // 4
     assert elapsed < 120
+
+
+def test_503_openai_shaped_once_no_engine_is_ready(edge):
+    """Runs last: kills the engine. The gateways report NOT_SERVING, Envoy's health checks take
+    them out, and the edge answers 503 in OpenAI's error shape (Envoy's local reply)."""
+    engine = next(p for p in edge.processes if p.role == "engine")
+    os.kill(engine.pid, signal.SIGKILL)
+    base = f"http://{edge.edge_address}"
+    deadline = time.monotonic() + 15
+    while (status := _request(f"{base}/health")[0]) != 503:
+        assert time.monotonic() < deadline, status
+        time.sleep(0.2)
+    for path, body in (("/health", None), ("/v1/completions", {"prompt": "x", "max_tokens": 2})):
+        status, text = _request(f"{base}{path}", body, API_KEY)
+        assert status == 503, text
+        error = json.loads(text)["error"]
+        assert error["code"] == 503 and error["type"] == "ServiceUnavailableError" and error["message"]

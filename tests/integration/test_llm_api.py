@@ -184,7 +184,7 @@ def test_kv_cache_smaller_than_one_request_is_rejected(llama_tiny):
     assert err.value.field == "cache.kv_cache_memory_bytes"
 
 
-def test_tensor_parallelism_is_refused_until_it_exists(llama_tiny):
+def test_pipeline_parallelism_is_refused_for_an_architecture_that_cannot_split(opt_tiny):
     with pytest.raises(ConfigError) as err:
-        LLM(model=str(llama_tiny), tensor_parallel_size=2)
-    assert err.value.field == "parallel.tensor_parallel_size"
+        LLM(model=str(opt_tiny), pipeline_parallel_size=2)
+    assert err.value.field == "parallel.pipeline_parallel_size" and "OPTForCausalLM" in err.value.message

@@ -121,7 +121,7 @@ class _FakeService:
     def chat_prompt(self, messages, template, add_generation_prompt):
         return {"prompt_token_ids": self.tokenizer.encode(messages[-1]["content"])}
 
-    def generate(self, prompt, params, request_id, on_done):
+    def generate(self, prompt, params, request_id, on_done, traceparent="", data_parallel_rank=None):
         from gridserve.services.gateway.service import SampleDelta, StreamChunk
 
         try:

@@ -50,7 +50,8 @@ def test_gateway_engine_and_rpc_modules_do_not_import_torch():
         (["gateway"], {}, "--engines or set GRIDSERVE_ENGINES"),
         (["gateway", "--engines", "nohost"], {}, "bad engine address 'nohost'"),
         (["gateway"], {"GRIDSERVE_ENGINES": "envhost"}, "bad engine address 'envhost'"),
-        (["serve", "m", "--tensor-parallel-size", "2"], {}, "tensor parallelism is not supported yet"),
+        (["serve", "m", "-tp", "0"], {}, "parallel.tensor_parallel_size: must be a positive integer"),
+        (["serve", "m", "--pipeline-parallel-size", "-1"], {}, "parallel.pipeline_parallel_size: must be"),
     ],
 )
 def test_role_without_required_settings_fails_fast_with_a_clear_message(argv, env_vars, message):

@@ -62,6 +62,11 @@ class Executor(ABC):
         module_name, class_name = target.split(":")
         return getattr(importlib.import_module(module_name), class_name)
 
+    @property
+    def max_concurrent_batches(self) -> int:
+        """Batches the workers can hold at once: one per pipeline stage."""
+        return self.config.parallel.pipeline_parallel_size
+
     @abstractmethod
     def _init_executor(self) -> None:
         """Start or connect to the workers, set up their devices and load the model."""

@@ -2,25 +2,30 @@
 
 Same contract as ``UniProcExecutor``: ``collective_rpc`` runs one allow-listed method on every
 worker (in rank order) and returns their results, or a future of them with ``non_block=True``.
-Arguments are converted to typed protobuf payloads here; nothing is pickled. A worker that dies
-makes every call fail with ``EngineDeadError`` and calls ``on_failure`` (the engine service uses
-it to report NOT_SERVING even while idle).
+Arguments are converted to typed protobuf payloads here; nothing is pickled. ``execute_model`` goes
+to every worker but waits only for the output rank (TP rank 0 of the last pipeline stage). A worker
+that dies, errs or stops answering fails the whole group: every call fails with ``EngineDeadError``,
+the surviving workers' streams are closed (a worker of a parallel group then exits), and
+``on_failure`` is called (the engine service uses it to report NOT_SERVING even while idle).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import socket
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeoutError
 from typing import Any, Optional, Union
 
-from gridserve.services.engine.executor.base import Executor, check_worker_method
+from gridserve.services.engine.executor.base import Executor, _chain_first, check_worker_method
 from gridserve.services.engine.executor.worker_stream import WorkerStream
 from gridserve.shared.errors import ConfigError, EngineDeadError
+from gridserve.shared.parallel import output_rank
 from gridserve.shared.rpc.worker_convert import config_to_pb, scheduler_output_to_pb
+from gridserve.shared.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from gridserve.worker.v1 import worker_pb2
 
 logger = logging.getLogger(__name__)
@@ -46,13 +51,62 @@ class GrpcExecutor(Executor):
                 "parallel.worker_addresses",
                 f"{len(addresses)} workers given for world size {self.config.parallel.world_size}",
             )
-        self.workers = [WorkerStream(a, CONNECT_TIMEOUT_S, self._on_worker_failure) for a in addresses]
+        parallel = self.config.parallel
+        self.output_rank = output_rank(parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
+        self.init_address = ""
+        if parallel.world_size > 1:
+            self.init_address = parallel.distributed_init_address or _local_rendezvous(addresses)
+        self._group_failed = threading.Event()
+        self.workers: list[WorkerStream] = []
+        for address in addresses:
+            self.workers.append(WorkerStream(address, CONNECT_TIMEOUT_S, self._on_worker_failure))
         self.collective_rpc("init_device")
         self.collective_rpc("load_model")
 
     def _on_worker_failure(self, error: Exception) -> None:
+        """One worker failed: the whole group is dead (its peers cannot finish a collective without it).
+
+        Every other stream fails with the same error and is then closed, which tells the surviving
+        ranks of a parallel group to exit instead of waiting in a collective for the lost one.
+        """
+        if self._group_failed.is_set():
+            return
+        self._group_failed.set()
+        dead = error if isinstance(error, EngineDeadError) else EngineDeadError(str(error))
+        for worker in self.workers:
+            worker.fail(dead)
+        if len(self.workers) > 1:
+            threading.Thread(target=self._close_workers, name="close-workers", daemon=True).start()
         if self.on_failure is not None:
-            self.on_failure(error)
+            self.on_failure(dead)
+
+    def _close_workers(self) -> None:
+        for worker in self.workers:
+            worker.close()
+
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, non_block: bool = False
+    ) -> Union[ModelRunnerOutput, Future]:
+        """Send the step to every worker; wait only for the output rank (the others send empty acks).
+
+        A non-output rank that answers with an error fails the whole group.
+        """
+        payload = worker_pb2.ExecuteModelArgs(scheduler_output=scheduler_output_to_pb(scheduler_output))
+        futures = [worker.call("execute_model", execute_model=payload) for worker in self.workers]
+        for rank, future in enumerate(futures):
+            if rank != self.output_rank:
+                future.add_done_callback(self._fail_group_on_error)
+        output = futures[self.output_rank]
+        if not non_block:
+            return self._wait(output, STEP_TIMEOUT_S, "execute_model")
+        result: Future = Future()
+        _gather([output], STEP_TIMEOUT_S, self).add_done_callback(lambda f: _chain_first(f, result))
+        return result
+
+    def _fail_group_on_error(self, future: Future) -> None:
+        error = future.exception()
+        if error is not None and not self._group_failed.is_set():
+            self._on_worker_failure(EngineDeadError(f"worker group failed: {error}"))
 
     def collective_rpc(
         self,
@@ -95,10 +149,12 @@ class GrpcExecutor(Executor):
             return config_to_pb(self.config)
         return _EMPTY_ARGS[method]()
 
-    @staticmethod
-    def _per_rank(method: str, rank: int, shared: Any) -> Any:
+    def _per_rank(self, method: str, rank: int, shared: Any) -> Any:
         if method == "init_device":
-            return worker_pb2.InitDeviceArgs(config=shared, rank=rank, local_rank=rank)
+            return worker_pb2.InitDeviceArgs(
+                config=shared, rank=rank, local_rank=_local_rank(self.config.parallel.worker_addresses, rank),
+                world_size=self.config.parallel.world_size, distributed_init_address=self.init_address,
+            )
         return shared
 
     def shutdown(self) -> None:
@@ -109,6 +165,30 @@ class GrpcExecutor(Executor):
         for worker in self.workers:
             worker.close()
 
+
+def _local_rank(addresses: list[str], rank: int) -> int:
+    """The rank among the workers on the same host (selects the device there)."""
+    host = addresses[rank].rsplit(":", 1)[0]
+    return sum(1 for a in addresses[:rank] if a.rsplit(":", 1)[0] == host)
+
+
+def _local_rendezvous(addresses: list[str]) -> str:
+    """A free port on this machine for the workers' torch.distributed rendezvous (rank 0 listens).
+
+    Only valid when rank 0 runs here; for workers elsewhere set ``distributed_init_address``.
+    """
+    host = addresses[0].rsplit(":", 1)[0]
+    if host not in _LOOPBACK:
+        raise ConfigError(
+            "parallel.distributed_init_address",
+            f"worker 0 runs on {host}: give the rendezvous address (--distributed-init-address host:port)",
+        )
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{sock.getsockname()[1]}"
+
+
+_LOOPBACK = {"127.0.0.1", "localhost", "[::1]", "::1"}
 
 _EMPTY_ARGS = {
     "load_model": worker_pb2.LoadModelArgs,

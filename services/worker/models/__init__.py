@@ -10,6 +10,7 @@ from gridserve.shared.errors import ConfigError
 _REGISTRY = {
     "LlamaForCausalLM": "llama:LlamaForCausalLM",
     "MistralForCausalLM": "llama:MistralForCausalLM",
+    "MixtralForCausalLM": "mixtral:MixtralForCausalLM",
     "Qwen2ForCausalLM": "llama:Qwen2ForCausalLM",
     "OPTForCausalLM": "opt:OPTForCausalLM",
 }

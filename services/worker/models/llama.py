@@ -1,12 +1,17 @@
 """Llama-family decoder (Llama, Mistral, Qwen2): RMSNorm, RoPE, GQA, SwiGLU, paged attention.
 
 Q/K/V and gate/up projections are merged into one GEMM each; ``load_weights`` maps the
-Hugging Face parameter names onto the merged layout.
+Hugging Face parameter names onto the merged layout. With tensor parallelism every projection is a
+column- or row-parallel shard (heads split, KV heads replicated when fewer than ranks), the
+embedding and LM head are vocab-parallel; with pipeline parallelism a rank builds only its stage's
+layers and hands ``(hidden, residual)`` to the next stage.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
+from typing import Optional
 
 import torch
 from torch import nn
@@ -14,8 +19,18 @@ from torch import nn
 from gridserve.kernels import silu_and_mul
 from gridserve.services.worker.attention import AttentionMetadata, PagedAttention
 from gridserve.services.worker.layers import RMSNorm, RotaryEmbedding, rope_parameters
+from gridserve.services.worker.loader import CheckpointTensor
 from gridserve.services.worker.models.hf_config import hf_config_of
+from gridserve.services.worker.parallel_layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    load_replicated,
+    parallel_logits,
+)
+from gridserve.services.worker.parallel_state import ParallelState, get_parallel_state
 from gridserve.shared.config import GridserveConfig
+from gridserve.shared.parallel import Shard, even_shard, kv_head_shard, stage_layers
 
 # HF name fragment -> (merged parameter, shard index)
 _STACKED = {
@@ -25,49 +40,61 @@ _STACKED = {
     "gate_proj": ("gate_up_proj", 0),
     "up_proj": ("gate_up_proj", 1),
 }
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, hf, qkv_bias: bool) -> None:
+    """GQA attention; with TP each rank holds ``heads / tp`` query heads and their KV heads."""
+
+    def __init__(self, hf, qkv_bias: bool, state: ParallelState) -> None:
         super().__init__()
-        self.num_heads = hf.num_attention_heads
-        self.num_kv_heads = getattr(hf, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // self.num_heads
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(hf.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, hf.hidden_size, bias=getattr(hf, "attention_bias", False))
-        self.shard_sizes = (self.q_size, self.kv_size, self.kv_size)
-        self.rotary_emb = RotaryEmbedding(
-            self.head_dim, self.head_dim, hf.max_position_embeddings, rope_parameters(hf)
+        total_heads = hf.num_attention_heads
+        total_kv = getattr(hf, "num_key_value_heads", None) or total_heads
+        self.head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // total_heads
+        heads = even_shard(total_heads, state.tp_size, state.tp_rank, "num_attention_heads")
+        kv_heads = kv_head_shard(total_kv, state.tp_size, state.tp_rank)
+        self.num_heads, self.num_kv_heads = heads.size, kv_heads.size
+        d = self.head_dim
+        self.qkv_proj = ColumnParallelLinear(
+            hf.hidden_size,
+            [Shard(heads.start * d, heads.size * d, heads.total * d)]
+            + [Shard(kv_heads.start * d, kv_heads.size * d, kv_heads.total * d)] * 2,
+            bias=qkv_bias,
         )
-        self.attn = PagedAttention(self.num_heads, self.head_dim, self.num_kv_heads, self.head_dim**-0.5)
+        self.o_proj = RowParallelLinear(Shard(heads.start * d, heads.size * d, heads.total * d), hf.hidden_size,
+                                        bias=getattr(hf, "attention_bias", False), state=state)
+        self.rotary_emb = RotaryEmbedding(d, d, hf.max_position_embeddings, rope_parameters(hf))
+        self.attn = PagedAttention(self.num_heads, d, self.num_kv_heads, d**-0.5)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split(self.shard_sizes, dim=-1)
+        q, k, v = self.qkv_proj(x).split(self.qkv_proj.output_sizes, dim=-1)
         q, k = self.rotary_emb(positions, q, k, self.num_heads, self.num_kv_heads)
         return self.o_proj(self.attn(q, k, v, meta))
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, hf) -> None:
+    """SwiGLU; with TP each rank holds ``intermediate / tp`` rows of gate and up, columns of down."""
+
+    def __init__(self, hf, state: ParallelState) -> None:
         super().__init__()
         bias = getattr(hf, "mlp_bias", False)
-        self.gate_up_proj = nn.Linear(hf.hidden_size, 2 * hf.intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(hf.intermediate_size, hf.hidden_size, bias=bias)
-        self.shard_sizes = (hf.intermediate_size, hf.intermediate_size)
         if getattr(hf, "hidden_act", "silu") != "silu":
             raise ValueError(f"model.hf_config.hidden_act: only silu is supported, got {hf.hidden_act!r}")
+        inter = even_shard(hf.intermediate_size, state.tp_size, state.tp_rank, "intermediate_size")
+        self.gate_up_proj = ColumnParallelLinear(hf.hidden_size, [inter, inter], bias=bias)
+        self.down_proj = RowParallelLinear(inter, hf.hidden_size, bias=bias, state=state)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, hf, qkv_bias: bool) -> None:
+    mlp_class: type[nn.Module] = LlamaMLP  # the feed-forward block (Mixtral: sparse MoE)
+
+    def __init__(self, hf, qkv_bias: bool, state: ParallelState) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(hf, qkv_bias)
-        self.mlp = LlamaMLP(hf)
+        self.self_attn = LlamaAttention(hf, qkv_bias, state)
+        self.mlp = self.mlp_class(hf, state)
         self.input_layernorm = RMSNorm(hf.hidden_size, hf.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(hf.hidden_size, hf.rms_norm_eps)
 
@@ -82,70 +109,120 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
-class LlamaModel(nn.Module):
-    def __init__(self, hf, qkv_bias: bool) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(hf.vocab_size, hf.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(hf, qkv_bias) for _ in range(hf.num_hidden_layers))
-        self.norm = RMSNorm(hf.hidden_size, hf.rms_norm_eps)
+class StageMissingLayer(nn.Module):
+    """Placeholder for a layer another pipeline stage holds (keeps checkpoint indices aligned)."""
 
-    def forward(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
-        x, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
+
+class LlamaModel(nn.Module):
+    """Embedding (first stage), this stage's decoder layers, final norm (last stage)."""
+
+    def __init__(self, hf, qkv_bias: bool, state: ParallelState,
+                 layer_class: type[LlamaDecoderLayer] = LlamaDecoderLayer) -> None:
+        super().__init__()
+        layout = state.layout
+        self.stage = stage_layers(hf.num_hidden_layers, state.pp_size, state.pp_rank)
+        if layout.is_first_stage:
+            self.embed_tokens = VocabParallelEmbedding(hf.vocab_size, hf.hidden_size, state)
+        self.layers = nn.ModuleList(
+            layer_class(hf, qkv_bias, state) if self.stage.start <= i < self.stage.end else StageMissingLayer()
+            for i in range(hf.num_hidden_layers)
+        )
+        if layout.is_last_stage:
+            self.norm = RMSNorm(hf.hidden_size, hf.rms_norm_eps)
+
+    def forward(self, input_ids, positions, meta: AttentionMetadata,
+                intermediate: Optional[tuple[torch.Tensor, torch.Tensor]] = None):
+        """Hidden states after the final norm (last stage), else ``(hidden, residual)`` for the next stage."""
+        if intermediate is None:
+            x, residual = self.embed_tokens(input_ids), None
+        else:
+            x, residual = intermediate
+        for layer in self.layers[self.stage.start : self.stage.end]:
             x, residual = layer(positions, x, residual, meta)
+        if not hasattr(self, "norm"):
+            return x, residual
         x, _ = self.norm(x, residual)
         return x
 
 
 class LlamaForCausalLM(nn.Module):
-    """Llama / Mistral decoder with an LM head (tied to the embedding when the config says so)."""
+    """Llama / Mistral decoder with an LM head (tied to the embedding when the config says so).
+
+    Built for this worker's place in the ``PP x TP`` grid: only its stage's layers, only its
+    tensor-parallel shard of each. The last stage owns the LM head; with tied embeddings and more
+    than one stage it loads its own copy from ``embed_tokens``.
+    """
 
     qkv_bias = False
+    layer_class: type[LlamaDecoderLayer] = LlamaDecoderLayer
 
     def __init__(self, *, config: GridserveConfig, prefix: str = "") -> None:
         super().__init__()
         hf = hf_config_of(config)
         self.prefix = prefix
-        self.model = LlamaModel(hf, self.qkv_bias or getattr(hf, "attention_bias", False))
+        self.state = get_parallel_state()
+        self.vocab_size = hf.vocab_size
+        self.model = LlamaModel(hf, self.qkv_bias or getattr(hf, "attention_bias", False), self.state,
+                                self.layer_class)
         self.tie_word_embeddings = bool(getattr(hf, "tie_word_embeddings", False))
-        if not self.tie_word_embeddings:
-            self.lm_head = nn.Linear(hf.hidden_size, hf.vocab_size, bias=False)
+        layout = self.state.layout
+        if layout.is_last_stage and not (self.tie_word_embeddings and layout.is_first_stage):
+            self.lm_head = VocabParallelEmbedding(hf.vocab_size, hf.hidden_size, self.state)
 
-    def forward(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
-        return self.model(input_ids, positions, meta)
+    def forward(self, input_ids, positions, meta: AttentionMetadata, intermediate=None):
+        return self.model(input_ids, positions, meta, intermediate)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, weight)
+    def compute_logits(self, hidden: torch.Tensor) -> Optional[torch.Tensor]:
+        """Full-vocabulary logits on TP rank 0 (``None`` on the other TP ranks)."""
+        head = self.lm_head if hasattr(self, "lm_head") else self.model.embed_tokens
+        return parallel_logits(hidden, head.weight, self.vocab_size, self.state)
 
     def attention_layers(self) -> list[PagedAttention]:
-        return [layer.self_attn.attn for layer in self.model.layers]
+        return [layer.self_attn.attn for layer in self.model.layers if isinstance(layer, LlamaDecoderLayer)]
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy HF-named tensors into this model; return the names of parameters loaded."""
+    def load_weights(self, weights: Iterable[tuple[str, CheckpointTensor]]) -> set[str]:
+        """Copy this rank's part of each HF-named tensor; return the names of parameters loaded.
+
+        Tensors of other stages are skipped unread; sharded layers read only their slice.
+        """
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name:
+            target = self._target(name)
+            if target is None:
                 continue
-            if self.tie_word_embeddings and name == "lm_head.weight":
-                continue
-            target, shard = _stacked_target(name)
+            target, shard = _stacked_target(target)
             if target not in params:
                 raise KeyError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
-            param = params[target]
-            if shard is None:
-                param.data.copy_(tensor)
+            module_name, _, param_name = target.rpartition(".")
+            module = self.get_submodule(module_name)
+            if hasattr(module, "load"):
+                module.load(param_name, tensor, shard or 0)
             else:
-                module = self.get_submodule(target.rsplit(".", 2)[0])
-                sizes = module.shard_sizes
-                offset = sum(sizes[:shard])
-                param.data.narrow(0, offset, sizes[shard]).copy_(tensor)
+                load_replicated(params[target], tensor)
             loaded.add(target)
         return loaded
 
+    def _target(self, name: str) -> Optional[str]:
+        """This model's parameter for checkpoint tensor ``name``, or None when it lives elsewhere."""
+        if "rotary_emb.inv_freq" in name:
+            return None
+        layer = _LAYER.match(name)
+        if layer is not None:
+            stage = self.model.stage
+            return name if stage.start <= int(layer.group(1)) < stage.end else None
+        if name == "lm_head.weight":
+            return None if self.tie_word_embeddings or not hasattr(self, "lm_head") else name
+        if name == "model.embed_tokens.weight":
+            if hasattr(self.model, "embed_tokens"):
+                return name
+            return "lm_head.weight" if self.tie_word_embeddings and hasattr(self, "lm_head") else None
+        if name.startswith("model.norm."):
+            return name if hasattr(self.model, "norm") else None
+        return name
 
-def _stacked_target(name: str) -> tuple[str, int | None]:
+
+def _stacked_target(name: str) -> tuple[str, Optional[int]]:
     for fragment, (merged, shard) in _STACKED.items():
         if f".{fragment}." in name:
             return name.replace(fragment, merged), shard

@@ -1,15 +1,31 @@
-"""OPT decoder (the architecture of ``facebook/opt-125m``): learned positions, LayerNorm, ReLU MLP."""
+"""OPT decoder (the architecture of ``facebook/opt-125m``): learned positions, LayerNorm, ReLU MLP.
+
+With tensor parallelism the Q/K/V heads and fc1 rows are column-parallel, out_proj and fc2
+row-parallel, the (tied) embedding vocab-parallel; positions and LayerNorms are replicated.
+Pipeline parallelism is not built for OPT (the engine refuses it, ``shared.config``).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Optional
 
 import torch
 from torch import nn
 
 from gridserve.services.worker.attention import AttentionMetadata, PagedAttention
+from gridserve.services.worker.loader import CheckpointTensor
 from gridserve.services.worker.models.hf_config import hf_config_of
+from gridserve.services.worker.parallel_layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    load_replicated,
+    parallel_logits,
+)
+from gridserve.services.worker.parallel_state import ParallelState, get_parallel_state
 from gridserve.shared.config import GridserveConfig
+from gridserve.shared.parallel import Shard, even_shard
 
 _POSITION_OFFSET = 2  # OPT's learned position table reserves its first two rows
 _STACKED = {"q_proj": 0, "k_proj": 1, "v_proj": 2}
@@ -17,15 +33,17 @@ _ACTIVATIONS = {"relu": nn.ReLU, "gelu": nn.GELU}
 
 
 class OPTAttention(nn.Module):
-    def __init__(self, hf) -> None:
+    def __init__(self, hf, state: ParallelState) -> None:
         super().__init__()
-        self.num_heads = hf.num_attention_heads
-        self.head_dim = hf.hidden_size // self.num_heads
+        self.head_dim = hf.hidden_size // hf.num_attention_heads
+        heads = even_shard(hf.num_attention_heads, state.tp_size, state.tp_rank, "num_attention_heads")
+        self.num_heads = heads.size
         bias = getattr(hf, "enable_bias", True)
-        self.qkv_proj = nn.Linear(hf.hidden_size, 3 * hf.hidden_size, bias=bias)
-        self.out_proj = nn.Linear(hf.hidden_size, hf.hidden_size, bias=bias)
-        self.shard_sizes = (hf.hidden_size,) * 3
-        self.attn = PagedAttention(self.num_heads, self.head_dim, self.num_heads, self.head_dim**-0.5)
+        d = self.head_dim
+        rows = Shard(heads.start * d, heads.size * d, hf.hidden_size)
+        self.qkv_proj = ColumnParallelLinear(hf.hidden_size, [rows] * 3, bias=bias)
+        self.out_proj = RowParallelLinear(rows, hf.hidden_size, bias=bias, state=state)
+        self.attn = PagedAttention(self.num_heads, d, self.num_heads, d**-0.5)
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).chunk(3, dim=-1)
@@ -33,15 +51,16 @@ class OPTAttention(nn.Module):
 
 
 class OPTDecoderLayer(nn.Module):
-    def __init__(self, hf) -> None:
+    def __init__(self, hf, state: ParallelState) -> None:
         super().__init__()
         bias = getattr(hf, "enable_bias", True)
         affine = getattr(hf, "layer_norm_elementwise_affine", True)
         self.pre_norm = getattr(hf, "do_layer_norm_before", True)
-        self.self_attn = OPTAttention(hf)
+        self.self_attn = OPTAttention(hf, state)
         self.self_attn_layer_norm = nn.LayerNorm(hf.hidden_size, elementwise_affine=affine)
-        self.fc1 = nn.Linear(hf.hidden_size, hf.ffn_dim, bias=bias)
-        self.fc2 = nn.Linear(hf.ffn_dim, hf.hidden_size, bias=bias)
+        ffn = even_shard(hf.ffn_dim, state.tp_size, state.tp_rank, "ffn_dim")
+        self.fc1 = ColumnParallelLinear(hf.hidden_size, [ffn], bias=bias)
+        self.fc2 = RowParallelLinear(ffn, hf.hidden_size, bias=bias, state=state)
         self.final_layer_norm = nn.LayerNorm(hf.hidden_size, elementwise_affine=affine)
         act = getattr(hf, "activation_function", "relu")
         if act not in _ACTIVATIONS:
@@ -65,10 +84,10 @@ class OPTDecoderLayer(nn.Module):
 
 
 class OPTDecoder(nn.Module):
-    def __init__(self, hf) -> None:
+    def __init__(self, hf, state: ParallelState) -> None:
         super().__init__()
         proj_dim = getattr(hf, "word_embed_proj_dim", None) or hf.hidden_size
-        self.embed_tokens = nn.Embedding(hf.vocab_size, proj_dim)
+        self.embed_tokens = VocabParallelEmbedding(hf.vocab_size, proj_dim, state)
         self.embed_positions = nn.Embedding(hf.max_position_embeddings + _POSITION_OFFSET, hf.hidden_size)
         needs_proj = proj_dim != hf.hidden_size
         self.project_in = nn.Linear(proj_dim, hf.hidden_size, bias=False) if needs_proj else None
@@ -78,7 +97,7 @@ class OPTDecoder(nn.Module):
         )
         affine = getattr(hf, "layer_norm_elementwise_affine", True)
         self.final_layer_norm = nn.LayerNorm(hf.hidden_size, elementwise_affine=affine) if keep_final else None
-        self.layers = nn.ModuleList(OPTDecoderLayer(hf) for _ in range(hf.num_hidden_layers))
+        self.layers = nn.ModuleList(OPTDecoderLayer(hf, state) for _ in range(hf.num_hidden_layers))
 
     def forward(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
@@ -95,9 +114,9 @@ class OPTDecoder(nn.Module):
 
 
 class _OPTModel(nn.Module):
-    def __init__(self, hf) -> None:
+    def __init__(self, hf, state: ParallelState) -> None:
         super().__init__()
-        self.decoder = OPTDecoder(hf)
+        self.decoder = OPTDecoder(hf, state)
 
 
 class OPTForCausalLM(nn.Module):
@@ -106,18 +125,22 @@ class OPTForCausalLM(nn.Module):
     def __init__(self, *, config: GridserveConfig, prefix: str = "") -> None:
         super().__init__()
         self.prefix = prefix
-        self.model = _OPTModel(hf_config_of(config))
+        hf = hf_config_of(config)
+        self.state = get_parallel_state()
+        self.vocab_size = hf.vocab_size
+        self.model = _OPTModel(hf, self.state)
 
     def forward(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
         return self.model.decoder(input_ids, positions, meta)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.linear(hidden, self.model.decoder.embed_tokens.weight)
+    def compute_logits(self, hidden: torch.Tensor) -> Optional[torch.Tensor]:
+        """Full-vocabulary logits on TP rank 0 (``None`` on the other TP ranks)."""
+        return parallel_logits(hidden, self.model.decoder.embed_tokens.weight, self.vocab_size, self.state)
 
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.model.decoder.layers]
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+    def load_weights(self, weights: Iterable[tuple[str, CheckpointTensor]]) -> set[str]:
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, tensor in weights:
@@ -131,11 +154,11 @@ class OPTForCausalLM(nn.Module):
                     target, shard = name.replace(fragment, "qkv_proj"), index
             if target not in params:
                 raise KeyError(f"checkpoint tensor {name!r} has no place in OPTForCausalLM")
-            param = params[target]
-            if shard is None:
-                param.data.copy_(tensor)
+            module_name, _, param_name = target.rpartition(".")
+            module = self.get_submodule(module_name)
+            if hasattr(module, "load"):
+                module.load(param_name, tensor, shard or 0)
             else:
-                size = param.shape[0] // 3
-                param.data.narrow(0, shard * size, size).copy_(tensor)
+                load_replicated(params[target], tensor)
             loaded.add(target)
         return loaded

@@ -1,0 +1,82 @@
+"""Writes the chart's Envoy bootstrap, ``helm/gridserve/files/envoy.json.tpl``, from gridserve/edge.py.
+
+The edge of ``gridserve serve`` and the chart's edge are one config: this script takes
+``gridserve.edge.envoy_config()`` and changes only what differs on Kubernetes:
+
+- the gateways are one STRICT_DNS endpoint, their headless Service (every ready replica's IP),
+  instead of a static list of addresses;
+- the listener binds 0.0.0.0 on ``edge.port``; the transcoder reads the descriptor set that the
+  edge pod's init container copies from the gateway image;
+- a ``health_check`` filter answers the kubelet's probes of the edge itself on /edge/healthz.
+
+Helm fills the ``{{ ... }}`` placeholders (``tpl``). Run it after changing gridserve/edge.py
+(tests/deploy fails while the file is stale):
+
+    python helm/generate_edge_config.py
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+TEMPLATE = Path(__file__).resolve().parent / "gridserve" / "files" / "envoy.json.tpl"
+DESCRIPTOR_PATH = "/etc/envoy/descriptors/protos.pb"
+HEALTH_PATH = "/edge/healthz"
+_HEALTH_CHECK = "type.googleapis.com/envoy.extensions.filters.http.health_check.v3.HealthCheck"
+
+# Sentinels replaced by Helm expressions once the JSON is written (numbers must stay unquoted).
+_PLACEHOLDERS = {
+    '"@EDGE_PORT@"': "{{ .Values.edge.port }}",
+    '"@GATEWAY_PORT@"': "{{ .Values.gateway.port }}",
+    '"@GATEWAY_HOST@"': '"{{ include "gridserve.fullname" . }}-gateway-headless.{{ include "gridserve.svcSuffix" . }}"',
+    '"@INTERVAL@"': '"{{ .Values.edge.healthCheckInterval }}"',
+}
+
+
+def kubernetes_config() -> dict[str, Any]:
+    """``edge.envoy_config()`` adapted to Kubernetes, with sentinels for the chart's values."""
+    from gridserve import edge
+
+    config = edge.envoy_config("0.0.0.0", 0, ["gateways:1"], descriptor_set=Path(DESCRIPTOR_PATH))
+    (listener,) = config["static_resources"]["listeners"]
+    listener["address"]["socket_address"]["port_value"] = "@EDGE_PORT@"
+    manager = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    manager["http_filters"].insert(0, {
+        "name": "envoy.filters.http.health_check",
+        "typed_config": {
+            "@type": _HEALTH_CHECK,
+            "pass_through_mode": False,
+            "headers": [{"name": ":path", "string_match": {"exact": HEALTH_PATH}}],
+        },
+    })
+    (cluster,) = config["static_resources"]["clusters"]
+    cluster["type"] = "STRICT_DNS"
+    cluster["load_assignment"]["endpoints"] = [{"lb_endpoints": [{"endpoint": {"address": {
+        "socket_address": {"address": "@GATEWAY_HOST@", "port_value": "@GATEWAY_PORT@"}}}}]}]
+    for check in cluster.get("health_checks", []):
+        check["interval"] = check["no_traffic_interval"] = "@INTERVAL@"
+    if "outlier_detection" in cluster:
+        cluster["outlier_detection"]["interval"] = "@INTERVAL@"
+    return config
+
+
+def render_template() -> str:
+    text = json.dumps(kubernetes_config(), indent=2) + "\n"
+    for sentinel, expression in _PLACEHOLDERS.items():
+        text = text.replace(sentinel, expression)
+    return text
+
+
+def main() -> int:
+    TEMPLATE.parent.mkdir(parents=True, exist_ok=True)
+    TEMPLATE.write_text(render_template())
+    print(f"wrote {TEMPLATE}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.exit(main())

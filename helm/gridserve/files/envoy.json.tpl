@@ -1,0 +1,221 @@
+{
+  "static_resources": {
+    "listeners": [
+      {
+        "name": "edge",
+        "address": {
+          "socket_address": {
+            "address": "0.0.0.0",
+            "port_value": {{ .Values.edge.port }}
+          }
+        },
+        "filter_chains": [
+          {
+            "filters": [
+              {
+                "name": "envoy.filters.network.http_connection_manager",
+                "typed_config": {
+                  "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+                  "stat_prefix": "edge",
+                  "codec_type": "AUTO",
+                  "stream_idle_timeout": "0s",
+                  "local_reply_config": {
+                    "mappers": [
+                      {
+                        "filter": {
+                          "status_code_filter": {
+                            "comparison": {
+                              "op": "GE",
+                              "value": {
+                                "default_value": 500,
+                                "runtime_key": "edge.local_reply.server_error"
+                              }
+                            }
+                          }
+                        },
+                        "body_format_override": {
+                          "json_format": {
+                            "error": {
+                              "message": "%LOCAL_REPLY_BODY%",
+                              "type": "ServiceUnavailableError",
+                              "param": null,
+                              "code": "%RESPONSE_CODE%"
+                            }
+                          },
+                          "content_type": "application/json"
+                        }
+                      }
+                    ],
+                    "body_format": {
+                      "json_format": {
+                        "error": {
+                          "message": "%LOCAL_REPLY_BODY%",
+                          "type": "BadRequestError",
+                          "param": null,
+                          "code": "%RESPONSE_CODE%"
+                        }
+                      },
+                      "content_type": "application/json"
+                    }
+                  },
+                  "route_config": {
+                    "name": "edge",
+                    "virtual_hosts": [
+                      {
+                        "name": "gateway",
+                        "domains": [
+                          "*"
+                        ],
+                        "routes": [
+                          {
+                            "match": {
+                              "prefix": "/"
+                            },
+                            "route": {
+                              "cluster": "gateways",
+                              "timeout": "0s",
+                              "retry_policy": {
+                                "retry_on": "connect-failure,refused-stream,reset,unavailable",
+                                "num_retries": 2,
+                                "retry_host_predicate": [
+                                  {
+                                    "name": "envoy.retry_host_predicates.previous_hosts",
+                                    "typed_config": {
+                                      "@type": "type.googleapis.com/envoy.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate"
+                                    }
+                                  }
+                                ],
+                                "host_selection_retry_max_attempts": 3
+                              }
+                            }
+                          }
+                        ]
+                      }
+                    ]
+                  },
+                  "http_filters": [
+                    {
+                      "name": "envoy.filters.http.health_check",
+                      "typed_config": {
+                        "@type": "type.googleapis.com/envoy.extensions.filters.http.health_check.v3.HealthCheck",
+                        "pass_through_mode": false,
+                        "headers": [
+                          {
+                            "name": ":path",
+                            "string_match": {
+                              "exact": "/edge/healthz"
+                            }
+                          }
+                        ]
+                      }
+                    },
+                    {
+                      "name": "envoy.filters.http.lua",
+                      "typed_config": {
+                        "@type": "type.googleapis.com/envoy.extensions.filters.http.lua.v3.Lua",
+                        "default_source_code": {
+                          "inline_string": "\nfunction envoy_on_response(handle)\n  local status = handle:headers():get(\"x-gridserve-http-status\")\n  if status ~= nil then\n    handle:headers():replace(\":status\", status)\n    handle:headers():remove(\"x-gridserve-http-status\")\n  end\nend\n"
+                        }
+                      }
+                    },
+                    {
+                      "name": "envoy.filters.http.grpc_json_transcoder",
+                      "typed_config": {
+                        "@type": "type.googleapis.com/envoy.extensions.filters.http.grpc_json_transcoder.v3.GrpcJsonTranscoder",
+                        "proto_descriptor": "/etc/envoy/descriptors/protos.pb",
+                        "services": [
+                          "gridserve.gateway.v1.Gateway"
+                        ],
+                        "convert_grpc_status": true,
+                        "print_options": {
+                          "preserve_proto_field_names": true,
+                          "always_print_primitive_fields": true
+                        }
+                      }
+                    },
+                    {
+                      "name": "envoy.filters.http.router",
+                      "typed_config": {
+                        "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"
+                      }
+                    }
+                  ]
+                }
+              }
+            ]
+          }
+        ]
+      }
+    ],
+    "clusters": [
+      {
+        "name": "gateways",
+        "type": "STRICT_DNS",
+        "connect_timeout": "1s",
+        "lb_policy": "ROUND_ROBIN",
+        "common_lb_config": {
+          "healthy_panic_threshold": {
+            "value": 0.0
+          }
+        },
+        "typed_extension_protocol_options": {
+          "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+            "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+            "explicit_http_config": {
+              "http2_protocol_options": {}
+            }
+          }
+        },
+        "load_assignment": {
+          "cluster_name": "gateways",
+          "endpoints": [
+            {
+              "lb_endpoints": [
+                {
+                  "endpoint": {
+                    "address": {
+                      "socket_address": {
+                        "address": "{{ include "gridserve.fullname" . }}-gateway-headless.{{ include "gridserve.svcSuffix" . }}",
+                        "port_value": {{ .Values.gateway.port }}
+                      }
+                    }
+                  }
+                }
+              ]
+            }
+          ]
+        },
+        "circuit_breakers": {
+          "thresholds": [
+            {
+              "max_connections": 100000,
+              "max_pending_requests": 100000,
+              "max_requests": 100000,
+              "max_retries": 100000
+            }
+          ]
+        },
+        "outlier_detection": {
+          "split_external_local_origin_errors": true,
+          "consecutive_local_origin_failure": 1,
+          "enforcing_consecutive_local_origin_failure": 100,
+          "enforcing_consecutive_5xx": 0,
+          "enforcing_consecutive_gateway_failure": 0,
+          "interval": "{{ .Values.edge.healthCheckInterval }}",
+          "base_ejection_time": "5s",
+          "max_ejection_percent": 100
+        },
+        "health_checks": [
+          {
+            "timeout": "1s",
+            "interval": "{{ .Values.edge.healthCheckInterval }}",
+            "no_traffic_interval": "{{ .Values.edge.healthCheckInterval }}",
+            "unhealthy_threshold": 1,
+            "healthy_threshold": 1,
+            "grpc_health_check": {}
+          }
+        ]
+      }
+    ]
+  }
+}

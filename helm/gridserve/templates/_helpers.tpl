@@ -1,0 +1,246 @@
+{{/* Names. */}}
+{{- define "gridserve.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 30 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 30 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "gridserve.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "gridserve.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Labels: the selector labels of a role (dict "root" $ "role" "gateway"), and all labels. */}}
+{{- define "gridserve.selectorLabels" -}}
+app.kubernetes.io/name: {{ .root.Chart.Name }}
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+app.kubernetes.io/component: {{ .role }}
+{{- end -}}
+
+{{- define "gridserve.labels" -}}
+{{ include "gridserve.selectorLabels" . }}
+app.kubernetes.io/part-of: gridserve
+app.kubernetes.io/version: {{ .root.Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .root.Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version }}
+{{- end -}}
+
+{{/* The image of a role: its own repository/tag, else <registry>/<prefix>-<role>:<tag>. */}}
+{{- define "gridserve.image" -}}
+{{- $v := .root.Values -}}
+{{- $own := (index $v .role).image -}}
+{{- $repo := $own.repository -}}
+{{- if not $repo -}}
+{{- $repo = printf "%s-%s" $v.image.prefix .role -}}
+{{- if $v.image.registry -}}{{- $repo = printf "%s/%s" $v.image.registry $repo -}}{{- end -}}
+{{- end -}}
+{{- $tag := $own.tag | default $v.image.tag | default .root.Chart.AppVersion -}}
+{{- printf "%s:%s" $repo (toString $tag) -}}
+{{- end -}}
+
+{{/* Parallel shape. */}}
+{{- define "gridserve.apiServerCount" -}}
+{{- if kindIs "invalid" .Values.apiServerCount -}}{{ .Values.dataParallelSize }}{{- else -}}{{ .Values.apiServerCount }}{{- end -}}
+{{- end -}}
+
+{{- define "gridserve.coordinatorEnabled" -}}
+{{- if gt (int .Values.dataParallelSize) 1 -}}true{{- end -}}
+{{- end -}}
+
+{{/* Stable DNS names. */}}
+{{- define "gridserve.svcSuffix" -}}
+{{- printf "%s.svc.%s" .Release.Namespace .Values.clusterDomain -}}
+{{- end -}}
+
+{{/* Engine of DP rank r: pod 0 of StatefulSet <fullname>-engine-<r>, headless Service <fullname>-engine. */}}
+{{- define "gridserve.engineAddress" -}}
+{{- $full := include "gridserve.fullname" .root -}}
+{{- printf "%s-engine-%d-0.%s-engine.%s:%d" $full (int .rank) $full (include "gridserve.svcSuffix" .root) (int .root.Values.engine.port) -}}
+{{- end -}}
+
+{{- define "gridserve.engineAddresses" -}}
+{{- $addrs := list -}}
+{{- range $r := until (int .Values.dataParallelSize) -}}
+{{- $addrs = append $addrs (include "gridserve.engineAddress" (dict "root" $ "rank" $r)) -}}
+{{- end -}}
+{{- join "," $addrs -}}
+{{- end -}}
+
+{{/* Workers of DP rank r in rank order (pp stage major, tp rank minor): pod t of StatefulSet
+     <fullname>-worker-<r>-<p>, headless Service <fullname>-worker. */}}
+{{- define "gridserve.workerAddresses" -}}
+{{- $root := .root -}}
+{{- $full := include "gridserve.fullname" $root -}}
+{{- $addrs := list -}}
+{{- range $p := until (int $root.Values.pipelineParallelSize) -}}
+{{- range $t := until (int $root.Values.tensorParallelSize) -}}
+{{- $addrs = append $addrs (printf "%s-worker-%d-%d-%d.%s-worker.%s:%d" $full (int $.rank) $p $t $full (include "gridserve.svcSuffix" $root) (int $root.Values.worker.port)) -}}
+{{- end -}}
+{{- end -}}
+{{- join "," $addrs -}}
+{{- end -}}
+
+{{- define "gridserve.coordinatorAddress" -}}
+{{- printf "%s-coordinator.%s:%d" (include "gridserve.fullname" .) (include "gridserve.svcSuffix" .) (int .Values.coordinator.port) -}}
+{{- end -}}
+
+{{- define "gridserve.modelName" -}}
+{{- if eq .Values.model.source "hub" -}}
+{{- .Values.model.id -}}
+{{- else -}}
+{{- printf "%s/%s" (trimSuffix "/" .Values.model.mountPath) (trimPrefix "/" .Values.model.path) | trimSuffix "/" -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Environment every gridserve role shares: observability and the model cache. */}}
+{{- define "gridserve.commonEnv" -}}
+- name: GRIDSERVE_HOST
+  value: "0.0.0.0"
+- name: OTEL_SERVICE_NAME
+  value: gridserve-{{ .role }}
+- name: GRIDSERVE_LOG_FORMAT
+  value: {{ .root.Values.logFormat | quote }}
+- name: POD_NAME
+  valueFrom:
+    fieldRef:
+      fieldPath: metadata.name
+{{- if .root.Values.metrics.enabled }}
+- name: GRIDSERVE_METRICS_PORT
+  value: {{ .root.Values.metrics.port | quote }}
+{{- end }}
+{{- with .root.Values.otlp.tracesEndpoint }}
+- name: GRIDSERVE_OTLP_TRACES_ENDPOINT
+  value: {{ . | quote }}
+{{- end }}
+- name: HF_HOME
+  value: {{ printf "%s/hf" (trimSuffix "/" .root.Values.model.mountPath) | quote }}
+- name: HF_HUB_OFFLINE
+  value: "1"
+{{- end -}}
+
+{{/* The container ports of a role: gRPC, plus metrics. */}}
+{{- define "gridserve.ports" -}}
+- name: grpc
+  containerPort: {{ .port }}
+  protocol: TCP
+{{- if .root.Values.metrics.enabled }}
+- name: metrics
+  containerPort: {{ .root.Values.metrics.port }}
+  protocol: TCP
+{{- end }}
+{{- end -}}
+
+{{/* Native gRPC probes on grpc.health.v1 (the server's overall status, service ""). */}}
+{{- define "gridserve.probes" -}}
+{{- $p := .root.Values.probes -}}
+startupProbe:
+  grpc:
+    port: {{ .port }}
+  periodSeconds: {{ $p.startup.periodSeconds }}
+  failureThreshold: {{ $p.startup.failureThreshold }}
+  timeoutSeconds: 5
+readinessProbe:
+  grpc:
+    port: {{ .port }}
+  periodSeconds: {{ $p.readiness.periodSeconds }}
+  failureThreshold: {{ $p.readiness.failureThreshold }}
+  timeoutSeconds: 5
+livenessProbe:
+  grpc:
+    port: {{ .port }}
+  periodSeconds: {{ $p.liveness.periodSeconds }}
+  failureThreshold: {{ $p.liveness.failureThreshold }}
+  timeoutSeconds: 5
+{{- end -}}
+
+{{- define "gridserve.podSecurityContext" -}}
+securityContext:
+  {{- toYaml .Values.podSecurityContext | nindent 2 }}
+{{- end -}}
+
+{{- define "gridserve.securityContext" -}}
+securityContext:
+  {{- toYaml .Values.securityContext | nindent 2 }}
+{{- end -}}
+
+{{/* Pod-level settings every role shares. */}}
+{{- define "gridserve.podCommon" -}}
+serviceAccountName: {{ include "gridserve.serviceAccountName" . }}
+automountServiceAccountToken: false
+enableServiceLinks: false
+{{- with .Values.imagePullSecrets }}
+imagePullSecrets:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{ include "gridserve.podSecurityContext" . }}
+{{- end -}}
+
+{{/* The model volume (gateway, engine, worker) and its hub-fetch init container. */}}
+{{- define "gridserve.modelVolume" -}}
+{{- $m := .Values.model -}}
+- name: model
+{{- if eq $m.source "pvc" }}
+  persistentVolumeClaim:
+    claimName: {{ $m.pvc.claimName }}
+    readOnly: true
+{{- else if eq $m.source "hostPath" }}
+  hostPath:
+    path: {{ $m.hostPath.path }}
+    type: Directory
+{{- else if $m.cache.claimName }}
+  persistentVolumeClaim:
+    claimName: {{ $m.cache.claimName }}
+{{- else }}
+  emptyDir:
+    sizeLimit: {{ $m.cache.sizeLimit }}
+{{- end }}
+- name: tmp
+  emptyDir: {}
+{{- end -}}
+
+{{- define "gridserve.modelMount" -}}
+- name: model
+  mountPath: {{ .Values.model.mountPath }}
+  readOnly: {{ ne .Values.model.source "hub" }}
+- name: tmp
+  mountPath: /tmp
+{{- end -}}
+
+{{/* Init container fetching a hub model into the pod's model cache (the engine image: no torch). */}}
+{{- define "gridserve.fetchModel" -}}
+{{- if eq .Values.model.source "hub" }}
+initContainers:
+  - name: fetch-model
+    image: {{ include "gridserve.image" (dict "root" . "role" "engine") }}
+    imagePullPolicy: {{ .Values.image.pullPolicy }}
+    command:
+      - python
+      - -c
+      - "import os; from gridserve.shared.hf import resolve_model_path; print(resolve_model_path(os.environ['GRIDSERVE_MODEL']))"
+    env:
+      - name: GRIDSERVE_MODEL
+        value: {{ .Values.model.id | quote }}
+      - name: HF_HOME
+        value: {{ printf "%s/hf" (trimSuffix "/" .Values.model.mountPath) | quote }}
+      - name: HOME
+        value: /tmp/home
+      {{- if .Values.model.hfTokenSecret.name }}
+      - name: HF_TOKEN
+        valueFrom:
+          secretKeyRef:
+            name: {{ .Values.model.hfTokenSecret.name }}
+            key: {{ .Values.model.hfTokenSecret.key }}
+      {{- end }}
+    resources:
+      requests: {cpu: 250m, memory: 512Mi}
+      limits: {cpu: "1", memory: 2Gi}
+    {{- include "gridserve.securityContext" . | nindent 4 }}
+    volumeMounts:
+      {{- include "gridserve.modelMount" . | nindent 6 }}
+{{- end }}
+{{- end -}}

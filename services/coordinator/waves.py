@@ -1,0 +1,91 @@
+"""``Waves``: the coordinator's side of MoE request waves across data-parallel engines.
+
+With a mixture-of-experts model every engine must run its forward passes in lockstep (in vLLM the
+experts' all-to-all spans the DP ranks; here the per-step barrier below is that collective), so
+while any engine has work, the idle ones run dummy steps. A wave starts when an idle engine
+receives a request (``start``); during it every engine calls ``sync`` after each step, which
+waits for all ``dp_size`` engines and returns whether any still has unfinished requests. The
+first step where none has ends the wave: the wave number (waves completed) advances and the
+engines stop until the next ``start``. A barrier that does not fill within ``timeout_s`` (an engine
+died) fails the calls instead of hanging them, and ends the wave.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+
+class WaveError(RuntimeError):
+    """A barrier that could not complete (an engine missing, or a wave that is not running)."""
+
+
+class Waves:
+    def __init__(self, dp_size: int, on_change: Callable[[], None] = lambda: None, timeout_s: float = 30.0) -> None:
+        self.dp_size = dp_size
+        self.on_change = on_change
+        self.timeout_s = timeout_s
+        self.wave = 0  # waves completed
+        self.running = False
+        self._cond = threading.Condition()
+        self._arrived: dict[tuple[int, int], dict[int, bool]] = {}
+        self._results: dict[tuple[int, int], bool] = {}
+
+    def state(self) -> tuple[int, bool]:
+        with self._cond:
+            return self.wave, self.running
+
+    def start(self) -> int:
+        """Start a wave unless one is running; return the running wave's number."""
+        with self._cond:
+            if not self.running:
+                self.running = True
+                self._changed()
+            return self.wave
+
+    def sync(self, rank: int, wave: int, step: int, unfinished: bool) -> bool:
+        """Wait until every engine reached ``step`` of ``wave``; True if any has unfinished work."""
+        key = (wave, step)
+        deadline = time.monotonic() + self.timeout_s
+        with self._cond:
+            if wave != self.wave or not self.running:
+                if key in self._results:  # the others already finished this barrier
+                    return self._results[key]
+                raise WaveError(f"wave {wave} is not running (current {self.wave}, running={self.running})")
+            arrived = self._arrived.setdefault(key, {})
+            arrived[rank] = unfinished
+            if len(arrived) == self.dp_size:
+                self._complete(key, any(arrived.values()))
+            while key not in self._results:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self._abandon(key)
+                    raise WaveError(f"step {step} of wave {wave}: only ranks {sorted(arrived)} of "
+                                    f"{self.dp_size} arrived within {self.timeout_s:.0f} s")
+                self._cond.wait(left)
+            return self._results[key]
+
+    def _complete(self, key: tuple[int, int], any_unfinished: bool) -> None:
+        self._results[key] = any_unfinished
+        del self._arrived[key]
+        # Forget barriers two waves back (late readers of the last ones may still come).
+        for old in [k for k in self._results if k[0] < key[0] - 1]:
+            del self._results[old]
+        if not any_unfinished:
+            self.running = False
+            self.wave += 1
+            self._changed()
+        self._cond.notify_all()
+
+    def _abandon(self, key: tuple[int, int]) -> None:
+        self._arrived.pop(key, None)
+        self._results[key] = False
+        if self.running and key[0] == self.wave:
+            self.running = False
+            self.wave += 1
+            self._changed()
+        self._cond.notify_all()
+
+    def _changed(self) -> None:
+        self.on_change()

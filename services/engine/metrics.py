@@ -1,0 +1,125 @@
+"""The engine's Prometheus metrics, with vLLM's names.
+
+Gauges and counters are read at scrape time from one ``SchedulerStats`` snapshot (the same one the
+``GetLoad`` load report is built from), so the busy loop pays nothing for them. Histograms get
+their observations once per step from the step's ``StepStats``: one observation per scheduled step
+(``vllm:iteration_tokens_total``) and a few per finished request (queue, prefill, decode, token
+counts). TTFT, inter-token latency and end-to-end latency are the gateway's: it sees them as the
+client does.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Optional
+
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from gridserve.services.engine.scheduler import SchedulerStats, StepStats
+from gridserve.shared.config import GridserveConfig
+from gridserve.shared.observability.metrics import (
+    REQUEST_LATENCY_BUCKETS,
+    STEP_BUCKETS,
+    one_two_five_buckets,
+)
+
+LABELS = ("model_name", "engine")
+
+
+class _SnapshotCollector:
+    """Gauges and counters from one ``SchedulerStats`` snapshot taken at scrape time."""
+
+    def __init__(self, snapshot: Callable[[], Optional[SchedulerStats]], labels: dict[str, str],
+                 cache_info: dict[str, str]) -> None:
+        self.snapshot = snapshot
+        self.labels = labels
+        self.cache_info = cache_info
+
+    def collect(self):
+        names, values = list(self.labels), list(self.labels.values())
+        info = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+                                 labels=[*names, *self.cache_info])
+        info.add_metric([*values, *self.cache_info.values()], 1.0)
+        yield info
+        stats = self.snapshot()
+        if stats is None:  # the engine is starting or dead: only static families
+            return
+        for name, doc, value in (
+            ("vllm:num_requests_running", "Number of requests in model execution batches.", stats.num_running),
+            ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", stats.num_waiting),
+            ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", stats.kv_cache_usage),
+        ):
+            family = GaugeMetricFamily(name, doc, labels=names)
+            family.add_metric(values, value)
+            yield family
+        for name, doc, value in (
+            ("vllm:prompt_tokens", "Number of prefill tokens processed.", stats.num_prompt_tokens),
+            ("vllm:generation_tokens", "Number of generation tokens processed.", stats.num_generation_tokens),
+            ("vllm:num_preemptions", "Cumulative number of preemption from the engine.", stats.num_preemptions),
+            ("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
+             stats.prefix_cache_queries),
+            ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
+             stats.prefix_cache_hits),
+        ):
+            family = CounterMetricFamily(name, doc, labels=names)
+            family.add_metric(values, value)
+            yield family
+
+
+class EngineMetrics:
+    """The engine's registry: snapshot gauges / counters and per-step histograms."""
+
+    def __init__(self, config: GridserveConfig, snapshot: Callable[[], Optional[SchedulerStats]],
+                 engine: str = "0", registry: Optional[CollectorRegistry] = None) -> None:
+        self.registry = registry or CollectorRegistry(auto_describe=False)
+        labels = {"model_name": config.model.model, "engine": engine}
+        cache = config.cache
+        cache_info = {"block_size": str(cache.block_size), "num_gpu_blocks": str(cache.num_blocks or 0),
+                      "enable_prefix_caching": str(cache.enable_prefix_caching)}
+        self.registry.register(_SnapshotCollector(snapshot, labels, cache_info))
+
+        def histogram(name: str, doc: str, buckets) -> Histogram:
+            metric = Histogram(name, doc, LABELS, buckets=buckets, registry=self.registry)
+            return metric.labels(**labels)
+
+        token_buckets = one_two_five_buckets(config.max_model_len)
+        self.queue_time = histogram("vllm:request_queue_time_seconds",
+                                    "Histogram of time spent in WAITING phase for request.", REQUEST_LATENCY_BUCKETS)
+        self.prefill_time = histogram("vllm:request_prefill_time_seconds",
+                                      "Histogram of time spent in PREFILL phase for request.", REQUEST_LATENCY_BUCKETS)
+        self.decode_time = histogram("vllm:request_decode_time_seconds",
+                                     "Histogram of time spent in DECODE phase for request.", REQUEST_LATENCY_BUCKETS)
+        self.inference_time = histogram("vllm:request_inference_time_seconds",
+                                        "Histogram of time spent in RUNNING phase for request.",
+                                        REQUEST_LATENCY_BUCKETS)
+        self.prompt_tokens = histogram("vllm:request_prompt_tokens",
+                                       "Number of prefill tokens processed.", token_buckets)
+        self.generation_tokens = histogram("vllm:request_generation_tokens",
+                                           "Number of generation tokens processed.", token_buckets)
+        self.iteration_tokens = histogram(
+            "vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.",
+            one_two_five_buckets(config.scheduler.max_num_batched_tokens or 2048))
+        self.step_time = histogram("gridserve:engine_step_seconds",
+                                   "Wall time of one EngineCore.step() on the busy loop.", STEP_BUCKETS)
+        self.execute_time = histogram(
+            "gridserve:collective_rpc_seconds",
+            "Round trip of execute_model to the workers (submit to result), per step.", STEP_BUCKETS)
+
+    def record_step(self, step: StepStats, step_seconds: Optional[float]) -> None:
+        for tokens in step.iteration_tokens:
+            self.iteration_tokens.observe(tokens)
+        if step_seconds is not None:
+            self.step_time.observe(step_seconds)
+        for request in step.finished:
+            self.prompt_tokens.observe(request.num_prompt_tokens)
+            self.generation_tokens.observe(request.num_output_tokens)
+            if request.scheduled_time is None:
+                continue  # aborted while waiting: it never ran
+            self.queue_time.observe(request.scheduled_time - request.arrival_time)
+            end = request.finished_time or time.monotonic()
+            self.inference_time.observe(end - request.scheduled_time)
+            if request.first_token_time is not None:
+                self.prefill_time.observe(request.first_token_time - request.scheduled_time)
+                self.decode_time.observe(end - request.first_token_time)

@@ -1,0 +1,111 @@
+"""``WaveClient``: an engine's part in MoE request waves (data parallelism with an MoE model).
+
+While any engine of the DP group has work, all of them step in lockstep; an engine without
+requests runs a dummy step (an empty batch through its executor). After every step of a wave the
+engine meets the others at the coordinator's barrier (``SyncStep``), which also reduces "has
+unfinished requests"; when none has, the wave ends for all at the same step. An idle engine that
+receives a request asks the coordinator to start a wave (``StartWave``); the others see the running
+wave in the coordinator's snapshots (``WatchLoad``) and join it at step 0. Dense models skip all
+of this (the engine creates no ``WaveClient``).
+
+Every method but the watcher runs on the engine's loop thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Optional
+
+import grpc
+
+from gridserve.coordinator.v1 import coordinator_pb2, coordinator_pb2_grpc
+from gridserve.shared.rpc.client import DEFAULT_DEADLINE_S, make_channel
+
+logger = logging.getLogger(__name__)
+
+RECONNECT_DELAY_S = 1.0
+
+
+def is_moe(hf_config: dict) -> bool:
+    """Whether the model routes tokens to experts (Mixtral, Qwen-MoE, DeepSeek-style configs)."""
+    return any((hf_config.get(k) or 0) > 0 for k in ("num_local_experts", "num_experts", "n_routed_experts"))
+
+
+class WaveClient:
+    def __init__(self, coordinator: str, dp_rank: int) -> None:
+        self.coordinator = coordinator
+        self.dp_rank = dp_rank
+        self.wave: Optional[int] = None  # the wave this engine is in (None: idle)
+        self.step = 0
+        self.next_wave = 0  # waves below this one are done for this engine
+        self.dummy_steps = 0
+        self.waves_completed = 0
+        self._seen = (0, False)  # the coordinator's latest (wave, running)
+        self._seen_lock = threading.Lock()
+        self._closed = threading.Event()
+        self._channel = make_channel(coordinator)
+        self._stub = coordinator_pb2_grpc.CoordinatorStub(self._channel)
+        self._thread = threading.Thread(target=self._watch, name="wave-watcher", daemon=True)
+        self._thread.start()
+
+    @property
+    def in_wave(self) -> bool:
+        return self.wave is not None
+
+    def poll(self) -> bool:
+        """Join a wave another engine started, if one runs that this engine has not done; True if in one."""
+        if self.wave is None:
+            with self._seen_lock:
+                wave, running = self._seen
+            if running and wave >= self.next_wave:
+                self._join(wave)
+        return self.wave is not None
+
+    def on_request(self) -> None:
+        """A request arrived: outside a wave, start one (or join the one running)."""
+        if self.wave is not None:
+            return
+        response = self._stub.StartWave(coordinator_pb2.StartWaveRequest(dp_rank=self.dp_rank),
+                                        timeout=DEFAULT_DEADLINE_S)
+        self._join(response.wave)
+
+    def after_step(self, unfinished: bool, dummy: bool) -> None:
+        """The step's barrier; leaves the wave when no engine has unfinished requests."""
+        if self.wave is None:
+            return
+        self.dummy_steps += int(dummy)
+        request = coordinator_pb2.SyncStepRequest(dp_rank=self.dp_rank, wave=self.wave, step=self.step,
+                                                  unfinished=unfinished)
+        try:
+            any_unfinished = self._stub.SyncStep(request, timeout=60).any_unfinished
+        except grpc.RpcError as exc:
+            logger.error("wave %d step %d: %s; leaving the wave", self.wave, self.step, exc.details())
+            any_unfinished = False
+        self.step += 1
+        if not any_unfinished:
+            logger.debug("wave %d done after %d steps (%d dummy)", self.wave, self.step, self.dummy_steps)
+            self.next_wave = self.wave + 1
+            self.waves_completed += 1
+            self.wave = None
+
+    def _join(self, wave: int) -> None:
+        logger.debug("joining wave %d", wave)
+        self.wave, self.step = wave, 0
+        self.next_wave = max(self.next_wave, wave)
+
+    def _watch(self) -> None:
+        while not self._closed.is_set():
+            try:
+                for snapshot in self._stub.WatchLoad(
+                        coordinator_pb2.WatchLoadRequest(gateway_id=f"engine-{self.dp_rank}"), wait_for_ready=True):
+                    with self._seen_lock:
+                        self._seen = (snapshot.wave, snapshot.wave_running)
+            except grpc.RpcError as exc:
+                if not self._closed.is_set():
+                    logger.warning("coordinator %s: %s", self.coordinator, exc.code().name)
+            self._closed.wait(RECONNECT_DELAY_S)
+
+    def close(self) -> None:
+        self._closed.set()
+        self._channel.close()

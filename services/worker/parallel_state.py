@@ -1,0 +1,147 @@
+"""This worker's place among its peers, and the torch.distributed collectives between them.
+
+``ParallelState`` is set once per process by ``Worker.init_device`` (like torch.distributed's own
+default group, it is process-wide): model layers read it while they are built to know which shard
+they hold, and call its collectives in ``forward``. A single worker gets ``ParallelState.single()``
+and never touches torch.distributed (the single-rank fast path).
+
+Backend: NCCL on CUDA, gloo on CPU. Every group is created with a timeout, so a peer that dies or
+hangs turns a collective into an error instead of a hang forever.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from gridserve.shared.parallel import RankLayout
+
+logger = logging.getLogger(__name__)
+
+# Seconds a rendezvous or a collective may wait for a peer before it fails.
+DIST_TIMEOUT_S = float(os.environ.get("GRIDSERVE_DIST_TIMEOUT_S", "60"))
+
+
+@dataclass
+class ParallelState:
+    """Ranks and process groups of this worker (``None`` groups when the dimension is 1)."""
+
+    layout: RankLayout
+    tp_group: Optional[Any] = None
+    pp_group: Optional[Any] = None
+
+    @classmethod
+    def single(cls) -> ParallelState:
+        return cls(RankLayout(rank=0, tp_size=1, pp_size=1))
+
+    @property
+    def tp_size(self) -> int:
+        return self.layout.tp_size
+
+    @property
+    def tp_rank(self) -> int:
+        return self.layout.tp_rank
+
+    @property
+    def pp_size(self) -> int:
+        return self.layout.pp_size
+
+    @property
+    def pp_rank(self) -> int:
+        return self.layout.pp_rank
+
+    # ---- tensor parallel -------------------------------------------------------------------------
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum ``x`` over the TP group, in place."""
+        if self.tp_size > 1:
+            dist.all_reduce(x, group=self.tp_group)
+        return x
+
+    def gather_to_first(self, x: torch.Tensor) -> Optional[torch.Tensor]:
+        """Concatenate every TP rank's ``x`` along the last dim on TP rank 0; ``None`` elsewhere."""
+        if self.tp_size == 1:
+            return x
+        x = x.contiguous()
+        first = self.layout.tp_group_ranks()[0]
+        if self.tp_rank == 0:
+            parts = [torch.empty_like(x) for _ in range(self.tp_size)]
+            dist.gather(x, parts, dst=first, group=self.tp_group)
+            return torch.cat(parts, dim=-1)
+        dist.gather(x, None, dst=first, group=self.tp_group)
+        return None
+
+    def broadcast_from_first(self, x: torch.Tensor) -> torch.Tensor:
+        """TP rank 0's ``x`` on every TP rank (in place)."""
+        if self.tp_size > 1:
+            dist.broadcast(x, src=self.layout.tp_group_ranks()[0], group=self.tp_group)
+        return x
+
+    # ---- pipeline parallel -----------------------------------------------------------------------
+    def send_to_next_stage(self, tensors: list[torch.Tensor]) -> None:
+        """Send activations to the same TP rank of the next stage (blocking until handed over)."""
+        dst = self.layout.rank + self.tp_size
+        for t in tensors:
+            dist.send(t.contiguous(), dst=dst, group=self.pp_group)
+
+    def recv_from_prev_stage(self, shapes: list[tuple[int, ...]], dtype: torch.dtype,
+                             device: torch.device) -> list[torch.Tensor]:
+        src = self.layout.rank - self.tp_size
+        out = []
+        for shape in shapes:
+            t = torch.empty(shape, dtype=dtype, device=device)
+            dist.recv(t, src=src, group=self.pp_group)
+            out.append(t)
+        return out
+
+
+_state = ParallelState.single()
+
+
+def get_parallel_state() -> ParallelState:
+    return _state
+
+
+def set_parallel_state(state: ParallelState) -> None:
+    """Used by ``Worker.init_device`` (and by tests that build one rank's shard without peers)."""
+    global _state
+    _state = state
+
+
+def init_distributed(layout: RankLayout, init_address: str, device: torch.device) -> ParallelState:
+    """Join the workers' rendezvous at ``init_address`` and create every TP and PP group.
+
+    All ranks create all groups in the same order (a torch.distributed requirement).
+    """
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    timeout = timedelta(seconds=DIST_TIMEOUT_S)
+    logger.info("rank %d/%d (tp %d, pp %d): %s rendezvous at %s", layout.rank, layout.world_size,
+                layout.tp_rank, layout.pp_rank, backend, init_address)
+    dist.init_process_group(backend, init_method=f"tcp://{init_address}", rank=layout.rank,
+                            world_size=layout.world_size, timeout=timeout)
+    from gridserve.shared.parallel import pp_group_ranks, tp_group_ranks
+
+    tp_group = pp_group = None
+    for ranks in tp_group_ranks(layout.tp_size, layout.pp_size):
+        group = dist.new_group(ranks, timeout=timeout, backend=backend)
+        if layout.rank in ranks:
+            tp_group = group
+    for ranks in pp_group_ranks(layout.tp_size, layout.pp_size):
+        group = dist.new_group(ranks, timeout=timeout, backend=backend)
+        if layout.rank in ranks:
+            pp_group = group
+    state = ParallelState(layout, tp_group if layout.tp_size > 1 else None,
+                          pp_group if layout.pp_size > 1 else None)
+    set_parallel_state(state)
+    return state
+
+
+def destroy_distributed() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    set_parallel_state(ParallelState.single())

@@ -1,0 +1,121 @@
+"""The chart's Envoy edge config: generated from gridserve/edge.py, accepted by Envoy."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from gridserve import edge
+from gridserve.protos_build import DESCRIPTOR_SET, ensure_generated
+
+from .tools import NAMESPACE, RELEASE, REPO, Rendered
+
+CHART_DESCRIPTOR = "/etc/envoy/descriptors/protos.pb"
+
+
+def envoy_config(rendered: Rendered) -> dict[str, Any]:
+    (config_map,) = rendered.of_kind("ConfigMap")
+    return yaml.safe_load(config_map["data"]["envoy.json"])
+
+
+def connection_manager(config: dict[str, Any]) -> dict[str, Any]:
+    (listener,) = config["static_resources"]["listeners"]
+    (chain,) = listener["filter_chains"]
+    (hcm,) = chain["filters"]
+    return hcm["typed_config"]
+
+
+def normalized_filters(config: dict[str, Any]) -> list[dict[str, Any]]:
+    filters = copy.deepcopy(connection_manager(config)["http_filters"])
+    for f in filters:
+        source = f["typed_config"].get("default_source_code")
+        if source:
+            source["inline_string"] = source["inline_string"].strip()
+    return [f for f in filters if f["name"] != "envoy.filters.http.health_check"]
+
+
+@pytest.fixture(scope="module")
+def descriptor_set() -> Path:
+    ensure_generated()
+    return DESCRIPTOR_SET
+
+
+@pytest.mark.parametrize("values", [{}, {"edge": {"port": 9000, "healthCheckInterval": "5s"},
+                                         "gateway": {"port": 6000}}])
+def test_envoy_accepts_the_chart_config(render_chart, descriptor_set: Path, tmp_path: Path, values) -> None:
+    (config_map,) = render_chart(values).of_kind("ConfigMap")
+    text = config_map["data"]["envoy.json"]
+    assert CHART_DESCRIPTOR in text
+    config_file = tmp_path / "envoy.json"
+    config_file.write_text(text.replace(CHART_DESCRIPTOR, str(descriptor_set)))
+    result = subprocess.run(edge.envoy_argv(config_file, validate=True, log_level="warning"),
+                            capture_output=True, text=True, timeout=120)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    assert "OK" in output
+    assert "Deprecated" not in output, output
+
+
+def _generator():
+    path = REPO / "helm" / "generate_edge_config.py"
+    spec = importlib.util.spec_from_file_location("generate_edge_config", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_chart_edge_config_is_up_to_date_with_gridserve_edge() -> None:
+    generator = _generator()
+    assert generator.TEMPLATE.read_text() == generator.render_template(), \
+        "helm/gridserve/files/envoy.json.tpl is stale: run python helm/generate_edge_config.py"
+
+
+def test_chart_filters_are_those_of_gridserve_edge(render_chart) -> None:
+    chart = envoy_config(render_chart({}))
+    reference = edge.envoy_config("0.0.0.0", 8080, ["gateway:50050"], descriptor_set=Path(CHART_DESCRIPTOR))
+    assert normalized_filters(chart) == normalized_filters(reference)
+    names = [f["name"] for f in connection_manager(chart)["http_filters"]]
+    assert names[0] == "envoy.filters.http.health_check" and names[-1] == "envoy.filters.http.router"
+    for key in ("codec_type", "stream_idle_timeout", "route_config"):
+        assert connection_manager(chart)[key] == connection_manager(reference)[key], key
+    (deployment,) = render_chart({}).by_role("edge")
+    probe = deployment["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]
+    assert probe["httpGet"]["path"] == _generator().HEALTH_PATH
+
+
+def test_gateways_are_found_through_their_headless_service(render_chart) -> None:
+    rendered = render_chart({"gateway": {"port": 6000}})
+    (cluster,) = envoy_config(rendered)["static_resources"]["clusters"]
+    (reference,) = edge.envoy_config("0.0.0.0", 8080, ["gateway:6000"])["static_resources"]["clusters"]
+    assert cluster["type"] == "STRICT_DNS"
+    (endpoint,) = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"]
+    address = endpoint["endpoint"]["address"]["socket_address"]
+    assert address == {"address": f"{RELEASE}-gridserve-gateway-headless.{NAMESPACE}.svc.cluster.local",
+                       "port_value": 6000}
+    headless = rendered.named("Service", f"{RELEASE}-gridserve-gateway-headless")
+    assert headless["spec"]["clusterIP"] == "None"
+    for key in reference.keys() - {"type", "load_assignment", "health_checks", "outlier_detection"}:
+        assert cluster[key] == reference[key], key
+    (check,) = cluster["health_checks"]
+    (reference_check,) = reference["health_checks"]
+    assert check.keys() == reference_check.keys() and check["grpc_health_check"] == {}
+
+
+def test_the_edge_gets_its_descriptor_set_from_the_gateway_image(render_chart) -> None:
+    rendered = render_chart({})
+    (deployment,) = rendered.by_role("edge")
+    pod = deployment["spec"]["template"]["spec"]
+    (init,) = pod["initContainers"]
+    (gateway,) = rendered.by_role("gateway")
+    assert init["image"] == gateway["spec"]["template"]["spec"]["containers"][0]["image"]
+    assert init["command"][-1] == CHART_DESCRIPTOR
+    envoy = pod["containers"][0]
+    mounts = {m["mountPath"] for m in envoy["volumeMounts"]}
+    assert mounts >= {"/etc/envoy/envoy.json", str(Path(CHART_DESCRIPTOR).parent)}
+    assert envoy["image"].startswith("envoyproxy/envoy:")
