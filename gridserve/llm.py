@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 import weakref
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional, Union
 
 from tqdm.auto import tqdm
@@ -28,19 +30,31 @@ class LLM:
     Keyword arguments are vLLM's (``dtype``, ``seed``, ``max_model_len``, ``max_num_seqs``,
     ``max_num_batched_tokens``, ``block_size``, ``enable_prefix_caching``,
     ``enable_chunked_prefill``, ``kv_cache_memory_bytes``, ``gpu_memory_utilization``,
-    ``tensor_parallel_size``, ``tokenizer``, ``device``, ...); an unknown one is an error.
+    ``tensor_parallel_size``, ``pipeline_parallel_size``, ``data_parallel_size``, ``tokenizer``,
+    ``device``, ...); an unknown one is an error.
+
+    With ``data_parallel_size=N`` there are N engines, each driving its own local worker processes
+    (``PP x TP`` each); prompts are spread over them (fewest unfinished requests first) and the
+    engines step in parallel threads (each waits on its workers, not on the GIL).
     """
 
     def __init__(self, model: str, **kwargs: Any) -> None:
         self.config = GridserveConfig.from_kwargs(model=model, **kwargs).finalize()
         self.tokenizer = _load_tokenizer(self.config.model.tokenizer_path)
-        self._workers = _start_local_workers(self.config)
+        self._launchers: list[Launcher] = []
+        self.engines: list[LLMEngine] = []
         try:
-            self.llm_engine = LLMEngine(self.config, self.tokenizer)
+            for rank in range(self.config.parallel.data_parallel_size):
+                config = copy.deepcopy(self.config)
+                launcher = _start_local_workers(config, self.config.parallel.data_parallel_size)
+                if launcher is not None:
+                    self._launchers.append(launcher)
+                self.engines.append(LLMEngine(config, self.tokenizer))
+                logger.debug("engine %d ready", rank)
         except BaseException:
-            if self._workers is not None:
-                self._workers.stop()
+            self.shutdown()
             raise
+        self.llm_engine = self.engines[0]
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer
@@ -80,56 +94,77 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run(self, prompts: list[PromptType], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
-        engine = self.llm_engine
-        ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
-        results: dict[str, RequestOutput] = {}
+        assigned: list[list[str]] = [[] for _ in self.engines]
+        keys = []
+        for prompt, sp in zip(prompts, params):
+            rank = min(range(len(self.engines)), key=lambda r: len(assigned[r]))
+            assigned[rank].append(self.engines[rank].add_request(prompt, sp))
+            keys.append((rank, assigned[rank][-1]))
+        results: dict[tuple[int, str], RequestOutput] = {}
         try:
-            with tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm) as bar:
-                while engine.has_unfinished_requests():
-                    for out in engine.step():
-                        results[out.request_id] = out
-                        bar.update(1)
+            with tqdm(total=len(keys), desc="Processed prompts", disable=not use_tqdm) as bar:
+                if len(self.engines) == 1:
+                    self._drive(0, results, bar)
+                else:
+                    with ThreadPoolExecutor(len(self.engines), thread_name_prefix="dp-engine") as pool:
+                        for future in [pool.submit(self._drive, r, results, bar) for r in range(len(self.engines))]:
+                            future.result()
         finally:
-            leftover = [rid for rid in ids if rid not in results]
-            if leftover:
-                engine.abort_request(leftover)
-        return [results[rid] for rid in ids]
+            for rank, ids in enumerate(assigned):
+                leftover = [rid for rid in ids if (rank, rid) not in results]
+                if leftover:
+                    self.engines[rank].abort_request(leftover)
+        return [results[key] for key in keys]
+
+    def _drive(self, rank: int, results: dict, bar: tqdm) -> None:
+        """Step engine ``rank`` until it has no unfinished request (one thread per engine)."""
+        engine = self.engines[rank]
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                results[(rank, out.request_id)] = out
+                bar.update(1)
 
     def reset_prefix_cache(self) -> bool:
-        return self.llm_engine.core.reset_prefix_cache()
+        return all([engine.core.reset_prefix_cache() for engine in self.engines])
 
     def sleep(self, level: int = 1) -> None:
-        self.llm_engine.core.sleep(level)
+        for engine in self.engines:
+            engine.core.sleep(level)
 
     def wake_up(self, tags: Optional[list[str]] = None) -> None:
-        self.llm_engine.core.wake_up(tags)
+        for engine in self.engines:
+            engine.core.wake_up(tags)
 
     def stats(self):
-        """The scheduler's counters (queue lengths, KV usage, prefix-cache queries and hits)."""
+        """The first engine's scheduler counters (queue lengths, KV usage, prefix-cache queries and hits)."""
         return self.llm_engine.core.stats()
 
     def shutdown(self) -> None:
-        """Stop the engine and, with tensor / pipeline parallelism, the worker processes."""
+        """Stop the engines and, with tensor / pipeline / data parallelism, the worker processes."""
         try:
-            self.llm_engine.shutdown()
+            for engine in self.engines:
+                engine.shutdown()
         finally:
-            if self._workers is not None:
-                self._workers.stop()
-                self._workers = None
+            for launcher in self._launchers:
+                launcher.stop()
+            self._launchers = []
+            self.engines = []
 
 
-def _start_local_workers(config: GridserveConfig) -> Optional[Launcher]:
-    """With ``tensor_parallel_size x pipeline_parallel_size > 1`` and no worker addresses given, start
-    that many local worker services and point the engine at them (the ``grpc`` executor, as ``serve``)."""
+def _start_local_workers(config: GridserveConfig, data_parallel_size: int = 1) -> Optional[Launcher]:
+    """With ``tensor_parallel_size x pipeline_parallel_size > 1`` (or several DP engines) and no
+    worker addresses given, start one engine's local worker services and point it at them (the
+    ``grpc`` executor, as ``serve``); their CPU threads share the machine with the other engines'."""
     parallel = config.parallel
-    if parallel.world_size == 1 or parallel.worker_addresses:
+    if (parallel.world_size == 1 and data_parallel_size == 1) or parallel.worker_addresses:
         if parallel.worker_addresses:
             parallel.executor_backend = "grpc"
         return None
     from gridserve.launcher import Launcher
 
     launcher = Launcher(config.model.model_path, [], tensor_parallel_size=parallel.tensor_parallel_size,
-                        pipeline_parallel_size=parallel.pipeline_parallel_size, grace_s=5.0)
+                        pipeline_parallel_size=parallel.pipeline_parallel_size,
+                        data_parallel_size=data_parallel_size, grace_s=5.0, metrics=False)
     parallel.worker_addresses = launcher.start_workers()
     parallel.executor_backend = "grpc"
     # The workers exit when the engine's streams close; this stops any that did not.

@@ -231,8 +231,6 @@ class GridserveConfig:
 
     def finalize(self) -> GridserveConfig:
         """Resolve the model and fill defaults that depend on it."""
-        if self.parallel.data_parallel_size != 1:
-            raise ConfigError("parallel.data_parallel_size", "only 1 is supported so far")
         self.model.resolve()
         self.parallel.check_model(self.model.architecture, self.model.hf_config)
         self.scheduler.finalize(self.max_model_len)

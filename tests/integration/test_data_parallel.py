@@ -143,3 +143,22 @@ def test_killing_an_engine_keeps_the_others_serving(dp):
     with pytest.raises(grpc.RpcError) as err:
         _generate(gateway, _prompt(1), 2, data_parallel_rank=1)
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_offline_llm_with_two_engines_equals_one(llama_tiny):
+    prompts = [{"prompt_token_ids": _prompt(i)} for i in range(12)]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS)
+    single = LLM(model=str(llama_tiny), kv_cache_memory_bytes=KV_BYTES)
+    try:
+        expected = [r.outputs[0].token_ids for r in single.generate(prompts, params, use_tqdm=False)]
+    finally:
+        single.shutdown()
+    llm = LLM(model=str(llama_tiny), kv_cache_memory_bytes=KV_BYTES, data_parallel_size=2)
+    try:
+        assert len(llm.engines) == 2
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        assert [r.outputs[0].token_ids for r in outputs] == expected
+        served = [e.core.stats().num_prompt_tokens for e in llm.engines]
+        assert all(n > 0 for n in served), served  # both engines ran prompts
+    finally:
+        llm.shutdown()
