@@ -125,18 +125,13 @@ class ModelRunner:
             return ModelRunnerOutput(prompt_logprobs=prompt_logprobs) if self.is_driver else None
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         if logits is None:  # a TP rank other than the first: the driver samples
-            if self.keeps_own_samples:
-                self._append_samples(inputs.sampling_req_ids, self._receive_samples(len(inputs.sampling_req_ids)))
+            self._receive_samples(inputs.sampling_req_ids)
             return None
         if self.structured_output is not None and self.structured_output.has_requests:
             self.structured_output.apply_bitmask(logits, inputs.sampling_req_ids)
         meta = self._sampling_metadata(inputs.sampling_req_ids, logits.shape[-1])
         sampled, logprobs = self.sampler(logits, meta)
-        if self.keeps_own_samples:
-            self.parallel.broadcast_from_first(sampled.to(torch.int64))
-        tokens = sampled.tolist()
-        if self.keeps_own_samples:
-            self._append_samples(inputs.sampling_req_ids, tokens)
+        tokens = self._keep_samples(inputs.sampling_req_ids, sampled)
         if self.structured_output is not None and self.structured_output.has_requests:
             self.structured_output.accept_tokens(inputs.sampling_req_ids, tokens)
         return ModelRunnerOutput(
@@ -161,9 +156,21 @@ class ModelRunner:
         self.parallel.send_to_next_stage(list(out))
         return None
 
-    def _receive_samples(self, n: int) -> list[int]:
-        tokens = torch.empty(n, dtype=torch.int64, device=self.device)
-        return self.parallel.broadcast_from_first(tokens).tolist()
+    def _keep_samples(self, req_ids: list[str], sampled: torch.Tensor) -> list[int]:
+        """Append the driver's samples to its requests (and share them with the other TP ranks)."""
+        if self.keeps_own_samples and self.parallel.tp_size > 1:
+            self.parallel.broadcast_from_first(sampled.to(torch.int64))
+        tokens = sampled.tolist()
+        if self.keeps_own_samples:
+            self._append_samples(req_ids, tokens)
+        return tokens
+
+    def _receive_samples(self, req_ids: list[str]) -> None:
+        """On a TP rank other than the driver: the driver's samples, by broadcast (one stage only)."""
+        if not self.keeps_own_samples:
+            return  # several stages: the engine sends the tokens with the next step
+        tokens = torch.empty(len(req_ids), dtype=torch.int64, device=self.device)
+        self._append_samples(req_ids, self.parallel.broadcast_from_first(tokens).tolist())
 
     def _append_samples(self, req_ids: list[str], tokens: list[int]) -> None:
         for req_id, token in zip(req_ids, tokens):

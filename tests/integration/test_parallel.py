@@ -57,6 +57,9 @@ def test_each_tp_rank_holds_half_the_sharded_weights_and_reads_only_its_slices(a
         part = rank_of(checkpoint, rank, tp=2)
         assert _sharded_bytes(part) == pytest.approx(_sharded_bytes(whole) / 2, rel=0.01)
         assert parameter_bytes(part) < 0.55 * parameter_bytes(whole)
+        # its KV cache holds only its heads
+        assert [2 * a.num_kv_heads for a in part.attention_layers()] == [
+            a.num_kv_heads for a in whole.attention_layers()]
         report = part.load_report
         sharded = [n for n in report.read if n.endswith(".weight") and any(s in n for s in SHARDED_CHECKPOINT)]
         assert len(sharded) >= 6 * 2 + 1

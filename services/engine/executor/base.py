@@ -89,7 +89,7 @@ class Executor(ABC):
         if not non_block:
             return result[0]
         output: Future = Future()
-        result.add_done_callback(lambda f: _chain_first(f, output))
+        result.add_done_callback(lambda f: chain_first(f, output))
         return output
 
     def determine_available_memory(self) -> int:
@@ -116,7 +116,8 @@ class Executor(ABC):
         """Stop the workers and release everything the executor holds."""
 
 
-def _chain_first(done: Future, output: Future) -> None:
+def chain_first(done: Future, output: Future) -> None:
+    """Complete ``output`` with the first of ``done``'s per-worker results (or its error)."""
     exc = done.exception()
     if exc is not None:
         output.set_exception(exc)

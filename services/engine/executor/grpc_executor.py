@@ -20,7 +20,7 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeoutError
 from typing import Any, Optional, Union
 
-from gridserve.services.engine.executor.base import Executor, _chain_first, check_worker_method
+from gridserve.services.engine.executor.base import Executor, chain_first, check_worker_method
 from gridserve.services.engine.executor.worker_stream import WorkerStream
 from gridserve.shared.errors import ConfigError, EngineDeadError
 from gridserve.shared.parallel import output_rank
@@ -100,7 +100,7 @@ class GrpcExecutor(Executor):
         if not non_block:
             return self._wait(output, STEP_TIMEOUT_S, "execute_model")
         result: Future = Future()
-        _gather([output], STEP_TIMEOUT_S, self).add_done_callback(lambda f: _chain_first(f, result))
+        _gather([output], STEP_TIMEOUT_S, self).add_done_callback(lambda f: chain_first(f, result))
         return result
 
     def _fail_group_on_error(self, future: Future) -> None:
