@@ -36,4 +36,5 @@ for name, folder in ROOTS.items():
     packages.append(name)
     packages += [f"{name}.{sub}" for sub in find_packages(folder)]
 
-setup(packages=packages, package_dir=ROOTS)
+# Non-Python files the packages read at run time (the C++ CPU kernels are compiled on first use).
+setup(packages=packages, package_dir=ROOTS, package_data={"gridserve.kernels.cpu_ops": ["*.cpp"]})

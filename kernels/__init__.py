@@ -1,8 +1,9 @@
-"""gridserve's kernels: Triton on CUDA, torch reference code elsewhere, chosen per call.
+"""gridserve's kernels: Triton on CUDA, C++ (``cpu_ops``) or torch reference code on CPU, chosen per call.
 
 Models call the functions exported here and never choose an implementation themselves.
 ``GRIDSERVE_KERNELS=reference`` forces the torch code; ``GRIDSERVE_KERNELS=triton`` forces Triton
-(on CPU that needs ``TRITON_INTERPRET=1``, for tests).
+(on CPU that needs ``TRITON_INTERPRET=1``, for tests); ``GRIDSERVE_KERNELS=cpu`` requires the C++
+kernels to build instead of falling back.
 """
 
 from __future__ import annotations

@@ -1,4 +1,10 @@
-"""Picks the Triton kernel when the tensors are on CUDA and Triton imports, the reference otherwise."""
+"""Picks an implementation per call: Triton for CUDA tensors, the C++ kernels (``cpu_ops``) for CPU
+tensors where one exists and builds, the torch reference otherwise.
+
+``GRIDSERVE_KERNELS``: ``auto`` (default), ``reference`` (always torch), ``triton`` (always Triton),
+``cpu`` (as ``auto``, but a CPU op with a C++ kernel raises instead of falling back when it
+cannot be built).
+"""
 
 from __future__ import annotations
 
@@ -24,6 +30,19 @@ def _triton_ops():
     return triton_ops
 
 
+def _cpu_kernel(name: str, mode: str):
+    """The C++ kernel for ``name``, built on first use, or None for an op without one."""
+    from gridserve.kernels import cpu_ops
+
+    if name not in cpu_ops.KERNELS:
+        return None
+    if cpu_ops.load() is None:
+        if mode == "cpu":
+            raise RuntimeError(f"GRIDSERVE_KERNELS=cpu but the C++ kernel for {name!r} did not build")
+        return None
+    return getattr(cpu_ops, name)
+
+
 def _impl(name: str, tensor: torch.Tensor):
     mode = os.environ.get("GRIDSERVE_KERNELS", "auto")
     if mode != "reference" and (tensor.is_cuda or mode == "triton"):
@@ -33,7 +52,20 @@ def _impl(name: str, tensor: torch.Tensor):
             return fn
         if mode == "triton":
             raise RuntimeError(f"GRIDSERVE_KERNELS=triton but no Triton kernel for {name!r}")
+    if mode in ("auto", "cpu") and tensor.device.type == "cpu":
+        fn = _cpu_kernel(name, mode)
+        if fn is not None:
+            return fn
     return getattr(reference, name)
+
+
+def prepare(device: torch.device) -> None:
+    """Build (or load from the cache) what this device's kernels need now, not on the first request:
+    the C++ CPU kernels take seconds to compile on a machine that has not built them yet."""
+    mode = os.environ.get("GRIDSERVE_KERNELS", "auto")
+    if device.type == "cpu" and mode in ("auto", "cpu"):
+        for name in ("paged_attention",):
+            _cpu_kernel(name, mode)
 
 
 def reshape_and_cache(key, value, kv_cache, slot_mapping) -> None:

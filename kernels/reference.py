@@ -65,11 +65,21 @@ def paged_attention(
     for first in range(0, len(decode), _DECODE_GROUP):
         group = decode[first : first + _DECODE_GROUP]
         _decode_batch(query, kv_cache, qsl, lens, block_table, group, scale, gqa, out)
+    longer = [i for i, n in enumerate(q_lens) if n > 1]
+    prefill_rows(query, kv_cache, qsl, lens, block_table, longer, scale, out)
+    return out
+
+
+def prefill_rows(query, kv_cache, qsl, lens, block_table, rows, scale, out) -> None:
+    """Attention of the sequences ``rows`` (prefill or chunked prefill), one SDPA call each.
+
+    ``qsl`` and ``lens`` are ``query_start_loc`` / ``seq_lens`` as lists; results go into ``out``.
+    """
+    gqa = query.shape[1] != kv_cache.shape[3]
     block_size = kv_cache.shape[2]
-    for i, q_len in enumerate(q_lens):
-        if q_len <= 1:
-            continue
+    for i in rows:
         start, ctx = qsl[i], lens[i]
+        q_len = qsl[i + 1] - start
         k, v = _gather_kv(kv_cache, block_table[i, : (ctx + block_size - 1) // block_size], ctx)
         # 4-D [1, heads, len, d]: CPU SDPA takes its fused path only for batched inputs
         q = query[start : start + q_len].transpose(0, 1).unsqueeze(0)
@@ -77,11 +87,10 @@ def paged_attention(
         if q_len == ctx:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
         else:
-            rows = torch.arange(ctx - q_len, ctx, device=query.device).unsqueeze(1)
-            mask = torch.arange(ctx, device=query.device).unsqueeze(0) <= rows
+            positions = torch.arange(ctx - q_len, ctx, device=query.device).unsqueeze(1)
+            mask = torch.arange(ctx, device=query.device).unsqueeze(0) <= positions
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
         out[start : start + q_len] = o[0].transpose(0, 1)
-    return out
 
 
 def _decode_batch(query, kv_cache, qsl, lens, block_table, rows, scale, gqa, out) -> None:

@@ -16,6 +16,7 @@ from typing import Optional
 
 import torch
 
+from gridserve.kernels import dispatch
 from gridserve.services.worker.model_runner import ModelRunner
 from gridserve.services.worker.parallel_state import (
     ParallelState,
@@ -95,6 +96,7 @@ class Worker:
 
     def load_model(self) -> None:
         self.runner.load_model()
+        dispatch.prepare(self.device)  # compile the C++ CPU kernels before serving, not mid-request
 
     def determine_available_memory(self) -> int:
         """Bytes the KV cache may use: the configured budget, or on GPU what a profiling run leaves."""

@@ -29,7 +29,7 @@ if _TRITON_IMPORTED_TOO_EARLY:
         allow_module_level=True,
     )
 
-from gridserve.kernels import dispatch, reference, triton_ops  # noqa: E402
+from gridserve.kernels import cpu_ops, dispatch, reference, triton_ops  # noqa: E402
 from gridserve.kernels.triton_ops import attention  # noqa: E402
 from gridserve.kernels.triton_ops.attention import AttentionPlan, run_paged_attention  # noqa: E402
 
@@ -218,8 +218,9 @@ def test_silu_and_mul_matches_reference(dtype):
 # --- dispatch and fallback ---------------------------------------------------------------------
 
 
-def test_dispatcher_uses_reference_for_cpu_tensors_by_default(monkeypatch):
+def test_dispatcher_never_picks_triton_for_cpu_tensors_by_default(monkeypatch):
     monkeypatch.delenv("GRIDSERVE_KERNELS", raising=False)
+    monkeypatch.setattr(cpu_ops, "load", lambda: None)  # the C++ choice: test_cpu_paged_attention
     assert dispatch._impl("rms_norm", torch.ones(1)) is reference.rms_norm
     assert dispatch._impl("paged_attention", torch.ones(1)) is reference.paged_attention
 

@@ -1,0 +1,278 @@
+// CPU paged attention that reads K/V in place through the block table (no gathered copy).
+//
+// One work item is a query token with all its heads: each position's K/V row (every KV head,
+// contiguous in the cache) is read once and serves the `group` query heads of each KV head
+// (GQA/MQA). Per token, two passes in float32: scores of every visible position (reads K once),
+// then softmax and the weighted sum of V (reads V once). Threads get runs of tokens of about equal
+// total context, so they stay balanced when context lengths differ; with fewer tokens than
+// threads, tokens are split by KV heads as well.
+//
+// A sequence's new tokens are its last q_len positions: token i of a row with q_len tokens and
+// context ctx sees positions [0, ctx - q_len + i]. Rows longer than `max_q_len` are skipped (their
+// output is left untouched) so the caller can run them through a tiled prefill path.
+
+// Registered as torch.ops.gridserve_cpu.paged_attention through torch/library.h (not
+// torch/extension.h + pybind11, which takes several times longer to compile).
+
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+// Hot loops get an AVX2 clone picked at load time on x86 (GCC ifunc); the default clone keeps
+// the library portable, so the build never depends on the machine it was compiled on.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define GS_SIMD_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define GS_SIMD_CLONES
+#endif
+
+constexpr int kLanes = 16;  // independent partial sums: vectorizes without -ffast-math
+
+template <typename T>
+inline float to_float(T x) { return static_cast<float>(x); }
+
+// K/V rows in float32 are used in place; fp16/bf16 rows are widened into `buf` first.
+template <typename T>
+inline const float* widen(const T* src, float* buf, int64_t d) {
+  for (int64_t j = 0; j < d; ++j) buf[j] = to_float(src[j]);
+  return buf;
+}
+template <>
+inline const float* widen<float>(const float* src, float*, int64_t) { return src; }
+
+inline float dot(const float* a, const float* b, int64_t d) {
+  float lanes[kLanes] = {0.f};
+  int64_t j = 0;
+  for (; j + kLanes <= d; j += kLanes)
+    for (int l = 0; l < kLanes; ++l) lanes[l] += a[j + l] * b[j + l];
+  float s = 0.f;
+  for (; j < d; ++j) s += a[j] * b[j];
+  for (int l = 0; l < kLanes; ++l) s += lanes[l];
+  return s;
+}
+
+inline void axpy(float p, const float* x, float* y, int64_t d) {
+  for (int64_t j = 0; j < d; ++j) y[j] += p * x[j];
+}
+
+struct Geometry {
+  int64_t num_tokens, num_heads, num_kv_heads, head_size, group, block_size, max_blocks;
+  int64_t q_stride_token, q_stride_head;   // query strides (last dim contiguous)
+  int64_t o_stride_token, o_stride_head;   // output strides (last dim contiguous)
+  int64_t kv_stride_block, kv_stride_pos, kv_stride_head;  // within the K or the V half
+  float scale;
+};
+
+// Scratch for one token, reused across a thread's share of the tokens.
+struct Scratch {
+  std::vector<float> q, scores, acc, row, inv_sum;
+  Scratch(const Geometry& g, int64_t max_ctx)
+      : q(g.num_heads * g.head_size), scores(g.num_heads * std::max<int64_t>(max_ctx, 1)),
+        acc(g.num_heads * g.head_size), row(g.head_size), inv_sum(g.num_heads) {}
+};
+
+// KV heads [kv0, kv1) of one query token (and their query heads) over its first `visible`
+// positions. Each position's K (then V) row holds the KV heads contiguously, so the walk reads
+// whole rows in cache order.
+template <typename T>
+GS_SIMD_CLONES void attend_token(
+    const Geometry& g, const T* query, const T* keys, const T* values, T* out,
+    const int32_t* blocks, int64_t token, int64_t visible, int64_t kv0, int64_t kv1, Scratch& s) {
+  const int64_t d = g.head_size, G = g.group, h0 = kv0 * G, h1 = kv1 * G;
+  for (int64_t h = h0; h < h1; ++h) {
+    const T* q = query + token * g.q_stride_token + h * g.q_stride_head;
+    for (int64_t j = 0; j < d; ++j) s.q[h * d + j] = to_float(q[j]) * g.scale;
+  }
+  float* scores = s.scores.data();  // [H, visible]
+
+  // Pass 1: scores, walking the block table a block at a time.
+  for (int64_t start = 0; start < visible; start += g.block_size) {
+    const int64_t n = std::min(g.block_size, visible - start);
+    const T* block = keys + blocks[start / g.block_size] * g.kv_stride_block;
+    for (int64_t p = 0; p < n; ++p) {
+      for (int64_t kvh = kv0; kvh < kv1; ++kvh) {
+        const float* k = widen(block + p * g.kv_stride_pos + kvh * g.kv_stride_head, s.row.data(), d);
+        for (int64_t h = kvh * G; h < (kvh + 1) * G; ++h)
+          scores[h * visible + start + p] = dot(s.q.data() + h * d, k, d);
+      }
+    }
+  }
+  // Softmax per query head (unnormalized; divided by the sum at the end).
+  float* inv_sum = s.inv_sum.data();
+  for (int64_t h = h0; h < h1; ++h) {
+    float* row = scores + h * visible;
+    float m = row[0];
+    for (int64_t p = 1; p < visible; ++p) m = std::max(m, row[p]);
+    float sum = 0.f;
+    for (int64_t p = 0; p < visible; ++p) {
+      row[p] = std::exp(row[p] - m);
+      sum += row[p];
+    }
+    inv_sum[h] = 1.f / sum;
+  }
+  // Pass 2: weighted sum of V.
+  std::fill(s.acc.begin() + h0 * d, s.acc.begin() + h1 * d, 0.f);
+  for (int64_t start = 0; start < visible; start += g.block_size) {
+    const int64_t n = std::min(g.block_size, visible - start);
+    const T* block = values + blocks[start / g.block_size] * g.kv_stride_block;
+    for (int64_t p = 0; p < n; ++p) {
+      for (int64_t kvh = kv0; kvh < kv1; ++kvh) {
+        const float* v = widen(block + p * g.kv_stride_pos + kvh * g.kv_stride_head, s.row.data(), d);
+        for (int64_t h = kvh * G; h < (kvh + 1) * G; ++h)
+          axpy(scores[h * visible + start + p], v, s.acc.data() + h * d, d);
+      }
+    }
+  }
+  for (int64_t h = h0; h < h1; ++h) {
+    T* o = out + token * g.o_stride_token + h * g.o_stride_head;
+    for (int64_t j = 0; j < d; ++j) o[j] = static_cast<T>(s.acc[h * d + j] * inv_sum[h]);
+  }
+}
+
+// A token and a range of its KV heads: the unit of work given to a thread.
+struct Unit {
+  int64_t token, kv0, kv1;
+};
+
+// Splits `units` into `parts` contiguous runs of about equal cost (K/V rows read).
+std::vector<int64_t> balanced_bounds(const std::vector<Unit>& units,
+                                     const std::vector<int64_t>& visible, int64_t parts) {
+  auto cost = [&](const Unit& u) { return (visible[u.token] + 1) * (u.kv1 - u.kv0); };
+  int64_t total = 0;
+  for (const Unit& u : units) total += cost(u);
+  std::vector<int64_t> bounds{0};
+  int64_t done = 0;
+  for (int64_t i = 0; i < static_cast<int64_t>(units.size()); ++i) {
+    done += cost(units[i]);
+    const int64_t part = static_cast<int64_t>(bounds.size());
+    if (part < parts && done * parts >= total * part) bounds.push_back(i + 1);
+  }
+  if (bounds.back() != static_cast<int64_t>(units.size())) bounds.push_back(units.size());
+  return bounds;
+}
+
+template <typename T>
+void run(const Geometry& g, const at::Tensor& query, const at::Tensor& kv_cache,
+         const at::Tensor& out, const std::vector<int64_t>& token_seq,
+         const std::vector<int64_t>& token_visible, const int32_t* block_table, int64_t max_ctx) {
+  const T* q = query.data_ptr<T>();
+  const T* keys = kv_cache.data_ptr<T>();
+  const T* values = keys + kv_cache.stride(0);
+  T* o = out.data_ptr<T>();
+  const int64_t threads = at::get_num_threads();
+  int64_t num_active = 0;
+  for (int64_t t = 0; t < g.num_tokens; ++t) num_active += token_visible[t] > 0;
+  if (num_active == 0) return;
+  // Whole tokens when there are enough to go round the threads; otherwise each token's KV heads
+  // are split too, so that a single long sequence still uses every core.
+  const int64_t slices = std::min(g.num_kv_heads, (threads + num_active - 1) / num_active);
+  std::vector<Unit> units;
+  for (int64_t t = 0; t < g.num_tokens; ++t) {
+    if (token_visible[t] <= 0) continue;
+    for (int64_t i = 0; i < slices; ++i)
+      units.push_back({t, g.num_kv_heads * i / slices, g.num_kv_heads * (i + 1) / slices});
+  }
+  // One task per thread, each a run of units with about the same number of rows to read:
+  // at::parallel_for's static chunks would leave threads idle when context lengths differ.
+  const auto bounds = balanced_bounds(units, token_visible, threads);
+  at::parallel_for(0, static_cast<int64_t>(bounds.size()) - 1, 1, [&](int64_t begin, int64_t end) {
+    Scratch scratch(g, max_ctx);
+    for (int64_t i = bounds[begin]; i < bounds[end]; ++i) {
+      const Unit& u = units[i];
+      const int32_t* blocks = block_table + token_seq[u.token] * g.max_blocks;
+      attend_token<T>(g, q, keys, values, o, blocks, u.token, token_visible[u.token], u.kv0, u.kv1,
+                      scratch);
+    }
+  });
+}
+
+}  // namespace
+
+// out[t, h, :] = softmax(scale * q . K) V over each token's visible paged context.
+void paged_attention(const at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
+                     const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
+                     const at::Tensor& block_table, double scale, int64_t max_q_len) {
+  TORCH_CHECK(query.device().is_cpu() && kv_cache.device().is_cpu(), "CPU tensors expected");
+  TORCH_CHECK(query.dim() == 3 && kv_cache.dim() == 5, "query [T, H, D], kv_cache [2, N, B, KVH, D]");
+  TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1 && kv_cache.stride(4) == 1,
+              "query, out and kv_cache: the head dim must be contiguous");
+  TORCH_CHECK(out.sizes() == query.sizes(), "out must have query's shape");
+  TORCH_CHECK(query.scalar_type() == kv_cache.scalar_type() && out.scalar_type() == query.scalar_type(),
+              "query, kv_cache and out must share a dtype");
+  for (const auto* t : {&query_start_loc, &seq_lens, &block_table})
+    TORCH_CHECK(t->scalar_type() == at::kInt && t->is_contiguous(), "int32 contiguous metadata expected");
+  const int64_t num_heads = query.size(1), num_kv_heads = kv_cache.size(3);
+  TORCH_CHECK(num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads");
+  TORCH_CHECK(kv_cache.size(4) == query.size(2), "query and kv_cache head sizes differ");
+
+  Geometry g{};
+  g.num_tokens = query.size(0);
+  g.num_heads = num_heads;
+  g.num_kv_heads = num_kv_heads;
+  g.head_size = query.size(2);
+  g.group = num_heads / num_kv_heads;
+  g.block_size = kv_cache.size(2);
+  g.max_blocks = block_table.size(1);
+  g.q_stride_token = query.stride(0);
+  g.q_stride_head = query.stride(1);
+  g.o_stride_token = out.stride(0);
+  g.o_stride_head = out.stride(1);
+  g.kv_stride_block = kv_cache.stride(1);
+  g.kv_stride_pos = kv_cache.stride(2);
+  g.kv_stride_head = kv_cache.stride(3);
+  g.scale = static_cast<float>(scale);
+
+  // Per token: its sequence and how many positions it sees (0 = not handled here).
+  const int64_t num_seqs = seq_lens.size(0);
+  TORCH_CHECK(query_start_loc.size(0) == num_seqs + 1 && block_table.size(0) >= num_seqs,
+              "query_start_loc needs num_seqs + 1 entries and block_table num_seqs rows");
+  const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  std::vector<int64_t> token_seq(g.num_tokens, 0), token_visible(g.num_tokens, 0);
+  int64_t max_ctx = 0;
+  for (int64_t i = 0; i < num_seqs; ++i) {
+    const int64_t begin = qsl[i], q_len = qsl[i + 1] - qsl[i], ctx = lens[i];
+    TORCH_CHECK(begin >= 0 && q_len >= 0 && begin + q_len <= g.num_tokens, "bad query_start_loc");
+    TORCH_CHECK(q_len <= ctx && ctx <= g.max_blocks * g.block_size, "seq_lens out of range for row ", i);
+    if (q_len > max_q_len) continue;
+    const int32_t* blocks = block_table.data_ptr<int32_t>() + i * g.max_blocks;
+    for (int64_t b = 0; b < (ctx + g.block_size - 1) / g.block_size; ++b)
+      TORCH_CHECK(blocks[b] >= 0 && blocks[b] < kv_cache.size(1), "block_table[", i, "] out of range");
+    for (int64_t t = 0; t < q_len; ++t) {
+      token_seq[begin + t] = i;
+      token_visible[begin + t] = ctx - q_len + t + 1;
+    }
+    max_ctx = std::max(max_ctx, ctx);
+  }
+  const int32_t* table = block_table.data_ptr<int32_t>();
+
+  switch (query.scalar_type()) {
+    case at::kFloat:
+      run<float>(g, query, kv_cache, out, token_seq, token_visible, table, max_ctx);
+      break;
+    case at::kBFloat16:
+      run<c10::BFloat16>(g, query, kv_cache, out, token_seq, token_visible, table, max_ctx);
+      break;
+    case at::kHalf:
+      run<c10::Half>(g, query, kv_cache, out, token_seq, token_visible, table, max_ctx);
+      break;
+    default:
+      TORCH_CHECK(false, "unsupported dtype ", query.scalar_type());
+  }
+}
+
+TORCH_LIBRARY(gridserve_cpu, m) {
+  m.def(
+      "paged_attention(Tensor(a!) out, Tensor query, Tensor kv_cache, Tensor query_start_loc, "
+      "Tensor seq_lens, Tensor block_table, float scale, int max_q_len) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(gridserve_cpu, CPU, m) { m.impl("paged_attention", &paged_attention); }
