@@ -2,7 +2,8 @@
 
 ``gridserve bench step``   decode-step overhead: the wall time of whole engine steps (schedule,
     prepare inputs, forward, sample, update, detokenize) at a batch of B running requests, against
-    the time the model's forward took inside those same steps (same batch, same context lengths).
+    the time the model's forward and LM head took inside those same steps (same batch, same
+    context lengths).
 ``gridserve bench prefix`` prefix caching: time to first token of a request whose long prefix is
     already cached, against a cold request of the same length (a fresh prefix), alternating.
 
@@ -55,23 +56,29 @@ def _llm(model: str, **kwargs: Any):
 
 
 class _ForwardTimer:
-    """Wraps the model's ``forward`` and sums the seconds spent in it."""
+    """Wraps the model's ``forward`` and ``compute_logits`` (the LM head: part of a bare forward as
+    transformers runs it) and sums the seconds spent in them."""
+
+    METHODS = ("forward", "compute_logits")
 
     def __init__(self, model: Any) -> None:
         self.seconds = 0.0
         self._model = model
-        self._forward = model.forward
-        model.forward = self._timed
+        for name in self.METHODS:
+            setattr(model, name, self._timed(getattr(model, name)))
 
-    def _timed(self, *args: Any, **kwargs: Any) -> Any:
-        start = time.perf_counter()
-        try:
-            return self._forward(*args, **kwargs)
-        finally:
-            self.seconds += time.perf_counter() - start
+    def _timed(self, fn: Any) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - start
+        return timed
 
     def remove(self) -> None:
-        del self._model.forward
+        for name in self.METHODS:
+            delattr(self._model, name)
 
 
 def step_overhead(args: argparse.Namespace) -> dict[str, Any]:
