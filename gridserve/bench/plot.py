@@ -98,7 +98,10 @@ def _title(report: dict[str, Any]) -> str:
     w = report.get("workload")
     if not w:
         return "gridserve bench serve"
-    return (f"{w['num_prompts']} requests, prompts {w['prompt_len_min']}-{w['prompt_len_max']} tokens, "
+    per_point = (report.get("config") or {}).get("prompts_per_concurrency")
+    count = (f"up to {w['num_prompts']} requests ({per_point} x concurrency per point)" if per_point
+             else f"{w['num_prompts']} requests")
+    return (f"{count}, prompts {w['prompt_len_min']}-{w['prompt_len_max']} tokens, "
             f"outputs {w['output_len_min']}-{w['output_len_max']} tokens"
             f"{' (ignore_eos)' if w.get('ignore_eos') else ''}, {report.get('endpoint', '')}")
 

@@ -47,10 +47,12 @@ class EngineLoop:
     """Runs ``core.step()`` in a thread and routes outputs to the gateway that sent each request."""
 
     def __init__(self, core: EngineCore, on_health: Callable[[bool], None],
-                 observer: Optional[EngineObserver] = None, waves: Optional[WaveClient] = None) -> None:
+                 observer: Optional[EngineObserver] = None, waves: Optional[WaveClient] = None,
+                 on_load: Optional[Callable[[Optional[EngineLoad]], None]] = None) -> None:
         self.core = core
         self.on_health = on_health
         self.waves = waves  # MoE with DP > 1: step in lockstep with the other engines
+        self.on_load = on_load  # DP: the load after every change (None once dead), on the loop thread
         # Metrics, request log lines and spans; the scheduler collects step stats for it.
         self.observer = observer or EngineObserver()
         core.scheduler.take_step_stats()
@@ -106,9 +108,7 @@ class EngineLoop:
         return self.call(self.core.stats, timeout=timeout)
 
     def load(self) -> EngineLoad:
-        stats = self.stats()
-        return EngineLoad(stats.num_waiting, stats.num_running, stats.kv_cache_usage, stats.kv_free_blocks,
-                          stats.kv_total_blocks, stats.num_preemptions, self.sleeping)
+        return self.call(self._load)
 
     def sleep(self, level: int) -> None:
         def go() -> None:
@@ -150,8 +150,10 @@ class EngineLoop:
 
     # ---- the loop thread ----------------------------------------------------------------------------
     def _run(self) -> None:
+        self._offer_load()  # the first report: an idle engine is there too
         while True:
-            self._drain_inbox(block=not self._has_step())
+            if self._drain_inbox(block=not self._has_step()):
+                self._offer_load()
             if self._stop.is_set() and self._inbox.empty():
                 return
             if not self._has_step():
@@ -167,6 +169,7 @@ class EngineLoop:
                 continue
             self._publish(outputs)
             self._observe(time.perf_counter() - start)
+            self._offer_load()
             if self.waves is not None:
                 self.waves.after_step(self.core.has_unfinished_requests(), dummy=False)
 
@@ -193,11 +196,21 @@ class EngineLoop:
         except Exception:  # noqa: BLE001 - metrics / logs / spans are best effort
             logger.exception("observability of a step failed")
 
-    def _drain_inbox(self, block: bool) -> None:
+    def _load(self) -> EngineLoad:
+        stats = self.core.stats()
+        return EngineLoad(stats.num_waiting, stats.num_running, stats.kv_cache_usage, stats.kv_free_blocks,
+                          stats.kv_total_blocks, stats.num_preemptions, self.sleeping)
+
+    def _offer_load(self) -> None:
+        if self.on_load is not None and self.error is None:
+            self.on_load(self._load())
+
+    def _drain_inbox(self, block: bool) -> bool:
+        """Run what the RPC handlers handed in; whether there was anything."""
         try:
             item = self._inbox.get(timeout=0.2) if block else self._inbox.get_nowait()
         except queue.Empty:
-            return
+            return False
         while True:
             fn, future = item
             try:
@@ -207,7 +220,7 @@ class EngineLoop:
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
-                return
+                return True
 
     def _add(self, request: Request, gateway_id: str) -> None:
         if self.sleeping:
@@ -261,6 +274,8 @@ class EngineLoop:
         self.error = error if isinstance(error, EngineDeadError) else EngineDeadError(f"engine failed: {error}")
         logger.error("engine dead: %s", self.error)
         self.on_health(False)
+        if self.on_load is not None:
+            self.on_load(None)  # the coordinator drops a dead engine
         for sink in self._sinks.values():
             sink.put(self.error)
         self._routes.clear()

@@ -59,7 +59,10 @@ def serve(config: GridserveConfig, host: str, port: int, grace_s: float = 10.0, 
         waves = WaveClient(coordinator, data_parallel_rank)  # MoE: step in lockstep with the other engines
     if waves is not None and metrics_server is not None:
         registry.register(_WaveMetrics(waves, str(data_parallel_rank)))
-    loop = EngineLoop(core, on_health=server.set_serving, observer=observer, waves=waves)
+    # DP: the engine loop offers its load after every change; the reporter streams it to the coordinator.
+    reporter = LoadReporter(coordinator, data_parallel_rank, server.address) if coordinator else None
+    loop = EngineLoop(core, on_health=server.set_serving, observer=observer, waves=waves,
+                      on_load=reporter.offer if reporter is not None else None)
     core.executor.on_failure = loop.fail
     servicer.loop = loop
 
@@ -69,9 +72,6 @@ def serve(config: GridserveConfig, host: str, port: int, grace_s: float = 10.0, 
         if tracing is not None:
             tracing.shutdown()
 
-    reporter = None
-    if coordinator:
-        reporter = LoadReporter(coordinator, data_parallel_rank, server.address, loop.load)
     server.on_drain = drain
     server.set_serving(True)
     logger.info("engine ready on %s: %d KV blocks", server.address, config.cache.num_blocks or 0)

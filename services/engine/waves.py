@@ -8,7 +8,7 @@ receives a request asks the coordinator to start a wave (``StartWave``); the oth
 wave in the coordinator's snapshots (``WatchLoad``) and join it at step 0. Dense models skip all
 of this (the engine creates no ``WaveClient``).
 
-Every method but the watcher runs on the engine's loop thread.
+Every method but ``_on_snapshot`` (the subscription's thread) runs on the engine's loop thread.
 """
 
 from __future__ import annotations
@@ -19,12 +19,11 @@ from typing import Optional
 
 import grpc
 
-from gridserve.coordinator.v1 import coordinator_pb2, coordinator_pb2_grpc
-from gridserve.shared.rpc.client import DEFAULT_DEADLINE_S, make_channel
+from gridserve.coordinator.v1 import coordinator_pb2
+from gridserve.services.coordinator.client import LoadSubscription
+from gridserve.shared.rpc.client import DEFAULT_DEADLINE_S
 
 logger = logging.getLogger(__name__)
-
-RECONNECT_DELAY_S = 1.0
 
 
 def is_moe(hf_config: dict) -> bool:
@@ -43,11 +42,9 @@ class WaveClient:
         self.waves_completed = 0
         self._seen = (0, False)  # the coordinator's latest (wave, running)
         self._seen_lock = threading.Lock()
-        self._closed = threading.Event()
-        self._channel = make_channel(coordinator)
-        self._stub = coordinator_pb2_grpc.CoordinatorStub(self._channel)
-        self._thread = threading.Thread(target=self._watch, name="wave-watcher", daemon=True)
-        self._thread.start()
+        self._subscription = LoadSubscription(coordinator, f"engine-{dp_rank}", self._on_snapshot,
+                                              name="wave-watcher")
+        self._stub = self._subscription.stub
 
     @property
     def in_wave(self) -> bool:
@@ -94,18 +91,9 @@ class WaveClient:
         self.wave, self.step = wave, 0
         self.next_wave = max(self.next_wave, wave)
 
-    def _watch(self) -> None:
-        while not self._closed.is_set():
-            try:
-                for snapshot in self._stub.WatchLoad(
-                        coordinator_pb2.WatchLoadRequest(gateway_id=f"engine-{self.dp_rank}"), wait_for_ready=True):
-                    with self._seen_lock:
-                        self._seen = (snapshot.wave, snapshot.wave_running)
-            except grpc.RpcError as exc:
-                if not self._closed.is_set():
-                    logger.warning("coordinator %s: %s", self.coordinator, exc.code().name)
-            self._closed.wait(RECONNECT_DELAY_S)
+    def _on_snapshot(self, snapshot: coordinator_pb2.WatchLoadResponse) -> None:
+        with self._seen_lock:
+            self._seen = (snapshot.wave, snapshot.wave_running)
 
     def close(self) -> None:
-        self._closed.set()
-        self._channel.close()
+        self._subscription.close()

@@ -3,7 +3,6 @@ gateway's LoadWatcher hands it to its Router; an engine that stops reporting lea
 
 from __future__ import annotations
 
-import threading
 import time
 from dataclasses import dataclass
 
@@ -51,31 +50,25 @@ def coordinator():
 
 def test_reports_reach_the_gateways_router_promptly_and_a_silent_engine_leaves(coordinator):
     server, servicer = coordinator
-    loads = [_Load(0, 0, 0.0), _Load(0, 0, 0.0)]
-    lock = threading.Lock()
-
-    def load_of(rank):
-        def read():
-            with lock:
-                return loads[rank]
-        return read
-
     router = Router(2)
     watcher = LoadWatcher(server.address, "gw-test", router)
-    reporters = [LoadReporter(server.address, r, f"127.0.0.1:{9000 + r}", load_of(r), interval_s=5.0)
-                 for r in range(2)]
+    reporters = [LoadReporter(server.address, r, f"127.0.0.1:{9000 + r}", interval_s=5.0) for r in range(2)]
     try:
+        for reporter in reporters:
+            reporter.offer(_Load(0, 0, 0.0))  # as the engine loop does when it starts
         _wait(lambda: router._reported[0] is not None and router._reported[1] is not None)
-        with lock:
-            loads[0] = _Load(7, 30, 0.75)
+        assert reporters[0].reports == 1
+        reporters[0].offer(_Load(0, 0, 0.0))  # no change: nothing sent before the interval
+        reporters[0].offer(_Load(7, 30, 0.75))
         # A change is published at once (well before the 1 s periodic snapshot and the 5 s report interval).
         start = time.monotonic()
         _wait(lambda: router._reported[0] == ReportedLoad(7, 30, 0.75))
         assert time.monotonic() - start < 1.0
         assert router.choose([True, True], [0, 0]) == 1  # the loaded engine is avoided
+        assert reporters[0].reports == 2
         version, table = servicer.table.snapshot()
         assert [x.dp_rank for x in table] == [0, 1] and table[0].address == "127.0.0.1:9000"
-        reporters[0].close()  # engine 0 goes away: its stream ends, the coordinator forgets it
+        reporters[0].offer(None)  # engine 0 dies: its stream ends, the coordinator forgets it
         _wait(lambda: router._reported[0] is None)
         assert [x.dp_rank for x in servicer.table.snapshot()[1]] == [1]
         assert watcher.snapshots >= 2
