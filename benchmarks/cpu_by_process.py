@@ -31,6 +31,9 @@ def cpu_seconds() -> dict[int, tuple[str, float]]:
                 stat = f.read()
             with open(f"/proc/{name}/cmdline", "rb") as f:
                 cmdline = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+            if not cmdline:  # a kernel thread: its name
+                with open(f"/proc/{name}/comm") as f:
+                    cmdline = f"[{f.read().strip()}]"
         except OSError:
             continue
         fields = stat[stat.rfind(")") + 2:].split()
