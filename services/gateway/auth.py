@@ -51,12 +51,25 @@ class ApiKeyInterceptor(grpc.ServerInterceptor):
         return given is not None and hmac.compare_digest(given.encode(), self._key)
 
     def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails) -> Any:
-        handler = continuation(details)
+        return self.decide(continuation(details), details)
+
+    def decide(self, handler: Optional[grpc.RpcMethodHandler], details: grpc.HandlerCallDetails) -> Any:
+        """``handler`` itself, or one that refuses the call."""
         if handler is None or self._allowed(details):
             return handler
         if details.method.startswith(REST_PREFIX):
             return _http_401(handler)
         return _unauthenticated(handler)
+
+
+class AioApiKeyInterceptor(grpc.aio.ServerInterceptor):
+    """``ApiKeyInterceptor`` for the gateway's ``grpc.aio`` server (the refusals run in its pool)."""
+
+    def __init__(self, api_key: str) -> None:
+        self._check = ApiKeyInterceptor(api_key)
+
+    async def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails) -> Any:
+        return self._check.decide(await continuation(details), details)
 
 
 _MESSAGE = "Unauthorized: a valid API key is required (header `Authorization: Bearer <key>`)"

@@ -14,7 +14,7 @@ from typing import Optional
 import grpc
 
 from gridserve.gateway.v1 import gateway_pb2, gateway_pb2_grpc
-from gridserve.services.gateway.auth import ApiKeyInterceptor
+from gridserve.services.gateway.auth import AioApiKeyInterceptor
 from gridserve.services.gateway.engine_client import EngineClient
 from gridserve.services.gateway.load_watcher import LoadWatcher
 from gridserve.services.gateway.observability import GatewayMetrics
@@ -24,7 +24,7 @@ from gridserve.services.gateway.tokenizer import GatewayTokenizer
 from gridserve.shared.errors import EngineDeadError
 from gridserve.shared.observability.metrics import start_metrics_server
 from gridserve.shared.observability.tracing import Tracing
-from gridserve.shared.rpc.server import RpcServer
+from gridserve.shared.rpc.server import AioRpcServer
 
 logger = logging.getLogger(__name__)
 
@@ -35,8 +35,9 @@ def serve(engine_addresses: list[str], host: str, port: int, grace_s: float = 10
           connect_timeout_s: float = 600.0, served_model_name: Optional[str] = None,
           api_key: Optional[str] = None, metrics_port: Optional[int] = None,
           otlp_traces_endpoint: Optional[str] = None, coordinator: Optional[str] = None) -> int:
-    interceptors = [ApiKeyInterceptor(api_key)] if api_key else []
-    server = RpcServer(host, port, max_workers=512, grace_s=grace_s, interceptors=interceptors)
+    interceptors = [AioApiKeyInterceptor(api_key)] if api_key else []
+    # asyncio server: the OpenAI streams share its loop; the other RPCs run in its thread pool.
+    server = AioRpcServer(host, port, max_workers=512, grace_s=grace_s, interceptors=interceptors)
     gateway_id = f"gateway-{uuid.uuid4().hex[:8]}"
     engines = [EngineClient(a, gateway_id, on_state=lambda: None) for a in engine_addresses]
     try:

@@ -8,10 +8,11 @@ wraps those chunks in ``google.api.HttpBody`` messages.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -81,14 +82,31 @@ def with_inband_errors(events: Iterator[bytes], on_error: Callable[[], None] = l
     try:
         yield from events
     except Exception as exc:  # noqa: BLE001 - every failure is reported in-band
-        try:
-            error = to_api_error(exc)
-        except Exception:  # noqa: BLE001 - an unexpected one is logged and reported as a 500
-            logger.exception("stream failed")
-            error = ApiError(500, f"internal error: {type(exc).__name__}", None, "InternalServerError")
+        error = _inband_error(exc)
         on_error()
         yield sse(json.loads(error.body()))
         yield DONE
+
+
+async def awith_inband_errors(events: AsyncIterator[bytes],
+                              on_error: Callable[[], Awaitable[None]]) -> AsyncIterator[bytes]:
+    """``with_inband_errors`` for an asyncio stream."""
+    try:
+        async for event in events:
+            yield event
+    except Exception as exc:  # noqa: BLE001 - every failure is reported in-band
+        error = _inband_error(exc)
+        await on_error()
+        yield sse(json.loads(error.body()))
+        yield DONE
+
+
+def _inband_error(exc: Exception) -> ApiError:
+    try:
+        return to_api_error(exc)
+    except Exception:  # noqa: BLE001 - an unexpected one is logged and reported as a 500
+        logger.exception("stream failed")
+        return ApiError(500, f"internal error: {type(exc).__name__}", None, "InternalServerError")
 
 
 # ---- requests --------------------------------------------------------------------------------
@@ -364,6 +382,26 @@ class OpenAIApi:
             error = to_api_error(exc)
             return HttpResponse(error.status, JSON, [error.body()])
 
+    async def completions_async(self, data: bytes, on_done: Callable, traceparent: str = "") -> HttpResponse:
+        """``completions`` on an asyncio loop: a stream is served by the loop (``generate_async``),
+        anything else by the blocking path in a thread."""
+        try:
+            body = parse_body(data)
+            if not _get(body, "stream", (bool,), False):
+                return await asyncio.to_thread(self.completions, data, on_done, traceparent)
+            self._check_model(body)
+            prompts, params = completion_request(body)
+            rank = _get(body, "data_parallel_rank", (int,))
+            echo = bool(_get(body, "echo", (bool,), False))
+            include_usage = bool((_get(body, "stream_options", (dict,), {}) or {}).get("include_usage"))
+            streams = [self.service.generate_async(p, params, "", traceparent, rank) for p in prompts]
+            first = await anext(streams[0])  # validation errors surface here, before the status is sent
+            events = self._completion_events_async(prompts, streams, first, params, echo, include_usage)
+            return HttpResponse(200, SSE, awith_inband_errors(events, lambda: _aclose(streams)))
+        except Exception as exc:  # noqa: BLE001 - mapped to an OpenAI error or re-raised
+            error = to_api_error(exc)
+            return HttpResponse(error.status, JSON, [error.body()])
+
     def _prompt_text(self, prompt: PromptType, out_prompt_ids: Optional[list[int]] = None) -> str:
         if isinstance(prompt, str):
             return prompt
@@ -388,35 +426,29 @@ class OpenAIApi:
     def _completion_events(self, prompts: list[PromptType], streams: list[Iterator[StreamChunk]],
                            first: StreamChunk, params: SamplingParams, echo: bool,
                            include_usage: bool) -> Iterator[bytes]:
-        base = {"id": f"cmpl-{first.request_id}", "object": "text_completion", "created": int(time.time()),
-                "model": self.model}
-        prompt_tokens = completion_tokens = 0
+        events = _CompletionEvents(self, first.request_id, params, echo, include_usage)
         for i, (prompt, stream) in enumerate(zip(prompts, streams)):
-            echoed: set[int] = set()
-            chunks = _chain(first, stream) if i == 0 else stream
-            for chunk in chunks:
-                choices = []
-                for delta in chunk.deltas:
-                    text = delta.text
-                    if echo and delta.index not in echoed:
-                        echoed.add(delta.index)
-                        text = self._prompt_text(prompt) + text
-                    logprobs = None
-                    if params.logprobs is not None and delta.logprobs:
-                        logprobs = completion_logprobs(delta.logprobs, delta.token_ids)
-                    choices.append({"index": i * params.n + delta.index, "text": text, "logprobs": logprobs,
-                                    "finish_reason": _finish(delta.finish_reason)})
-                if chunk.final is not None:
-                    prompt_tokens += len(chunk.final.prompt_token_ids)
-                    completion_tokens += sum(len(c.token_ids) for c in chunk.final.outputs)
-                if choices:
-                    event = {**base, "choices": choices}
-                    if include_usage:
-                        event["usage"] = None
-                    yield sse(event)
-        if include_usage:
-            yield sse({**base, "choices": [], "usage": _usage(prompt_tokens, completion_tokens)})
-        yield DONE
+            for chunk in _chain(first, stream) if i == 0 else stream:
+                event = events.chunk(i, prompt, chunk)
+                if event is not None:
+                    yield event
+        yield from events.end()
+
+    async def _completion_events_async(self, prompts: list[PromptType], streams: list[AsyncIterator[StreamChunk]],
+                                       first: StreamChunk, params: SamplingParams, echo: bool,
+                                       include_usage: bool) -> AsyncIterator[bytes]:
+        events = _CompletionEvents(self, first.request_id, params, echo, include_usage)
+        for i, (prompt, stream) in enumerate(zip(prompts, streams)):
+            if i == 0:
+                event = events.chunk(0, prompt, first)
+                if event is not None:
+                    yield event
+            async for chunk in stream:
+                event = events.chunk(i, prompt, chunk)
+                if event is not None:
+                    yield event
+        for event in events.end():
+            yield event
 
     # ---- chat -------------------------------------------------------------------------------
     def chat_completions(self, data: bytes, on_done: Callable, traceparent: str = "") -> HttpResponse:
@@ -442,6 +474,28 @@ class OpenAIApi:
             error = to_api_error(exc)
             return HttpResponse(error.status, JSON, [error.body()])
 
+    async def chat_completions_async(self, data: bytes, on_done: Callable, traceparent: str = "") -> HttpResponse:
+        """``chat_completions`` on an asyncio loop (see ``completions_async``)."""
+        try:
+            body = parse_body(data)
+            if not _get(body, "stream", (bool,), False):
+                return await asyncio.to_thread(self.chat_completions, data, on_done, traceparent)
+            self._check_model(body)
+            messages = chat_messages(body)
+            params = chat_request(body)
+            rank = _get(body, "data_parallel_rank", (int,))
+            template = _get(body, "chat_template", (str,))
+            add_generation_prompt = _get(body, "add_generation_prompt", (bool,), True)
+            prompt = await asyncio.to_thread(self.service.chat_prompt, messages, template, add_generation_prompt)
+            include_usage = bool((_get(body, "stream_options", (dict,), {}) or {}).get("include_usage"))
+            stream = self.service.generate_async(prompt, params, "", traceparent, rank)
+            first = await anext(stream)
+            events = self._chat_events_async(first, stream, params, params.logprobs or 0, include_usage)
+            return HttpResponse(200, SSE, awith_inband_errors(events, lambda: _aclose([stream])))
+        except Exception as exc:  # noqa: BLE001 - mapped to an OpenAI error or re-raised
+            error = to_api_error(exc)
+            return HttpResponse(error.status, JSON, [error.body()])
+
     def _chat_body(self, out: RequestOutput, params: SamplingParams, top_n: int) -> dict:
         choices = []
         for c in out.outputs:
@@ -458,35 +512,108 @@ class OpenAIApi:
 
     def _chat_events(self, chunks: Iterator[StreamChunk], params: SamplingParams, top_n: int,
                      include_usage: bool, request_id: str) -> Iterator[bytes]:
-        base = {"id": f"chatcmpl-{request_id}", "object": "chat.completion.chunk",
-                "created": int(time.time()), "model": self.model}
-        extra = {"usage": None} if include_usage else {}
-        yield sse({**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                        "logprobs": None, "finish_reason": None} for i in range(params.n)],
-                   **extra})
-        usage = _usage(0, 0)
+        events = _ChatEvents(self.model, request_id, params, top_n, include_usage)
+        yield events.start()
         for chunk in chunks:
-            choices = []
-            for delta in chunk.deltas:
-                logprobs = None
-                if params.logprobs is not None and delta.logprobs:
-                    logprobs = chat_logprobs(delta.logprobs, delta.token_ids, top_n)
-                choices.append({"index": delta.index, "delta": {"content": delta.text} if delta.text else {},
-                                "logprobs": logprobs, "finish_reason": _finish(delta.finish_reason)})
-            if chunk.final is not None:
-                usage = _usage(len(chunk.final.prompt_token_ids),
-                               sum(len(c.token_ids) for c in chunk.final.outputs))
-            if choices:
-                yield sse({**base, "choices": choices, **extra})
-        if include_usage:
-            yield sse({**base, "choices": [], "usage": usage})
-        yield DONE
+            event = events.chunk(chunk)
+            if event is not None:
+                yield event
+        yield from events.end()
+
+    async def _chat_events_async(self, first: StreamChunk, rest: AsyncIterator[StreamChunk], params: SamplingParams,
+                                 top_n: int, include_usage: bool) -> AsyncIterator[bytes]:
+        events = _ChatEvents(self.model, first.request_id, params, top_n, include_usage)
+        yield events.start()
+        event = events.chunk(first)
+        if event is not None:
+            yield event
+        async for chunk in rest:
+            event = events.chunk(chunk)
+            if event is not None:
+                yield event
+        for event in events.end():
+            yield event
+
+
+class _CompletionEvents:
+    """The SSE events of a streamed completion, one engine step's chunk at a time."""
+
+    def __init__(self, api: OpenAIApi, request_id: str, params: SamplingParams, echo: bool,
+                 include_usage: bool) -> None:
+        self.api, self.params, self.echo, self.include_usage = api, params, echo, include_usage
+        self.base = {"id": f"cmpl-{request_id}", "object": "text_completion", "created": int(time.time()),
+                     "model": api.model}
+        self.prompt_tokens = self.completion_tokens = 0
+        self.echoed: set[tuple[int, int]] = set()  # (prompt, sample) pairs whose prompt was echoed
+
+    def chunk(self, i: int, prompt: PromptType, chunk: StreamChunk) -> Optional[bytes]:
+        """The event for prompt ``i``'s chunk (None when it carries nothing)."""
+        params, choices = self.params, []
+        for delta in chunk.deltas:
+            text = delta.text
+            if self.echo and (i, delta.index) not in self.echoed:
+                self.echoed.add((i, delta.index))
+                text = self.api._prompt_text(prompt) + text
+            logprobs = None
+            if params.logprobs is not None and delta.logprobs:
+                logprobs = completion_logprobs(delta.logprobs, delta.token_ids)
+            choices.append({"index": i * params.n + delta.index, "text": text, "logprobs": logprobs,
+                            "finish_reason": _finish(delta.finish_reason)})
+        if chunk.final is not None:
+            self.prompt_tokens += len(chunk.final.prompt_token_ids)
+            self.completion_tokens += sum(len(c.token_ids) for c in chunk.final.outputs)
+        if not choices:
+            return None
+        event = {**self.base, "choices": choices}
+        if self.include_usage:
+            event["usage"] = None
+        return sse(event)
+
+    def end(self) -> list[bytes]:
+        usage = [sse({**self.base, "choices": [], "usage": _usage(self.prompt_tokens, self.completion_tokens)})]
+        return [*(usage if self.include_usage else []), DONE]
+
+
+class _ChatEvents:
+    """The SSE events of a streamed chat completion: the role chunk, one per step, usage, [DONE]."""
+
+    def __init__(self, model: str, request_id: str, params: SamplingParams, top_n: int, include_usage: bool) -> None:
+        self.params, self.top_n, self.include_usage = params, top_n, include_usage
+        self.base = {"id": f"chatcmpl-{request_id}", "object": "chat.completion.chunk",
+                     "created": int(time.time()), "model": model}
+        self.extra = {"usage": None} if include_usage else {}
+        self.usage = _usage(0, 0)
+
+    def start(self) -> bytes:
+        return sse({**self.base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                              "logprobs": None, "finish_reason": None}
+                                             for i in range(self.params.n)], **self.extra})
+
+    def chunk(self, chunk: StreamChunk) -> Optional[bytes]:
+        choices = []
+        for delta in chunk.deltas:
+            logprobs = None
+            if self.params.logprobs is not None and delta.logprobs:
+                logprobs = chat_logprobs(delta.logprobs, delta.token_ids, self.top_n)
+            choices.append({"index": delta.index, "delta": {"content": delta.text} if delta.text else {},
+                            "logprobs": logprobs, "finish_reason": _finish(delta.finish_reason)})
+        if chunk.final is not None:
+            self.usage = _usage(len(chunk.final.prompt_token_ids), sum(len(c.token_ids) for c in chunk.final.outputs))
+        return sse({**self.base, "choices": choices, **self.extra}) if choices else None
+
+    def end(self) -> list[bytes]:
+        return [*([sse({**self.base, "choices": [], "usage": self.usage})] if self.include_usage else []), DONE]
 
 
 def _close(streams: list[Iterator[StreamChunk]]) -> None:
     """Close every request stream (each aborts its engine requests if they are still running)."""
     for stream in streams:
         stream.close()
+
+
+async def _aclose(streams: list[AsyncIterator[StreamChunk]]) -> None:
+    for stream in streams:
+        await stream.aclose()
 
 
 def _chain(first: StreamChunk, rest: Iterator[StreamChunk]) -> Iterator[StreamChunk]:

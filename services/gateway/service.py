@@ -11,11 +11,12 @@ aborted, which frees their KV blocks.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import queue
 import threading
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -99,67 +100,55 @@ class GatewayService:
         traceparent: str = "",
         data_parallel_rank: Optional[int] = None,
     ) -> Iterator[StreamChunk]:
-        """Stream one request; ``on_done`` registers a callback run when the caller goes away;
-        ``traceparent`` (W3C) makes the request's spans part of the caller's trace."""
-        if self.draining:
-            raise EngineDeadError("the gateway is shutting down")
-        client_id = request_id
-        request_id = request_id or uuid.uuid4().hex
-        # Engine-side ids stay unique whatever the client sends; a gateway-made id is used as is, so
-        # the id the client sees is the one in every role's logs and spans.
-        parent_id = uuid.uuid4().hex if client_id else request_id
-        observation = RequestObservation(request_id, traceparent, self.metrics, self.tracing)
-        try:
-            with observation.phase("validate_and_tokenize"):
-                processed = self.input_processor.process(prompt, params)
-            engine = self._pick_engine(data_parallel_rank)
-        except Exception as exc:
-            observation.end({}, 0, exc)
-            raise
-        engine_ids = child_requests(parent_id, processed.sampling_params)
-        processor = OutputProcessor(self.tokenizer)
-        processor.add_request(parent_id, processed, engine_ids)
-        samples = processor.parents[parent_id].samples
+        """Stream one request, blocking the calling thread between steps; ``on_done`` registers a
+        callback run when the caller goes away; ``traceparent`` (W3C) makes the request's spans
+        part of the caller's trace."""
         outputs: queue.SimpleQueue = queue.SimpleQueue()
+        stream = _Stream(self, prompt, params, request_id, traceparent, data_parallel_rank, outputs)
         on_done(lambda: outputs.put(_CANCELLED))
-        for child_id, _, _ in engine_ids:
-            engine.register(child_id, outputs)
-        sent = {child_id: _SentState() for child_id, _, _ in engine_ids}
-        self._enter()
-        observation.on_engine(self._engine_labels.get(id(engine), engine.address))
-        finished, error = False, None
+        error = None
         try:
-            with observation.phase("generate_and_detokenize"):
-                for child_id, _, child_params in engine_ids:
-                    engine.add_request(child_id, processed.prompt_token_ids, child_params,
-                                       parent_request_id=request_id, traceparent=observation.traceparent)
-                while not finished:
+            with stream.observation.phase("generate_and_detokenize"):
+                stream.send()
+                while not stream.finished:
                     item = outputs.get()
                     if item is _CANCELLED:
                         return
-                    if isinstance(item, Exception):
-                        raise item
-                    observation.on_output(item)
-                    done, to_abort = processor.process_outputs([item])
-                    if to_abort:
-                        engine.abort(to_abort)
-                    sample = samples.get(item.request_id)
-                    if sample is not None and sample.finish_reason is not None and not sent[item.request_id].finished:
-                        observation.on_sample_finished(sample.finish_reason)
-                    finished = bool(done)
-                    deltas = [_delta(samples[c], sent[c]) for c in sent]
-                    yield StreamChunk(request_id, [d for d in deltas if d is not None],
-                                      len(processed.prompt_token_ids), done[0] if done else None)
+                    yield stream.on_item(item)
         except BaseException as exc:
             error = exc if not isinstance(exc, GeneratorExit) else None
             raise
         finally:
-            for child_id in sent:
-                engine.unregister(child_id)
-            if not finished:
-                engine.abort(list(sent))
-            self._exit()
-            observation.end(samples, len(processed.prompt_token_ids), error)
+            stream.close(error)
+
+    async def generate_async(
+        self,
+        prompt: PromptType,
+        params: SamplingParams,
+        request_id: str = "",
+        traceparent: str = "",
+        data_parallel_rank: Optional[int] = None,
+    ) -> AsyncIterator[StreamChunk]:
+        """``generate`` on an asyncio loop: the engine client hands each step's outputs to the loop,
+        so one thread serves every stream. Tokenization and the engine calls run in threads;
+        cancelling the task (the caller went away) aborts the engine requests."""
+        loop = asyncio.get_running_loop()
+        outputs = _LoopQueue(loop)
+        stream = await asyncio.to_thread(_Stream, self, prompt, params, request_id, traceparent,
+                                         data_parallel_rank, outputs)
+        engine = stream.engine
+        stream.abort = lambda ids: loop.run_in_executor(None, engine.abort, ids)  # never block the loop
+        error = None
+        try:
+            with stream.observation.phase("generate_and_detokenize"):
+                await asyncio.to_thread(stream.send)
+                while not stream.finished:
+                    yield stream.on_item(await outputs.get())
+        except BaseException as exc:
+            error = exc if not isinstance(exc, (GeneratorExit, asyncio.CancelledError)) else None
+            raise
+        finally:
+            stream.close(error)
 
     def complete(self, prompt: PromptType, params: SamplingParams, request_id: str = "",
                  on_done: Callable[[Callable[[], None]], Any] = lambda fn: None,
@@ -204,6 +193,87 @@ class GatewayService:
             self._idle.wait_for(lambda: self._in_flight == 0, timeout=timeout)
         for engine in self.engines:
             engine.close()
+
+
+class _LoopQueue:
+    """A queue an engine client thread fills and an asyncio task reads (``put`` is thread-safe)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._queue: asyncio.Queue = asyncio.Queue()
+
+    def put(self, item: Any) -> None:
+        self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+
+    async def get(self) -> Any:
+        return await self._queue.get()
+
+
+class _Stream:
+    """One request on its way through the gateway: validated and tokenized, fanned out into its
+    ``n`` engine requests on the engine the router picks, then each engine output turned into a
+    ``StreamChunk``. ``outputs`` (anything with ``put``) receives the engine's outputs."""
+
+    def __init__(self, service: GatewayService, prompt: PromptType, params: SamplingParams, request_id: str,
+                 traceparent: str, data_parallel_rank: Optional[int], outputs: Any) -> None:
+        if service.draining:
+            raise EngineDeadError("the gateway is shutting down")
+        self.service = service
+        client_id = request_id
+        self.request_id = request_id or uuid.uuid4().hex
+        # Engine-side ids stay unique whatever the client sends; a gateway-made id is used as is, so
+        # the id the client sees is the one in every role's logs and spans.
+        self.parent_id = uuid.uuid4().hex if client_id else self.request_id
+        self.observation = RequestObservation(self.request_id, traceparent, service.metrics, service.tracing)
+        try:
+            with self.observation.phase("validate_and_tokenize"):
+                self.processed = service.input_processor.process(prompt, params)
+            self.engine = service._pick_engine(data_parallel_rank)
+        except Exception as exc:
+            self.observation.end({}, 0, exc)
+            raise
+        self.engine_ids = child_requests(self.parent_id, self.processed.sampling_params)
+        self.processor = OutputProcessor(service.tokenizer)
+        self.processor.add_request(self.parent_id, self.processed, self.engine_ids)
+        self.samples = self.processor.parents[self.parent_id].samples
+        for child_id, _, _ in self.engine_ids:
+            self.engine.register(child_id, outputs)
+        self.sent = {child_id: _SentState() for child_id, _, _ in self.engine_ids}
+        self.finished = False
+        self.abort: Callable[[list[str]], Any] = self.engine.abort
+        service._enter()
+        self.observation.on_engine(service._engine_labels.get(id(self.engine), self.engine.address))
+
+    def send(self) -> None:
+        """Add the engine requests (blocking unary calls)."""
+        for child_id, _, child_params in self.engine_ids:
+            self.engine.add_request(child_id, self.processed.prompt_token_ids, child_params,
+                                    parent_request_id=self.request_id, traceparent=self.observation.traceparent)
+
+    def on_item(self, item: Any) -> StreamChunk:
+        """The chunk one engine output adds (an exception from the engine client is raised)."""
+        if isinstance(item, Exception):
+            raise item
+        self.observation.on_output(item)
+        done, to_abort = self.processor.process_outputs([item])
+        if to_abort:
+            self.abort(to_abort)
+        sample = self.samples.get(item.request_id)
+        if sample is not None and sample.finish_reason is not None and not self.sent[item.request_id].finished:
+            self.observation.on_sample_finished(sample.finish_reason)
+        self.finished = bool(done)
+        deltas = [_delta(self.samples[c], self.sent[c]) for c in self.sent]
+        return StreamChunk(self.request_id, [d for d in deltas if d is not None],
+                           len(self.processed.prompt_token_ids), done[0] if done else None)
+
+    def close(self, error: Optional[BaseException]) -> None:
+        """Stop listening; abort the engine requests if the request did not finish."""
+        for child_id in self.sent:
+            self.engine.unregister(child_id)
+        if not self.finished:
+            self.abort(list(self.sent))
+        self.service._exit()
+        self.observation.end(self.samples, len(self.processed.prompt_token_ids), error)
 
 
 def _delta(sample: Any, sent: _SentState) -> Optional[SampleDelta]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Optional
 
 import grpc
@@ -89,13 +89,18 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     def OpenAIListModels(self, request: httpbody_pb2.HttpBody, context: grpc.ServicerContext):
         return _unary(self.openai.models(), context)
 
-    def OpenAICompletions(self, request: httpbody_pb2.HttpBody, context: grpc.ServicerContext):
-        yield from _stream(self.openai.completions(request.data, context.add_callback, self._traceparent(context)),
-                           context)
+    # The two streaming routes run on the server's asyncio loop (AioRpcServer): one thread serves
+    # every open stream; the rest of the methods run in its thread pool.
+    async def OpenAICompletions(self, request: httpbody_pb2.HttpBody, context: grpc.aio.ServicerContext):
+        response = await self.openai.completions_async(request.data, _on_done(context), self._traceparent(context))
+        async for body in _astream(response, context):
+            yield body
 
-    def OpenAIChatCompletions(self, request: httpbody_pb2.HttpBody, context: grpc.ServicerContext):
-        yield from _stream(self.openai.chat_completions(request.data, context.add_callback,
-                                                        self._traceparent(context)), context)
+    async def OpenAIChatCompletions(self, request: httpbody_pb2.HttpBody, context: grpc.aio.ServicerContext):
+        response = await self.openai.chat_completions_async(request.data, _on_done(context),
+                                                            self._traceparent(context))
+        async for body in _astream(response, context):
+            yield body
 
     def OpenAITokenize(self, request: httpbody_pb2.HttpBody, context: grpc.ServicerContext):
         return _unary(self.openai.tokenize(request.data), context)
@@ -122,6 +127,22 @@ def _send_status(response: HttpResponse, context: grpc.ServicerContext) -> None:
 def _unary(response: HttpResponse, context: grpc.ServicerContext) -> httpbody_pb2.HttpBody:
     _send_status(response, context)
     return httpbody_pb2.HttpBody(content_type=response.content_type, data=b"".join(response.chunks))
+
+
+def _on_done(context: grpc.aio.ServicerContext) -> Callable[[Callable[[], None]], None]:
+    """``on_done`` for the blocking paths: run ``fn`` when the call ends (the caller may be gone)."""
+    return lambda fn: context.add_done_callback(lambda _call: fn())
+
+
+async def _astream(response: HttpResponse, context: grpc.aio.ServicerContext) -> AsyncIterator[httpbody_pb2.HttpBody]:
+    if response.status != 200:
+        await context.send_initial_metadata(((HTTP_STATUS_HEADER, str(response.status)),))
+    if isinstance(response.chunks, (list, tuple)):
+        for data in response.chunks:
+            yield httpbody_pb2.HttpBody(content_type=response.content_type, data=data)
+        return
+    async for data in response.chunks:
+        yield httpbody_pb2.HttpBody(content_type=response.content_type, data=data)
 
 
 def _stream(response: HttpResponse, context: grpc.ServicerContext) -> Iterator[httpbody_pb2.HttpBody]:

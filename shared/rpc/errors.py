@@ -3,11 +3,13 @@
 ``InvalidArgumentError`` -> INVALID_ARGUMENT (the message names the field), ``EngineDeadError``
 -> UNAVAILABLE, ``ModelNotFoundError`` -> NOT_FOUND, ``FailedPreconditionError`` ->
 FAILED_PRECONDITION; anything else -> INTERNAL (logged with its traceback). An ``RpcError`` from an
-upstream call keeps its code. Works for unary and streaming handlers alike.
+upstream call keeps its code. Works for unary and streaming handlers alike, sync or asyncio
+(``AioErrorInterceptor`` for a ``grpc.aio`` server, where sync handlers run in its thread pool).
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -50,24 +52,54 @@ def _abort(context: grpc.ServicerContext, exc: Exception, method: str) -> None:
     context.abort(code, message)
 
 
+async def _abort_async(context: grpc.aio.ServicerContext, exc: Exception, method: str) -> None:
+    if isinstance(exc, grpc.aio.AbortError):
+        raise exc  # the handler aborted on purpose
+    code, message = status_for(exc)
+    if code == grpc.StatusCode.INTERNAL:
+        logger.exception("%s failed", method)
+    else:
+        logger.info("%s -> %s: %s", method, code.name, message)
+    await context.abort(code, message)
+
+
 class ErrorInterceptor(grpc.ServerInterceptor):
     """Wraps every handler so a raised exception becomes the matching status code."""
 
     def intercept_service(self, continuation: Callable, handler_call_details: Any):
-        handler = continuation(handler_call_details)
-        if handler is None:
-            return None
-        method = handler_call_details.method
-        if handler.unary_unary:
-            return handler._replace(unary_unary=_wrap_unary(handler.unary_unary, method))
-        if handler.unary_stream:
-            return handler._replace(unary_stream=_wrap_stream(handler.unary_stream, method))
-        if handler.stream_unary:
-            return handler._replace(stream_unary=_wrap_unary(handler.stream_unary, method))
-        return handler._replace(stream_stream=_wrap_stream(handler.stream_stream, method))
+        return wrap_handler(continuation(handler_call_details), handler_call_details.method)
+
+
+class AioErrorInterceptor(grpc.aio.ServerInterceptor):
+    """``ErrorInterceptor`` for a ``grpc.aio`` server."""
+
+    async def intercept_service(self, continuation: Callable, handler_call_details: Any):
+        return wrap_handler(await continuation(handler_call_details), handler_call_details.method)
+
+
+def wrap_handler(handler: Any, method: str) -> Any:
+    """``handler`` with its behavior wrapped by the error mapping (async behaviors by async wrappers)."""
+    if handler is None:
+        return None
+    if handler.unary_unary:
+        return handler._replace(unary_unary=_wrap_unary(handler.unary_unary, method))
+    if handler.unary_stream:
+        return handler._replace(unary_stream=_wrap_stream(handler.unary_stream, method))
+    if handler.stream_unary:
+        return handler._replace(stream_unary=_wrap_unary(handler.stream_unary, method))
+    return handler._replace(stream_stream=_wrap_stream(handler.stream_stream, method))
 
 
 def _wrap_unary(behavior: Callable, method: str) -> Callable:
+    if inspect.iscoroutinefunction(behavior):
+        async def wrapped_async(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            try:
+                return await behavior(request, context)
+            except Exception as exc:  # noqa: BLE001 - every error becomes a status code
+                await _abort_async(context, exc, method)
+
+        return wrapped_async
+
     def wrapped(request: Any, context: grpc.ServicerContext) -> Any:
         try:
             return behavior(request, context)
@@ -78,6 +110,16 @@ def _wrap_unary(behavior: Callable, method: str) -> Callable:
 
 
 def _wrap_stream(behavior: Callable, method: str) -> Callable:
+    if inspect.isasyncgenfunction(behavior):
+        async def wrapped_async(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            try:
+                async for response in behavior(request, context):
+                    yield response
+            except Exception as exc:  # noqa: BLE001 - every error becomes a status code
+                await _abort_async(context, exc, method)
+
+        return wrapped_async
+
     def wrapped(request: Any, context: grpc.ServicerContext) -> Any:
         try:
             yield from behavior(request, context)

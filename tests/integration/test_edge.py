@@ -247,3 +247,49 @@ def test_curl_n_shows_events_one_by_one_then_done(edge, model_name):
     first, done = arrivals[0][0], arrivals[-1][0]
     # Buffered to the end, every event would arrive with [DONE]: the first comes well before it.
     assert done - first > 0.25 * done, arrivals
+
+
+def test_client_leaving_a_rest_stream_aborts_it_and_frees_its_kv_blocks(edge, model_name):
+    """The streaming routes run on the gateway's asyncio loop: a client that hangs up mid-stream
+    cancels the handler, which aborts the engine request (it does not run on to max_tokens)."""
+    import socket
+    import time
+
+    from gridserve.engine.v1 import engine_pb2
+
+    from .services import address, engine_stub
+
+    engine = engine_stub(grpc.insecure_channel(address(edge, "engine")))
+    idle = engine.GetLoad(engine_pb2.GetLoadRequest(), timeout=10)
+    # ~500 steps: long enough that it is still running when the client leaves.
+    body = json.dumps({"model": model_name, "prompt": PROMPT, "max_tokens": 500, "min_tokens": 500,
+                       "temperature": 0, "stream": True}).encode()
+    host, port = edge.edge_address.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        received = b""
+        while received.count(b"data: ") < 3:  # the stream is running
+            try:
+                chunk = sock.recv(65536)
+            except TimeoutError:
+                raise AssertionError(f"no stream: {received[:500]!r}") from None
+            assert chunk, received
+            received += chunk
+        assert b"200 OK" in received.split(b"\r\n", 1)[0]
+        first_event = received[received.index(b"data: ") + 6:].split(b"\n", 1)[0]
+        request_id = json.loads(first_event)["id"].removeprefix("cmpl-")
+        running = engine.GetLoad(engine_pb2.GetLoadRequest(), timeout=10)
+        assert running.num_running == 1 and running.kv_free_blocks < idle.kv_free_blocks
+    deadline = time.monotonic() + 15
+    while True:  # the socket is closed: Envoy resets the gRPC stream, the gateway aborts
+        load = engine.GetLoad(engine_pb2.GetLoadRequest(), timeout=10)
+        if load.num_running == 0 and load.num_waiting == 0 and load.kv_free_blocks == idle.kv_free_blocks:
+            break
+        assert time.monotonic() < deadline, f"not aborted: {load}"
+        time.sleep(0.1)
+    # The engine's log line for it: finished by the abort, long before its 500 tokens.
+    engine_log = (edge.log_dir / "engine-0.log").read_text()
+    line = next(x for x in engine_log.splitlines() if f"request {request_id} finished" in x)
+    assert "finished (abort)" in line, line
+    assert int(line.split("generated ")[1].split(",")[0]) < 500, line

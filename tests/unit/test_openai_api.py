@@ -130,6 +130,10 @@ class _FakeService:
         finally:
             self.closed += 1
 
+    async def generate_async(self, prompt, params, request_id="", traceparent="", data_parallel_rank=None):
+        for chunk in self.generate(prompt, params, request_id, None, traceparent, data_parallel_rank):
+            yield chunk
+
 
 def _events(response) -> list:
     return [chunk.decode().removeprefix("data: ").strip() for chunk in response.chunks]
@@ -180,3 +184,45 @@ def test_tokenize_and_detokenize_routes():
         assert response.status == 400
         assert json.loads(b"".join(response.chunks))["error"]["param"] == param
     assert api.tokenize(b'{"prompt": "x", "model": "other"}').status == 404
+
+
+async def _aevents(response) -> list:
+    return [chunk.decode().removeprefix("data: ").strip() async for chunk in response.chunks]
+
+
+def _norm(events: list) -> list:
+    """Events without their ``created`` second (two runs may straddle one)."""
+    return [e if e == "[DONE]" else {k: v for k, v in json.loads(e).items() if k != "created"} for e in events]
+
+
+def test_asyncio_streams_send_the_same_events_and_in_band_errors():
+    """The gateway serves streams on its asyncio loop (``*_async``): same events as the blocking
+    path, the error in band then [DONE], the request stream closed."""
+    import asyncio
+
+    from gridserve.services.gateway.openai_api import OpenAIApi
+
+    async def go():
+        service = _FakeService()
+        api = OpenAIApi(service, "m")
+        for body in ({"prompt": "hi", "stream": True, "stream_options": {"include_usage": True}},
+                     {"prompt": [ord("h"), ord("i")], "stream": True, "echo": True}):
+            data = json.dumps(body).encode()
+            sync_events = _events(api.completions(data, lambda fn: None))
+            response = await api.completions_async(data, lambda fn: None)
+            assert response.status == 200
+            assert _norm(await _aevents(response)) == _norm(sync_events)
+        assert json.loads(sync_events[0])["choices"][0]["text"] == "hia"
+        assert json.loads(sync_events[1])["error"]["code"] == 503 and sync_events[-1] == "[DONE]"
+        assert service.closed == 4
+        data = json.dumps({"messages": [{"role": "user", "content": "x"}], "stream": True}).encode()
+        events = _norm(await _aevents(await api.chat_completions_async(data, lambda fn: None)))
+        assert events == _norm(_events(api.chat_completions(data, lambda fn: None)))
+        assert events[0]["choices"][0]["delta"]["role"] == "assistant"
+        assert events[-2]["error"]["type"] == "ServiceUnavailableError" and events[-1] == "[DONE]"
+        # A bad request is answered before any event, as on the blocking path.
+        response = await api.completions_async(json.dumps({"prompt": "x", "stream": True, "n": 0}).encode(),
+                                               lambda fn: None)
+        assert response.status == 400 and json.loads(b"".join(response.chunks))["error"]["param"] == "n"
+
+    asyncio.run(go())
