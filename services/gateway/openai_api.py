@@ -371,7 +371,7 @@ class OpenAIApi:
             rank = _get(body, "data_parallel_rank", (int,))  # vLLM's extension: pin an engine
             echo = bool(_get(body, "echo", (bool,), False))
             if _get(body, "stream", (bool,), False):
-                include_usage = bool((_get(body, "stream_options", (dict,), {}) or {}).get("include_usage"))
+                include_usage = _include_usage(body)
                 streams = [self.service.generate(p, params, "", on_done, traceparent, rank) for p in prompts]
                 first = next(streams[0])  # validation errors surface here, before the status is sent
                 events = self._completion_events(prompts, streams, first, params, echo, include_usage)
@@ -393,7 +393,7 @@ class OpenAIApi:
             prompts, params = completion_request(body)
             rank = _get(body, "data_parallel_rank", (int,))
             echo = bool(_get(body, "echo", (bool,), False))
-            include_usage = bool((_get(body, "stream_options", (dict,), {}) or {}).get("include_usage"))
+            include_usage = _include_usage(body)
             streams = [self.service.generate_async(p, params, "", traceparent, rank) for p in prompts]
             first = await anext(streams[0])  # validation errors surface here, before the status is sent
             events = self._completion_events_async(prompts, streams, first, params, echo, include_usage)
@@ -455,15 +455,11 @@ class OpenAIApi:
         try:
             body = parse_body(data)
             self._check_model(body)
-            messages = chat_messages(body)
-            params = chat_request(body)
-            rank = _get(body, "data_parallel_rank", (int,))
-            template = _get(body, "chat_template", (str,))
-            add_generation_prompt = _get(body, "add_generation_prompt", (bool,), True)
-            prompt = self.service.chat_prompt(messages, template, add_generation_prompt)
+            params, rank, template_args = _chat_args(body)
+            prompt = self.service.chat_prompt(*template_args)
             top_n = params.logprobs or 0
             if _get(body, "stream", (bool,), False):
-                include_usage = bool((_get(body, "stream_options", (dict,), {}) or {}).get("include_usage"))
+                include_usage = _include_usage(body)
                 stream = self.service.generate(prompt, params, "", on_done, traceparent, rank)
                 first = next(stream)
                 events = self._chat_events(_chain(first, stream), params, top_n, include_usage, first.request_id)
@@ -481,13 +477,9 @@ class OpenAIApi:
             if not _get(body, "stream", (bool,), False):
                 return await asyncio.to_thread(self.chat_completions, data, on_done, traceparent)
             self._check_model(body)
-            messages = chat_messages(body)
-            params = chat_request(body)
-            rank = _get(body, "data_parallel_rank", (int,))
-            template = _get(body, "chat_template", (str,))
-            add_generation_prompt = _get(body, "add_generation_prompt", (bool,), True)
-            prompt = await asyncio.to_thread(self.service.chat_prompt, messages, template, add_generation_prompt)
-            include_usage = bool((_get(body, "stream_options", (dict,), {}) or {}).get("include_usage"))
+            params, rank, template_args = _chat_args(body)
+            prompt = await asyncio.to_thread(self.service.chat_prompt, *template_args)
+            include_usage = _include_usage(body)
             stream = self.service.generate_async(prompt, params, "", traceparent, rank)
             first = await anext(stream)
             events = self._chat_events_async(first, stream, params, params.logprobs or 0, include_usage)
@@ -603,6 +595,17 @@ class _ChatEvents:
 
     def end(self) -> list[bytes]:
         return [*([sse({**self.base, "choices": [], "usage": self.usage})] if self.include_usage else []), DONE]
+
+
+def _chat_args(body: dict) -> tuple[SamplingParams, Optional[int], tuple]:
+    """A chat request's sampling params, pinned DP rank and ``chat_prompt`` arguments."""
+    template_args = (chat_messages(body), _get(body, "chat_template", (str,)),
+                     _get(body, "add_generation_prompt", (bool,), True))
+    return chat_request(body), _get(body, "data_parallel_rank", (int,)), template_args
+
+
+def _include_usage(body: dict) -> bool:
+    return bool((_get(body, "stream_options", (dict,), {}) or {}).get("include_usage"))
 
 
 def _close(streams: list[Iterator[StreamChunk]]) -> None:

@@ -43,24 +43,24 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
 
 
-def _abort(context: grpc.ServicerContext, exc: Exception, method: str) -> None:
+def _logged_status(exc: Exception, method: str) -> tuple[grpc.StatusCode, str]:
+    """``status_for(exc)``, logged (with the traceback when it is a bug)."""
     code, message = status_for(exc)
     if code == grpc.StatusCode.INTERNAL:
         logger.exception("%s failed", method)
     else:
         logger.info("%s -> %s: %s", method, code.name, message)
-    context.abort(code, message)
+    return code, message
+
+
+def _abort(context: grpc.ServicerContext, exc: Exception, method: str) -> None:
+    context.abort(*_logged_status(exc, method))
 
 
 async def _abort_async(context: grpc.aio.ServicerContext, exc: Exception, method: str) -> None:
     if isinstance(exc, grpc.aio.AbortError):
         raise exc  # the handler aborted on purpose
-    code, message = status_for(exc)
-    if code == grpc.StatusCode.INTERNAL:
-        logger.exception("%s failed", method)
-    else:
-        logger.info("%s -> %s: %s", method, code.name, message)
-    await context.abort(code, message)
+    await context.abort(*_logged_status(exc, method))
 
 
 class ErrorInterceptor(grpc.ServerInterceptor):

@@ -39,8 +39,11 @@ class RpcServer:
         )
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        self.address = f"{host}:{port}"
-        self.port = self.server.add_insecure_port(self.address)
+        self._bind(host, port)
+
+    def _bind(self, host: str, port: int) -> None:
+        """Listen on ``host:port`` (0: a free port); NOT_SERVING until ``set_serving(True)``."""
+        self.port = self.server.add_insecure_port(f"{host}:{port}")
         self.address = f"{host}:{self.port}"
         self._services: list[str] = [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name]
         self._stopped = threading.Event()
@@ -84,8 +87,11 @@ class RpcServer:
                 self.on_drain(self.grace_s)
             except Exception:  # noqa: BLE001 - shutdown must go on
                 logger.exception("drain failed")
-        self.server.stop(self.grace_s).wait()
+        self._stop_server()
         self._stopped.set()
+
+    def _stop_server(self) -> None:
+        self.server.stop(self.grace_s).wait()
 
     def wait(self) -> None:
         """Block until ``shutdown`` completed."""
@@ -119,14 +125,7 @@ class AioRpcServer(RpcServer):
         self.server = self.run(build())
         self.health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        self.port = self.server.add_insecure_port(f"{host}:{port}")
-        self.address = f"{host}:{self.port}"
-        self._services: list[str] = [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name]
-        self._stopped = threading.Event()
-        self._lock = threading.Lock()
-        self._shutting_down = False
-        self.on_drain: Optional[Callable[[float], None]] = None
-        self.set_serving(False)
+        self._bind(host, port)
 
     def run(self, coroutine: Any, timeout: Optional[float] = None) -> Any:
         """Run ``coroutine`` on the server's loop from another thread and return its result."""
@@ -152,17 +151,6 @@ class AioRpcServer(RpcServer):
         else:
             self.run(update())
 
-    def shutdown(self) -> None:
-        with self._lock:
-            if self._shutting_down:
-                return
-            self._shutting_down = True
-        self.set_serving(False)
-        if self.on_drain is not None:
-            try:
-                self.on_drain(self.grace_s)
-            except Exception:  # noqa: BLE001 - shutdown must go on
-                logger.exception("drain failed")
+    def _stop_server(self) -> None:
         self.run(self.server.stop(self.grace_s))
         self.loop.call_soon_threadsafe(self.loop.stop)
-        self._stopped.set()
