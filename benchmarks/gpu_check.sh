@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The GPU checks, in one bounded run on a CUDA machine (the device tool's H200, or any GPU box):
+#   1. the Triton kernels compiled for the GPU (no interpreter) against the torch reference,
+#   2. the offline LLM on CUDA token-exact with transformers on CUDA (same checkpoints),
+#   3. paged-attention decode bandwidth as a share of the copy bandwidth and the HBM peak.
+# Results and logs go to $OUT (default benchmarks/results/gpu). Packages the machine lacks can be
+# given as wheels in .whl/ (installed into /tmp/site first); nothing is fetched.
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-benchmarks/results/gpu}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TRITON_INTERPRET=0
+PY=${PYTHON:-python3}
+if ls .whl/*.whl >/dev/null 2>&1; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/device.txt"
+$PY -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/device.txt"
+$PY -m gridserve.protos_build >/dev/null 2>&1 || echo "protos_build failed" | tee -a "$OUT/device.txt"
+
+echo "== 1+2: Triton on CUDA and LLM vs transformers on CUDA"
+timeout 300 $PY -m pytest -q -p no:cacheprovider tests/gpu -rA 2>&1 | tee "$OUT/pytest_gpu.log" | tail -40
+echo "pytest exit: ${PIPESTATUS[0]}" | tee -a "$OUT/pytest_gpu.log"
+
+echo "== 3: paged-attention bandwidth"
+timeout 200 $PY benchmarks/gpu_attention_bandwidth.py --sweep-plans --output-json "$OUT/gpu_attention_bandwidth.json" 2>&1 \
+  | tee "$OUT/bandwidth.log" | tail -40
