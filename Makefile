@@ -28,13 +28,13 @@ $(PROTO_STAMP): $(STAMP) $(PROTOS)
 install: $(STAMP) $(PROTO_STAMP)
 
 demo-model: install
-	$(PY) -m gridserve.recipe --arch llama --size small
+	$(PY) -m gridserve.demo.recipe --arch llama --size small
 
 serve: install
 	$(PY) -m gridserve.cli serve $(MODEL) --port $(PORT)
 
 test: install
-	$(PY) -m gridserve.recipe --arch llama --size tiny >/dev/null
+	$(PY) -m gridserve.demo.recipe --arch llama --size tiny >/dev/null
 	$(PY) -m ruff check .
 	$(PY) -m pytest -q
 
@@ -68,4 +68,4 @@ images:
 	done
 
 clean:
-	rm -rf $(VENV) build *.egg-info $(PROTO_STAMP) gridserve/common gridserve/gateway gridserve/engine gridserve/worker gridserve/coordinator
+	rm -rf $(VENV) build *.egg-info $(PROTO_STAMP) gridserve/api

@@ -1,7 +1,7 @@
 """Maps the one import namespace, ``gridserve``, onto the repository's top-level folders.
 
 It also generates the protobuf / gRPC modules from ``protos/`` (never committed) before the
-packages are listed, so that wheels and installs contain ``gridserve.<role>.v1``.
+packages are listed, so that wheels and installs contain ``gridserve.api.<role>.v1``.
 """
 
 import importlib.util
@@ -15,6 +15,8 @@ ROOTS = {
     "gridserve.services": "services",
     "gridserve.shared": "shared",
     "gridserve.kernels": "kernels",
+    "gridserve.demo": "demo",
+    "gridserve.benchmarks": "benchmarks",
 }
 
 

@@ -1,7 +1,7 @@
 """CPU paged attention: the torch reference (gather + masked SDPA) against the C++ kernel.
 
-    python benchmarks/cpu_attention_bench.py                      # batch 64, contexts 64..512
-    python benchmarks/cpu_attention_bench.py --batch 16 --layers 4
+    python -m gridserve.benchmarks.cpu_attention_bench                      # batch 64, contexts 64..512
+    python -m gridserve.benchmarks.cpu_attention_bench --batch 16 --layers 4
 
 One decode step's attention for every layer (`--layers` calls on separate caches), fp32, blocks
 scattered over the cache as after a while of serving. The two run alternately, `--repeats` times,

@@ -1,6 +1,6 @@
 """Run a command and report the CPU seconds every process on the machine used meanwhile.
 
-    python benchmarks/cpu_by_process.py --json out.json -- CMD ARGS...
+    python -m gridserve.benchmarks.cpu_by_process --json out.json -- CMD ARGS...
 
 Reads utime + stime from /proc/<pid>/stat before and after (Linux); the command's own share (it
 has exited by then) comes from the children's rusage. Used by ``served_vs_offline.sh`` to show

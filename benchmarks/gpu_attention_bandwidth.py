@@ -7,7 +7,7 @@ scattered over the cache) at several batch sizes and context lengths, and report
 bytes per second against (a) a device-to-device copy measured in the same run and (b) the
 datasheet's HBM peak. Medians of CUDA-event timings.
 
-    python benchmarks/gpu_attention_bandwidth.py --output-json out.json [--peak-tbps 4.8]
+    python -m gridserve.benchmarks.gpu_attention_bandwidth --output-json out.json [--peak-tbps 4.8]
 """
 
 from __future__ import annotations

@@ -26,5 +26,5 @@ timeout 300 $PY -m pytest -q -p no:cacheprovider tests/gpu -rA 2>&1 | tee "$OUT/
 echo "pytest exit: ${PIPESTATUS[0]}" | tee -a "$OUT/pytest_gpu.log"
 
 echo "== 3: paged-attention bandwidth"
-timeout 200 $PY benchmarks/gpu_attention_bandwidth.py --sweep-plans --output-json "$OUT/gpu_attention_bandwidth.json" 2>&1 \
+timeout 200 $PY -m gridserve.benchmarks.gpu_attention_bandwidth --sweep-plans --output-json "$OUT/gpu_attention_bandwidth.json" 2>&1 \
   | tee "$OUT/bandwidth.log" | tail -40

@@ -1,8 +1,8 @@
 """Micro-benchmark of gridserve's Triton kernels against the torch reference and a bandwidth roofline.
 
-    python benchmarks/kernels_bench.py --peak-gbps 4800     # H200 HBM3e; H100 SXM: 3350
-    python benchmarks/kernels_bench.py --only attention      # cases whose name contains the word
-    python benchmarks/kernels_bench.py --interpret           # no GPU: tiny shapes, Triton interpreter
+    python -m gridserve.benchmarks.kernels_bench --peak-gbps 4800     # H200 HBM3e; H100 SXM: 3350
+    python -m gridserve.benchmarks.kernels_bench --only attention      # cases whose name contains the word
+    python -m gridserve.benchmarks.kernels_bench --interpret           # no GPU: tiny shapes, Triton interpreter
 
 Each row: the Triton kernel's time, the torch reference's time, the speed-up, the bytes the
 operation must move at the least (each input read once, each output written once), the roofline

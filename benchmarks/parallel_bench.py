@@ -1,7 +1,7 @@
 """Per-step cost of tensor parallelism on this machine, and the all-reduce time inside a step.
 
-    python benchmarks/parallel_bench.py --size small --batch 8 --max-tokens 32
-    python benchmarks/parallel_bench.py --size base --layouts 1x1,2x1,1x2
+    python -m gridserve.benchmarks.parallel_bench --size small --batch 8 --max-tokens 32
+    python -m gridserve.benchmarks.parallel_bench --size base --layouts 1x1,2x1,1x2
 
 Part 1 runs the same greedy requests through ``LLM`` once per layout (``TPxPP``; every layout's
 workers are local processes behind the gRPC executor, gloo between them) and reports the wall time
@@ -87,7 +87,7 @@ def main() -> int:
     parser.add_argument("--port", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
 
-    from gridserve.recipe import ensure_checkpoint
+    from gridserve.demo.recipe import ensure_checkpoint
 
     model = ensure_checkpoint("llama", args.size)
     hf = json.loads((model / "config.json").read_text())

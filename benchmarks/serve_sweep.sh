@@ -7,7 +7,7 @@ set -euo pipefail
 PY=${PY:-.venv/bin/python}
 OUT=${OUT:-benchmarks/results}
 KV=${KV:-8589934592}
-MODEL=${MODEL:-$($PY -m gridserve.recipe --arch llama --size base)}
+MODEL=${MODEL:-$($PY -m gridserve.demo.recipe --arch llama --size base)}
 
 PORT=$($PY -c "from gridserve.launcher import free_port; print(free_port())")
 $PY -m gridserve.cli serve "$MODEL" --port "$PORT" --kv-cache-memory-bytes "$KV" > /tmp/gridserve-sweep-serve.log 2>&1 &

@@ -8,9 +8,9 @@ set -euo pipefail
 PY=${PY:-.venv/bin/python}
 OUT=${OUT:-benchmarks/results}
 KV=${KV:-8589934592}
-MODEL=${MODEL:-$($PY -m gridserve.recipe --arch llama --size base)}
+MODEL=${MODEL:-$($PY -m gridserve.demo.recipe --arch llama --size base)}
 
-$PY benchmarks/cpu_by_process.py --json "$OUT/w_offline_cpu.json" -- \
+$PY -m gridserve.benchmarks.cpu_by_process --json "$OUT/w_offline_cpu.json" -- \
   $PY -m gridserve.cli bench throughput --model "$MODEL" --skip-hf --num-prompts 256 \
     --input-len-min 64 --input-len-max 256 --output-len-min 32 --output-len-max 256 \
     --kv-cache-memory-bytes "$KV" --output-json "$OUT/w_offline.json"
@@ -23,7 +23,7 @@ for _ in $(seq 600); do
     curl -sf "http://127.0.0.1:$PORT/health" >/dev/null && break
     sleep 1
 done
-$PY benchmarks/cpu_by_process.py --json "$OUT/w_served_cpu.json" -- \
+$PY -m gridserve.benchmarks.cpu_by_process --json "$OUT/w_served_cpu.json" -- \
   $PY -m gridserve.cli bench serve --base-url "http://127.0.0.1:$PORT" --dataset random --num-prompts 256 \
     --random-input-len 160 --random-range-ratio 0.6 --random-output-len 144 --random-output-range-ratio 0.7778 \
     --ignore-eos --max-concurrency 256 --disable-tqdm --label gridserve-W --output-json "$OUT/w_served.json"

@@ -13,8 +13,8 @@ import sys
 
 import grpc
 
-from gridserve.common.v1 import common_pb2
-from gridserve.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from gridserve.api.common.v1 import common_pb2
+from gridserve.api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 
 
 def main() -> int:

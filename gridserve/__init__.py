@@ -18,10 +18,11 @@ if (_checkout / "setup.py").is_file() and (_checkout / "services").is_dir():
     __path__.append(str(_checkout))  # type: ignore[name-defined]  # noqa: F821
 
 from gridserve.shared.outputs import CompletionOutput, RequestOutput  # noqa: E402
-from gridserve.shared.sampling_params import SamplingParams  # noqa: E402
+from gridserve.shared.sampling_params import SamplingParams, StructuredOutputsParams  # noqa: E402
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput",
+           "__version__"]
 
 
 def __getattr__(name: str):

@@ -95,40 +95,8 @@ def _parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    throughput = bench_sub.add_parser("throughput", help="offline throughput vs transformers generate")
-    from gridserve.bench.throughput import add_arguments
-
-    add_arguments(throughput)
-    executor = bench_sub.add_parser("executor", help="GrpcExecutor vs UniProcExecutor throughput and round trips")
-    from gridserve.bench import executor as executor_bench
-
-    executor_bench.add_arguments(executor)
-    sampler = bench_sub.add_parser("sampler", help="sampler cost per step: plain vs mixed batch")
-    from gridserve.bench import sampler as sampler_bench
-
-    sampler_bench.add_arguments(sampler)
-    serve_bench = bench_sub.add_parser("serve", help="online load against an OpenAI-compatible server")
-    from gridserve.bench import serve as serve_bench_module
-
-    serve_bench_module.add_arguments(serve_bench)
-    from gridserve.bench import engine as engine_bench
-
-    step = bench_sub.add_parser("step", help="decode-step wall time vs the model forward inside it")
-    engine_bench.add_step_arguments(step)
-    prefix = bench_sub.add_parser("prefix", help="TTFT with a cached long prefix vs a cold one")
-    engine_bench.add_prefix_arguments(prefix)
-    obs_bench = bench_sub.add_parser("observability", help="engine step time with metrics / tracing off and on")
-    from gridserve.bench import observability as observability_bench
-
-    observability_bench.add_arguments(obs_bench)
-    edge_bench = bench_sub.add_parser("edge", help="TTFT through the Envoy edge vs straight to the gateway")
-    from gridserve.bench import edge as edge_bench_module
-
-    edge_bench_module.add_arguments(edge_bench)
-    plot = bench_sub.add_parser("plot", help="throughput and latency vs concurrency from bench serve JSON")
-    from gridserve.bench import plot as plot_bench
-
-    plot_bench.add_arguments(plot)
+    for name, (module, help_text, add_arguments, _run) in BENCHMARKS.items():
+        getattr(_bench_module(module), add_arguments)(bench_sub.add_parser(name, help=help_text))
     return parser
 
 
@@ -188,7 +156,7 @@ def _serve(args: argparse.Namespace) -> int:
         raise ConfigError("parallel.data_parallel_size", f"must be a positive integer, got {args.data_parallel_size}")
     model = args.model
     if not model:
-        from gridserve.recipe import ensure_checkpoint
+        from gridserve.demo.recipe import ensure_checkpoint
 
         model = str(ensure_checkpoint("llama", "small"))
     launcher = Launcher(model, engine_argv(args), host=args.host, grpc_port=args.grpc_port,
@@ -225,38 +193,33 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"gridserve stopped: {launcher.exit_codes}", flush=True)
 
 
+# `gridserve bench NAME`: module in gridserve.benchmarks, help, its add-arguments and run functions.
+BENCHMARKS = {
+    "throughput": ("throughput", "offline throughput vs transformers generate", "add_arguments", "run"),
+    "executor": ("executor", "GrpcExecutor vs UniProcExecutor throughput and round trips",
+                 "add_arguments", "run"),
+    "sampler": ("sampler", "sampler cost per step: plain vs mixed batch", "add_arguments", "run"),
+    "serve": ("serve", "online load against an OpenAI-compatible server", "add_arguments", "run"),
+    "step": ("engine", "decode-step wall time vs the model forward inside it", "add_step_arguments",
+             "run_step"),
+    "prefix": ("engine", "TTFT with a cached long prefix vs a cold one", "add_prefix_arguments",
+               "run_prefix"),
+    "observability": ("observability", "engine step time with metrics / tracing off and on",
+                      "add_arguments", "run"),
+    "edge": ("edge", "TTFT through the Envoy edge vs straight to the gateway", "add_arguments", "run"),
+    "plot": ("plot", "throughput and latency vs concurrency from bench serve JSON", "add_arguments", "run"),
+}
+
+
+def _bench_module(name: str):
+    import importlib
+
+    return importlib.import_module(f"gridserve.benchmarks.{name}")
+
+
 def _bench(args: argparse.Namespace) -> int:
-    if args.bench_command == "executor":
-        from gridserve.bench.executor import run as run_executor
-
-        return run_executor(args)
-    if args.bench_command == "sampler":
-        from gridserve.bench.sampler import run as run_sampler
-
-        return run_sampler(args)
-    if args.bench_command == "serve":
-        from gridserve.bench.serve import run as run_serve
-
-        return run_serve(args)
-    if args.bench_command in ("step", "prefix"):
-        from gridserve.bench import engine as engine_bench
-
-        return engine_bench.run_step(args) if args.bench_command == "step" else engine_bench.run_prefix(args)
-    if args.bench_command == "observability":
-        from gridserve.bench.observability import run as run_observability
-
-        return run_observability(args)
-    if args.bench_command == "edge":
-        from gridserve.bench.edge import run as run_edge
-
-        return run_edge(args)
-    if args.bench_command == "plot":
-        from gridserve.bench.plot import run as run_plot
-
-        return run_plot(args)
-    from gridserve.bench.throughput import run
-
-    return run(args)
+    module, _help, _add, run = BENCHMARKS[args.bench_command]
+    return getattr(_bench_module(module), run)(args)
 
 
 _COMMANDS = {"serve": _serve, "worker": _worker, "engine": _engine, "gateway": _gateway,

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from gridserve.protos_build import DESCRIPTOR_SET, ensure_generated
+from gridserve.shared.rpc.metadata import HTTP_STATUS_HEADER
 
 GATEWAY_SERVICE = "gridserve.gateway.v1.Gateway"
 CLUSTER = "gateways"
@@ -31,8 +32,8 @@ _TRANSCODER = "type.googleapis.com/envoy.extensions.filters.http.grpc_json_trans
 _ROUTER = "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"
 _LUA = "type.googleapis.com/envoy.extensions.filters.http.lua.v3.Lua"
 # The gateway's OpenAI routes return exact bytes (google.api.HttpBody); their HTTP status comes in
-# this response header, which the Lua filter (after the transcoder on the response path) applies.
-HTTP_STATUS_HEADER = "x-gridserve-http-status"
+# the HTTP_STATUS_HEADER response header, which the Lua filter (after the transcoder) applies.
+
 _STATUS_LUA = f"""
 function envoy_on_response(handle)
   local status = handle:headers():get("{HTTP_STATUS_HEADER}")

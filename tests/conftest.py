@@ -1,6 +1,6 @@
 """Shared pytest setup: offline Hugging Face libraries and the recipe's tiny checkpoints.
 
-The ``*_tiny`` fixtures return folders built by :mod:`gridserve.recipe` in the default model cache
+The ``*_tiny`` fixtures return folders built by :mod:`gridserve.demo.recipe` in the default model cache
 (``$GRIDSERVE_MODEL_CACHE`` or ``~/.cache/gridserve/models``), so they are built once and reused
 by later runs (and by CI when that folder is cached).
 """
@@ -33,34 +33,34 @@ else:
 
 @pytest.fixture(scope="session")
 def llama_tiny() -> Path:
-    from gridserve.recipe import ensure_checkpoint
+    from gridserve.demo.recipe import ensure_checkpoint
 
     return ensure_checkpoint("llama", "tiny")
 
 
 @pytest.fixture(scope="session")
 def opt_tiny() -> Path:
-    from gridserve.recipe import ensure_checkpoint
+    from gridserve.demo.recipe import ensure_checkpoint
 
     return ensure_checkpoint("opt", "tiny")
 
 
 @pytest.fixture(scope="session")
 def qwen2_tiny() -> Path:
-    from gridserve.recipe import ensure_checkpoint
+    from gridserve.demo.recipe import ensure_checkpoint
 
     return ensure_checkpoint("qwen2", "tiny")
 
 
 @pytest.fixture(scope="session")
 def mistral_tiny() -> Path:
-    from gridserve.recipe import ensure_checkpoint
+    from gridserve.demo.recipe import ensure_checkpoint
 
     return ensure_checkpoint("mistral", "tiny")
 
 
 @pytest.fixture(scope="session")
 def mixtral_tiny() -> Path:
-    from gridserve.recipe import ensure_checkpoint
+    from gridserve.demo.recipe import ensure_checkpoint
 
     return ensure_checkpoint("mixtral", "tiny")

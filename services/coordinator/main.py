@@ -13,7 +13,7 @@ from typing import Optional
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily
 
-from gridserve.coordinator.v1 import coordinator_pb2, coordinator_pb2_grpc
+from gridserve.api.coordinator.v1 import coordinator_pb2, coordinator_pb2_grpc
 from gridserve.services.coordinator.load_table import LoadTable
 from gridserve.services.coordinator.servicer import CoordinatorServicer
 from gridserve.services.coordinator.waves import Waves

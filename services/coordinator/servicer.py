@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import grpc
 
-from gridserve.coordinator.v1 import coordinator_pb2, coordinator_pb2_grpc
+from gridserve.api.coordinator.v1 import coordinator_pb2, coordinator_pb2_grpc
 from gridserve.services.coordinator.load_table import EngineLoad, LoadTable
 from gridserve.services.coordinator.waves import WaveError, Waves
 

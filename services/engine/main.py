@@ -14,7 +14,7 @@ from typing import Optional
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily
 
-from gridserve.engine.v1 import engine_pb2, engine_pb2_grpc
+from gridserve.api.engine.v1 import engine_pb2, engine_pb2_grpc
 from gridserve.services.engine.core import EngineCore
 from gridserve.services.engine.load_reporter import LoadReporter
 from gridserve.services.engine.loop import EngineLoop

@@ -8,7 +8,7 @@ from typing import Optional
 
 import grpc
 
-from gridserve.engine.v1 import engine_pb2, engine_pb2_grpc
+from gridserve.api.engine.v1 import engine_pb2, engine_pb2_grpc
 from gridserve.services.engine.loop import EngineLoop
 from gridserve.services.engine.request import Request
 from gridserve.shared.config import GridserveConfig

@@ -19,9 +19,9 @@ from typing import Optional
 
 import grpc
 
-from gridserve.coordinator.v1 import coordinator_pb2
-from gridserve.services.coordinator.client import LoadSubscription
+from gridserve.api.coordinator.v1 import coordinator_pb2
 from gridserve.shared.rpc.client import DEFAULT_DEADLINE_S
+from gridserve.shared.rpc.coordinator_client import LoadSubscription
 
 logger = logging.getLogger(__name__)
 

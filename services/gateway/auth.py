@@ -17,8 +17,8 @@ from typing import Any, Optional
 import grpc
 from google.api import httpbody_pb2
 
-from gridserve.edge import HTTP_STATUS_HEADER
 from gridserve.services.gateway.openai_api import JSON, ApiError
+from gridserve.shared.rpc.metadata import HTTP_STATUS_HEADER
 
 GATEWAY = "/gridserve.gateway.v1.Gateway/"
 # Gateway methods reachable without the key (vLLM leaves these REST paths open too).

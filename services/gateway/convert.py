@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from gridserve.gateway.v1 import gateway_pb2
+from gridserve.api.gateway.v1 import gateway_pb2
 from gridserve.services.gateway.processor import PromptType
 from gridserve.services.gateway.service import SampleDelta, StreamChunk
 from gridserve.shared.errors import InvalidArgumentError

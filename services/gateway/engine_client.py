@@ -16,7 +16,7 @@ from typing import Optional
 
 import grpc
 
-from gridserve.engine.v1 import engine_pb2, engine_pb2_grpc
+from gridserve.api.engine.v1 import engine_pb2, engine_pb2_grpc
 from gridserve.shared.errors import EngineDeadError
 from gridserve.shared.observability.tracing import TRACEPARENT
 from gridserve.shared.rpc.client import DEFAULT_DEADLINE_S, make_channel

@@ -9,9 +9,9 @@ unreachable, is forgotten, so the router falls back to this gateway's own in-fli
 
 from __future__ import annotations
 
-from gridserve.coordinator.v1 import coordinator_pb2
-from gridserve.services.coordinator.client import LoadSubscription
+from gridserve.api.coordinator.v1 import coordinator_pb2
 from gridserve.services.gateway.router import ReportedLoad, Router
+from gridserve.shared.rpc.coordinator_client import LoadSubscription
 
 
 class LoadWatcher:

@@ -13,7 +13,7 @@ from typing import Optional
 
 import grpc
 
-from gridserve.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from gridserve.api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from gridserve.services.gateway.auth import AioApiKeyInterceptor
 from gridserve.services.gateway.engine_client import EngineClient
 from gridserve.services.gateway.load_watcher import LoadWatcher

@@ -11,8 +11,7 @@ import grpc
 from google.api import httpbody_pb2
 
 from gridserve import __version__
-from gridserve.edge import HTTP_STATUS_HEADER  # the Envoy edge makes it the HTTP status
-from gridserve.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from gridserve.api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from gridserve.services.gateway.convert import (
     chat_to_pb,
     chunk_to_pb,
@@ -24,6 +23,9 @@ from gridserve.services.gateway.service import GatewayService
 from gridserve.shared.errors import InvalidArgumentError
 from gridserve.shared.observability.tracing import traceparent_from_metadata
 from gridserve.shared.rpc.convert import sampling_params_from_pb
+from gridserve.shared.rpc.metadata import (
+    HTTP_STATUS_HEADER,  # the Envoy edge makes it the HTTP status
+)
 
 logger = logging.getLogger(__name__)
 

@@ -13,12 +13,12 @@ from typing import Optional
 
 from prometheus_client import CollectorRegistry
 
+from gridserve.api.worker.v1 import worker_pb2, worker_pb2_grpc
 from gridserve.services.worker.observability import WorkerObserver
 from gridserve.services.worker.servicer import WorkerServicer
 from gridserve.shared.observability.metrics import start_metrics_server
 from gridserve.shared.observability.tracing import Tracing
 from gridserve.shared.rpc.server import RpcServer
-from gridserve.worker.v1 import worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
 

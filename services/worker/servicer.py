@@ -14,6 +14,7 @@ from typing import Optional
 
 import grpc
 
+from gridserve.api.worker.v1 import worker_pb2, worker_pb2_grpc
 from gridserve.services.worker.observability import WorkerObserver
 from gridserve.services.worker.worker import Worker
 from gridserve.shared.errors import FailedPreconditionError
@@ -22,7 +23,6 @@ from gridserve.shared.rpc.worker_convert import (
     runner_output_to_pb,
     scheduler_output_from_pb,
 )
-from gridserve.worker.v1 import worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
 

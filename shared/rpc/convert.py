@@ -11,8 +11,8 @@ import dataclasses
 import json
 from typing import Optional
 
-from gridserve.common.v1 import common_pb2
-from gridserve.engine.v1 import engine_pb2
+from gridserve.api.common.v1 import common_pb2
+from gridserve.api.engine.v1 import engine_pb2
 from gridserve.shared.outputs import EngineCoreOutput, FinishReason
 from gridserve.shared.rpc.tensors import pack, unpack
 from gridserve.shared.sampling_params import SamplingParams, StructuredOutputsParams

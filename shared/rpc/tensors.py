@@ -9,7 +9,7 @@ import sys
 from array import array
 from collections.abc import Sequence
 
-from gridserve.common.v1 import common_pb2
+from gridserve.api.common.v1 import common_pb2
 
 _TYPECODES = {
     common_pb2.DTYPE_INT32: "i",

@@ -7,7 +7,8 @@ from __future__ import annotations
 import dataclasses
 import json
 
-from gridserve.common.v1 import common_pb2
+from gridserve.api.common.v1 import common_pb2
+from gridserve.api.worker.v1 import worker_pb2
 from gridserve.shared import config as cfg
 from gridserve.shared.rpc.convert import (
     logprobs_from_pb,
@@ -22,7 +23,6 @@ from gridserve.shared.scheduler_output import (
     NewRequestData,
     SchedulerOutput,
 )
-from gridserve.worker.v1 import worker_pb2
 
 _SECTIONS = {
     "model": (cfg.ModelConfig, worker_pb2.ModelConfig),

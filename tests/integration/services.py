@@ -10,9 +10,9 @@ from typing import Optional
 
 import grpc
 
-from gridserve.common.v1 import common_pb2
-from gridserve.engine.v1 import engine_pb2_grpc
-from gridserve.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from gridserve.api.common.v1 import common_pb2
+from gridserve.api.engine.v1 import engine_pb2_grpc
+from gridserve.api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from gridserve.launcher import Launcher
 
 logger = logging.getLogger(__name__)

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from gridserve.bench import edge
+from gridserve.benchmarks import edge
 
 pytestmark = pytest.mark.slow
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from gridserve.coordinator.v1 import coordinator_pb2
+from gridserve.api.coordinator.v1 import coordinator_pb2
 from gridserve.services.coordinator.load_table import LoadTable
 from gridserve.services.coordinator.servicer import CoordinatorServicer
 from gridserve.services.coordinator.waves import Waves
@@ -34,7 +34,7 @@ def _wait(predicate, timeout: float = 10.0) -> None:
 
 @pytest.fixture
 def coordinator():
-    from gridserve.coordinator.v1 import coordinator_pb2_grpc
+    from gridserve.api.coordinator.v1 import coordinator_pb2_grpc
 
     server = RpcServer("127.0.0.1", 0, max_workers=16, grace_s=1.0)
     table = LoadTable()

@@ -13,7 +13,7 @@ import grpc
 import pytest
 
 from gridserve import LLM, SamplingParams
-from gridserve.gateway.v1 import gateway_pb2
+from gridserve.api.gateway.v1 import gateway_pb2
 from gridserve.launcher import free_port
 
 from .services import KV_BYTES, deployment, gateway_stub, greedy, token_prompt
@@ -255,7 +255,7 @@ def test_client_leaving_a_rest_stream_aborts_it_and_frees_its_kv_blocks(edge, mo
     import socket
     import time
 
-    from gridserve.engine.v1 import engine_pb2
+    from gridserve.api.engine.v1 import engine_pb2
 
     from .services import address, engine_stub
 

@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from gridserve.gateway.v1 import gateway_pb2
+from gridserve.api.gateway.v1 import gateway_pb2
 from gridserve.launcher import free_port
 
 from .services import deployment, gateway_stub, greedy, token_prompt

@@ -13,7 +13,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 
-from gridserve.common.v1 import common_pb2
+from gridserve.api.common.v1 import common_pb2
 from gridserve.launcher import free_port
 from gridserve.shared.rpc.client import health_status, make_channel
 

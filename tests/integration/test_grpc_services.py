@@ -15,9 +15,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from gridserve import LLM, SamplingParams
-from gridserve.common.v1 import common_pb2
-from gridserve.engine.v1 import engine_pb2
-from gridserve.gateway.v1 import gateway_pb2
+from gridserve.api.common.v1 import common_pb2
+from gridserve.api.engine.v1 import engine_pb2
+from gridserve.api.gateway.v1 import gateway_pb2
 
 from .services import (
     KV_BYTES,

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from gridserve import LLM, SamplingParams
-from gridserve.recipe import MARKER, build_checkpoint, ensure_tokenizer
+from gridserve.demo.recipe import MARKER, build_checkpoint, ensure_tokenizer
 from gridserve.services.worker.loader import load_model
 from gridserve.services.worker.models.mixtral import MixtralForCausalLM, MixtralSparseMoeBlock
 from gridserve.services.worker.parallel_state import ParallelState, set_parallel_state

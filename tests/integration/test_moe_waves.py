@@ -14,7 +14,7 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gridserve.coordinator.v1 import coordinator_pb2, coordinator_pb2_grpc
+from gridserve.api.coordinator.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 from .services import deployment, gateway_stub, greedy, token_prompt
 

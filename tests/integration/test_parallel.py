@@ -49,7 +49,7 @@ def _sharded_bytes(model) -> int:
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "opt"])
 def test_each_tp_rank_holds_half_the_sharded_weights_and_reads_only_its_slices(arch, rank_of):
-    from gridserve.recipe import ensure_checkpoint
+    from gridserve.demo.recipe import ensure_checkpoint
 
     checkpoint = ensure_checkpoint(arch, "tiny")
     whole = rank_of(checkpoint, 0)
@@ -111,7 +111,7 @@ _REFERENCE: dict[str, list] = {}
 ], ids=["llama-tp2", "llama-pp2", "llama-tp2-pp2", "qwen2-tp2", "qwen2-pp2", "opt-tp2", "llama-pp2-chunked",
         "llama-pp2-preempted"])
 def test_parallel_layouts_give_the_single_worker_greedy_outputs(arch, tp, pp, extra):
-    from gridserve.recipe import ensure_checkpoint
+    from gridserve.demo.recipe import ensure_checkpoint
 
     checkpoint = ensure_checkpoint(arch, "tiny")
     if arch not in _REFERENCE:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from gridserve.bench.datasets import (
+from gridserve.benchmarks.datasets import (
     BenchRequest,
     TokenizerVocabulary,
     WordVocabulary,
@@ -23,7 +23,7 @@ from gridserve.bench.datasets import (
     length_range,
     random_requests,
 )
-from gridserve.bench.metrics import (
+from gridserve.benchmarks.metrics import (
     RequestResult,
     format_report,
     format_sweep_table,
@@ -31,7 +31,7 @@ from gridserve.bench.metrics import (
     statistics,
     summarize,
 )
-from gridserve.bench.serve import Endpoint, arrival_offsets, record_event, sse_data
+from gridserve.benchmarks.serve import Endpoint, arrival_offsets, record_event, sse_data
 from gridserve.cli import main
 
 # ---- a fake OpenAI-compatible server ----------------------------------------------------------
@@ -449,7 +449,7 @@ def test_concurrency_sweep_writes_runs_and_a_plot(tmp_path, fake_server):
 
 
 def test_plot_reads_sweeps_and_flat_vllm_results(tmp_path):
-    from gridserve.bench.plot import load_reports, series
+    from gridserve.benchmarks.plot import load_reports, series
 
     sweep = tmp_path / "ours.json"
     sweep.write_text(json.dumps({"label": "gridserve", "runs": [

@@ -10,7 +10,7 @@ import math
 
 import pytest
 
-from gridserve.bench.throughput import (
+from gridserve.benchmarks.throughput import (
     FIRST_REGULAR_TOKEN_ID,
     SystemResult,
     Workload,

@@ -1,4 +1,4 @@
-"""gridserve.recipe: deterministic tiny HF checkpoints, their tokenizer, the cache and the CLI."""
+"""gridserve.demo.recipe: deterministic tiny HF checkpoints, their tokenizer, the cache and the CLI."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from gridserve import recipe  # noqa: E402
+from gridserve.demo import recipe  # noqa: E402
 
 TINY_FIXTURES = ["llama_tiny", "opt_tiny", "qwen2_tiny", "mistral_tiny"]
 MESSAGES = [

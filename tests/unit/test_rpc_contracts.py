@@ -11,7 +11,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from gridserve.common.v1 import common_pb2
+from gridserve.api.common.v1 import common_pb2
 from gridserve.shared.errors import EngineDeadError, FailedPreconditionError, InvalidArgumentError
 from gridserve.shared.rpc.errors import status_for
 from gridserve.shared.rpc.tensors import pack, unpack

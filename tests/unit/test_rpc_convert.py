@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from gridserve.common.v1 import common_pb2
+from gridserve.api.common.v1 import common_pb2
 from gridserve.shared.config import GridserveConfig
 from gridserve.shared.outputs import EngineCoreOutput, FinishReason
 from gridserve.shared.rpc.convert import (

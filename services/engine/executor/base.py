@@ -40,7 +40,7 @@ def check_worker_method(method: str) -> None:
 
 
 _BACKENDS = {
-    "uni": "gridserve.uniproc_executor:UniProcExecutor",
+    "uni": "gridserve.services.engine.executor.uniproc:UniProcExecutor",
     "grpc": "gridserve.services.engine.executor.grpc_executor:GrpcExecutor",
 }
 

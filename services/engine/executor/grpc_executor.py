@@ -20,13 +20,13 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeoutError
 from typing import Any, Optional, Union
 
+from gridserve.api.worker.v1 import worker_pb2
 from gridserve.services.engine.executor.base import Executor, chain_first, check_worker_method
 from gridserve.services.engine.executor.worker_stream import WorkerStream
 from gridserve.shared.errors import ConfigError, EngineDeadError
 from gridserve.shared.parallel import output_rank
 from gridserve.shared.rpc.worker_convert import config_to_pb, scheduler_output_to_pb
 from gridserve.shared.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from gridserve.worker.v1 import worker_pb2
 
 logger = logging.getLogger(__name__)
 

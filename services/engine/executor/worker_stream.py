@@ -19,10 +19,10 @@ from typing import Any, Optional
 
 import grpc
 
+from gridserve.api.worker.v1 import worker_pb2, worker_pb2_grpc
 from gridserve.shared.errors import EngineDeadError
 from gridserve.shared.rpc.client import make_channel
 from gridserve.shared.rpc.worker_convert import runner_output_from_pb
-from gridserve.worker.v1 import worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
 

@@ -44,7 +44,7 @@ def _batches(batch: int) -> tuple[list[SamplingParams], list[SamplingParams]]:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from gridserve.recipe import ensure_checkpoint
+    from gridserve.demo.recipe import ensure_checkpoint
     from gridserve.services.worker.model_runner import ModelRunner
     from gridserve.shared.config import GridserveConfig
     from gridserve.shared.scheduler_output import NewRequestData, SchedulerOutput

@@ -63,7 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from gridserve.recipe import ensure_checkpoint
+    from gridserve.demo.recipe import ensure_checkpoint
 
     model = args.model or str(ensure_checkpoint("llama", "small"))
     os.environ["GRIDSERVE_CPU_THREADS"] = str(args.cpu_threads)  # read by Worker.init_device, here and in the worker process

@@ -458,7 +458,7 @@ def run(args: argparse.Namespace) -> int:
 
     model = args.model
     if model is None:
-        from gridserve.recipe import ensure_checkpoint
+        from gridserve.demo.recipe import ensure_checkpoint
 
         model = str(ensure_checkpoint("llama", "base"))
     vocab_size = json.loads((Path(model) / "config.json").read_text())["vocab_size"]

@@ -40,7 +40,7 @@ Cache
 
 CLI::
 
-    python -m gridserve.recipe --arch llama --size tiny [--cache-dir DIR]
+    python -m gridserve.demo.recipe --arch llama --size tiny [--cache-dir DIR]
 """
 
 from __future__ import annotations
@@ -462,7 +462,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     archs = sorted({a for a, _ in ARCHS})
     sizes = sorted({s for _, s in ARCHS})
     parser = argparse.ArgumentParser(
-        prog="python -m gridserve.recipe",
+        prog="python -m gridserve.demo.recipe",
         description="Build a small random HF-format checkpoint (and tokenizer) deterministically.",
     )
     parser.add_argument("--arch", default="llama", choices=archs)

@@ -15,7 +15,7 @@ from typing import Optional
 
 import grpc
 
-from gridserve.coordinator.v1 import coordinator_pb2, coordinator_pb2_grpc
+from gridserve.api.coordinator.v1 import coordinator_pb2, coordinator_pb2_grpc
 from gridserve.shared.rpc.client import make_channel
 
 logger = logging.getLogger(__name__)

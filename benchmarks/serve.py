@@ -1,9 +1,9 @@
 """``gridserve bench serve``: an online load generator against any OpenAI-compatible server.
 
-Requests (:mod:`gridserve.bench.datasets`) go out as streaming ``/v1/completions`` or
+Requests (:mod:`gridserve.benchmarks.datasets`) go out as streaming ``/v1/completions`` or
 ``/v1/chat/completions`` calls with ``stream_options.include_usage``, at Poisson arrival times
 (``--request-rate``; ``inf`` sends them all at once), at most ``--max-concurrency`` in flight. The
-client notes when each content chunk arrives; :mod:`gridserve.bench.metrics` turns those times
+client notes when each content chunk arrives; :mod:`gridserve.benchmarks.metrics` turns those times
 into TTFT, TPOT, ITL and end-to-end latency and the run's throughputs, as vLLM's serving benchmark
 defines them. ``--sweep-concurrency 1,4,16`` repeats the same request set at each concurrency;
 ``--plot`` (or ``gridserve bench plot``) draws throughput and latency against concurrency.
@@ -28,7 +28,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Optional
 
-from gridserve.bench.datasets import (
+from gridserve.benchmarks.datasets import (
     BenchRequest,
     TokenizerVocabulary,
     Vocabulary,
@@ -37,7 +37,7 @@ from gridserve.bench.datasets import (
     find_tokenizer,
     random_requests,
 )
-from gridserve.bench.metrics import RequestResult, format_report, format_sweep_table, summarize
+from gridserve.benchmarks.metrics import RequestResult, format_report, format_sweep_table, summarize
 from gridserve.shared.errors import GridserveError
 
 logger = logging.getLogger(__name__)
@@ -352,7 +352,7 @@ def run(args: argparse.Namespace) -> int:
         path.write_text(json.dumps(report, indent=2, default=str) + "\n")
         logger.info("wrote %s", path)
     if args.plot:
-        from gridserve.bench.plot import plot_reports
+        from gridserve.benchmarks.plot import plot_reports
 
         plot_reports([report], args.plot)
         logger.info("wrote %s", args.plot)

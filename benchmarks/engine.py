@@ -44,7 +44,7 @@ def add_prefix_arguments(parser: argparse.ArgumentParser) -> None:
 def _model_path(model: Optional[str]) -> str:
     if model is not None:
         return model
-    from gridserve.recipe import ensure_checkpoint
+    from gridserve.demo.recipe import ensure_checkpoint
 
     return str(ensure_checkpoint("llama", "base"))
 

@@ -50,8 +50,8 @@ def _rest_ttft(address: str, max_tokens: int) -> float:
 
 
 def _grpc_ttft(stub, max_tokens: int) -> float:
-    from gridserve.common.v1 import common_pb2
-    from gridserve.gateway.v1 import gateway_pb2
+    from gridserve.api.common.v1 import common_pb2
+    from gridserve.api.gateway.v1 import gateway_pb2
 
     request = gateway_pb2.GenerateRequest(
         token_ids=gateway_pb2.TokenIds(ids=PROMPT),
@@ -73,13 +73,13 @@ def _summary(samples: list[float]) -> dict[str, float]:
 def run(args: argparse.Namespace) -> int:
     import tempfile
 
-    from gridserve.gateway.v1 import gateway_pb2_grpc
+    from gridserve.api.gateway.v1 import gateway_pb2_grpc
     from gridserve.launcher import Launcher, free_port
     from gridserve.shared.rpc.client import make_channel
 
     model = args.model
     if model is None:
-        from gridserve.recipe import ensure_checkpoint
+        from gridserve.demo.recipe import ensure_checkpoint
 
         model = str(ensure_checkpoint("llama", "tiny"))
     with tempfile.TemporaryDirectory(prefix="gridserve-bench-edge-") as logs:

@@ -1,1 +1,0 @@
-"""Benchmarks: `gridserve bench ...`."""
