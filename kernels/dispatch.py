@@ -68,13 +68,16 @@ def prepare(device: torch.device) -> None:
             _cpu_kernel(name, mode)
 
 
-def reshape_and_cache(key, value, kv_cache, slot_mapping) -> None:
-    return _impl("reshape_and_cache", key)(key, value, kv_cache, slot_mapping)
+def reshape_and_cache(key, value, kv_cache, slot_mapping, k_scale=1.0, v_scale=1.0) -> None:
+    """K/V into their cache slots; an fp8 cache stores ``key / k_scale`` and ``value / v_scale``."""
+    return _impl("reshape_and_cache", key)(key, value, kv_cache, slot_mapping, k_scale, v_scale)
 
 
-def paged_attention(query, kv_cache, query_start_loc, seq_lens, block_table, scale, max_query_len=None):
+def paged_attention(query, kv_cache, query_start_loc, seq_lens, block_table, scale, max_query_len=None,
+                    k_scale=1.0, v_scale=1.0):
+    """Attention over the paged cache; a cache narrower than ``query`` is widened as it is read."""
     return _impl("paged_attention", query)(
-        query, kv_cache, query_start_loc, seq_lens, block_table, scale, max_query_len
+        query, kv_cache, query_start_loc, seq_lens, block_table, scale, max_query_len, k_scale, v_scale
     )
 
 

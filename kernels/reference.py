@@ -13,6 +13,10 @@ Attention metadata for a step holding ``num_seqs`` sequences and ``num_tokens`` 
 
 A sequence's new tokens are its last ``q_len`` positions: causal among themselves, full attention
 to the cached prefix.
+
+The cache may be stored in a narrower dtype than the model computes in (``kv_cache_dtype``): 16-bit
+values are cast on write and read; fp8 values hold ``key / k_scale`` and ``value / v_scale``
+(per-tensor scales, saturated to the format's range) and are multiplied back when read.
 """
 
 from __future__ import annotations
@@ -21,21 +25,45 @@ import torch
 import torch.nn.functional as F
 
 _DECODE_GROUP = 16  # decode sequences per attention call
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """``x`` as stored in a cache of ``dtype``: fp8 holds ``x / scale``, saturated to its range."""
+    if dtype not in FP8_DTYPES:
+        return x.to(dtype)
+    limit = torch.finfo(dtype).max
+    return (x.float() / scale).clamp_(-limit, limit).to(dtype)
+
+
+def from_cache(kv: torch.Tensor, dtype: torch.dtype, k_scale: float, v_scale: float) -> torch.Tensor:
+    """Gathered ``[2, ...]`` K/V in the compute ``dtype`` (fp8 values multiplied by their scale)."""
+    if kv.dtype not in FP8_DTYPES:
+        return kv.to(dtype)
+    out = kv.to(torch.float32)
+    out[0] *= k_scale
+    out[1] *= v_scale
+    return out.to(dtype)
 
 
 def reshape_and_cache(
-    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    k_scale: float = 1.0, v_scale: float = 1.0,
 ) -> None:
     """Write packed ``key`` / ``value`` ([num_tokens, num_kv_heads, head_size]) into their slots."""
     num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
     flat = kv_cache.view(2, num_blocks * block_size, *kv_cache.shape[3:])
-    flat[0].index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
-    flat[1].index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
+    key, value = to_cache_dtype(key, kv_cache.dtype, k_scale), to_cache_dtype(value, kv_cache.dtype, v_scale)
+    if kv_cache.dtype in FP8_DTYPES:  # index_copy_ has no fp8 kernel: copy the bytes
+        flat, key, value = flat.view(torch.uint8), key.view(torch.uint8), value.view(torch.uint8)
+    flat[0].index_copy_(0, slot_mapping, key)
+    flat[1].index_copy_(0, slot_mapping, value)
 
 
-def _gather_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _gather_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor, length: int, dtype: torch.dtype,
+               k_scale: float, v_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     blocks = kv_cache[:, block_ids]  # [2, n, block_size, kvh, d]
-    flat = blocks.reshape(2, -1, *kv_cache.shape[3:])[:, :length]
+    flat = from_cache(blocks.reshape(2, -1, *kv_cache.shape[3:])[:, :length], dtype, k_scale, v_scale)
     return flat[0], flat[1]
 
 
@@ -47,6 +75,8 @@ def paged_attention(
     block_table: torch.Tensor,
     scale: float,
     max_query_len: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Attention of packed queries ([num_tokens, num_heads, head_size]) over their paged KV.
 
@@ -64,13 +94,13 @@ def paged_attention(
     decode = sorted((i for i, n in enumerate(q_lens) if n == 1), key=lambda i: lens[i])
     for first in range(0, len(decode), _DECODE_GROUP):
         group = decode[first : first + _DECODE_GROUP]
-        _decode_batch(query, kv_cache, qsl, lens, block_table, group, scale, gqa, out)
+        _decode_batch(query, kv_cache, qsl, lens, block_table, group, scale, gqa, out, (k_scale, v_scale))
     longer = [i for i, n in enumerate(q_lens) if n > 1]
-    prefill_rows(query, kv_cache, qsl, lens, block_table, longer, scale, out)
+    prefill_rows(query, kv_cache, qsl, lens, block_table, longer, scale, out, (k_scale, v_scale))
     return out
 
 
-def prefill_rows(query, kv_cache, qsl, lens, block_table, rows, scale, out) -> None:
+def prefill_rows(query, kv_cache, qsl, lens, block_table, rows, scale, out, kv_scales=(1.0, 1.0)) -> None:
     """Attention of the sequences ``rows`` (prefill or chunked prefill), one SDPA call each.
 
     ``qsl`` and ``lens`` are ``query_start_loc`` / ``seq_lens`` as lists; results go into ``out``.
@@ -80,7 +110,8 @@ def prefill_rows(query, kv_cache, qsl, lens, block_table, rows, scale, out) -> N
     for i in rows:
         start, ctx = qsl[i], lens[i]
         q_len = qsl[i + 1] - start
-        k, v = _gather_kv(kv_cache, block_table[i, : (ctx + block_size - 1) // block_size], ctx)
+        blocks = block_table[i, : (ctx + block_size - 1) // block_size]
+        k, v = _gather_kv(kv_cache, blocks, ctx, query.dtype, *kv_scales)
         # 4-D [1, heads, len, d]: CPU SDPA takes its fused path only for batched inputs
         q = query[start : start + q_len].transpose(0, 1).unsqueeze(0)
         k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
@@ -93,7 +124,7 @@ def prefill_rows(query, kv_cache, qsl, lens, block_table, rows, scale, out) -> N
         out[start : start + q_len] = o[0].transpose(0, 1)
 
 
-def _decode_batch(query, kv_cache, qsl, lens, block_table, rows, scale, gqa, out) -> None:
+def _decode_batch(query, kv_cache, qsl, lens, block_table, rows, scale, gqa, out, kv_scales) -> None:
     block_size = kv_cache.shape[2]
     ctx = [lens[i] for i in rows]
     max_ctx = max(ctx)
@@ -103,6 +134,7 @@ def _decode_batch(query, kv_cache, qsl, lens, block_table, rows, scale, gqa, out
     tables = block_table[idx, :n_blocks]  # [b, n_blocks]
     kv = kv_cache[:, tables]  # [2, b, n_blocks, block_size, kvh, d]
     kv = kv.reshape(2, len(rows), n_blocks * block_size, *kv_cache.shape[3:])[:, :, :max_ctx]
+    kv = from_cache(kv, query.dtype, *kv_scales)
     k, v = kv[0].transpose(1, 2), kv[1].transpose(1, 2)  # [b, kvh, L, d]
     positions = torch.tensor([qsl[i] for i in rows], device=device)
     q = query[positions].unsqueeze(2)  # [b, h, 1, d]

@@ -19,6 +19,12 @@ from gridserve.shared.parallel import check_model_shardable, kv_head_shard, stag
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+# vLLM's KV-cache dtypes; "auto" stores K/V in the weights' dtype. fp8 keeps a per-tensor scale.
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2")
+KV_DTYPE_BYTES = {**DTYPE_BYTES, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
+# Weight quantization applied at load (``quantization=``); "compressed-tensors" is detected from
+# a pre-quantized checkpoint's config.json, never asked for.
+QUANTIZATION_METHODS = ("int8", "int4")
 DEVICES = ("auto", "cpu", "cuda")
 EXECUTORS = ("uni", "grpc")
 # Architectures whose model classes shard across tensor-parallel workers / split into pipeline stages.
@@ -49,6 +55,10 @@ class ModelConfig:
     max_model_len: Optional[int] = None
     revision: Optional[str] = None
     max_logprobs: int = 20
+    # Weights quantized while they load: None (as stored), "int8" or "int4"; per layer by prefix
+    # with ``quantization_config`` ({"method": ..., "ignore": [names or "re:" patterns]}).
+    quantization: Optional[str] = None
+    quantization_config: dict = field(default_factory=dict)
     # Derived by resolve():
     model_path: str = ""
     architecture: str = ""
@@ -65,6 +75,37 @@ class ModelConfig:
         _positive("model", "max_model_len", self.max_model_len)
         if self.max_logprobs < 0:
             raise ConfigError("model.max_logprobs", f"must be non-negative, got {self.max_logprobs}")
+        self._check_quantization()
+
+    def _check_quantization(self) -> None:
+        qc = self.quantization_config
+        if isinstance(qc, str):
+            try:
+                qc = json.loads(qc) if qc.strip() else {}
+            except json.JSONDecodeError as exc:
+                raise ConfigError("model.quantization_config", f"is not valid JSON: {exc}") from None
+        if not isinstance(qc, dict):
+            raise ConfigError("model.quantization_config", f"must be a JSON object, got {qc!r}")
+        unknown = set(qc) - {"method", "ignore", "group_size"}
+        if unknown:
+            raise ConfigError("model.quantization_config", f"unknown keys {sorted(unknown)}")
+        ignore = qc.get("ignore", [])
+        if not isinstance(ignore, list) or not all(isinstance(x, str) and x for x in ignore):
+            raise ConfigError("model.quantization_config.ignore", f"must be a list of names, got {ignore!r}")
+        group = qc.get("group_size", 128)
+        if not isinstance(group, int) or isinstance(group, bool) or group < 1:
+            raise ConfigError("model.quantization_config.group_size", f"must be a positive integer, got {group!r}")
+        method = qc.get("method", self.quantization)
+        if self.quantization is not None and method != self.quantization:
+            raise ConfigError("model.quantization_config.method",
+                              f"{method!r} disagrees with quantization={self.quantization!r}")
+        if method is not None and method not in QUANTIZATION_METHODS + ("compressed-tensors",):
+            field_name = "model.quantization" if self.quantization else "model.quantization_config.method"
+            raise ConfigError(field_name, f"must be one of {QUANTIZATION_METHODS}, got {method!r}")
+        if qc and method is None:
+            raise ConfigError("model.quantization_config.method", "is required")
+        self.quantization = method
+        self.quantization_config = {**qc, "method": method} if method else {}
 
     def resolve(self) -> ModelConfig:
         """Locate the checkpoint and read its architecture. Idempotent."""
@@ -84,6 +125,7 @@ class ModelConfig:
         hidden = int(cfg.get("hidden_size", 0))
         self.head_dim = int(cfg.get("head_dim") or (hidden // heads if heads else 0))
         self.vocab_size = int(cfg.get("vocab_size", 0))
+        self._detect_prequantized(cfg.get("quantization_config"))
         self.resolved_dtype = self._resolve_dtype(cfg)
         limit = int(cfg.get("max_position_embeddings") or 2048)
         if self.max_model_len is None:
@@ -94,6 +136,20 @@ class ModelConfig:
                 f"{self.max_model_len} exceeds the model's max_position_embeddings={limit}",
             )
         return self
+
+    def _detect_prequantized(self, saved: Optional[dict]) -> None:
+        """A checkpoint saved quantized (compressed-tensors) is read as such, never re-quantized."""
+        if not saved:
+            return
+        method = saved.get("quant_method")
+        if method != "compressed-tensors":
+            raise ConfigError("model.model", f"checkpoint quantization {method!r} is not supported; "
+                                             "supported: 'compressed-tensors' (int8 / int4 weight-only)")
+        if self.quantization not in (None, "compressed-tensors"):
+            raise ConfigError("model.quantization", f"the checkpoint is already quantized "
+                                                    f"(compressed-tensors); got {self.quantization!r}")
+        self.quantization = "compressed-tensors"
+        self.quantization_config = {"method": "compressed-tensors"}
 
     def _resolve_dtype(self, cfg: dict) -> str:
         if self.dtype != "auto":
@@ -113,9 +169,10 @@ class ModelConfig:
             return eos[0] if eos else None
         return eos
 
-    def kv_bytes_per_token(self) -> int:
-        """Bytes of K and V that one token occupies across all layers."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * DTYPE_BYTES[self.resolved_dtype]
+    def kv_bytes_per_token(self, kv_cache_dtype: str = "auto") -> int:
+        """Bytes of K and V that one token occupies across all layers, stored as ``kv_cache_dtype``."""
+        dtype = self.resolved_dtype if kv_cache_dtype == "auto" else kv_cache_dtype
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * KV_DTYPE_BYTES[dtype]
 
 
 @dataclass
@@ -124,6 +181,8 @@ class CacheConfig:
 
     block_size: int = 16
     enable_prefix_caching: bool = True
+    # How K/V are stored: "auto" (the weights' dtype), 16-bit, or fp8 with a per-tensor scale.
+    kv_cache_dtype: str = "auto"
     kv_cache_memory_bytes: Optional[int] = None
     gpu_memory_utilization: float = 0.9
     # Set by the engine once the workers report the memory they can give the cache.
@@ -134,6 +193,9 @@ class CacheConfig:
         if self.block_size not in (8, 16, 32, 64, 128):
             raise ConfigError("cache.block_size", f"must be one of 8, 16, 32, 64, 128, got {self.block_size}")
         _positive("cache", "kv_cache_memory_bytes", self.kv_cache_memory_bytes)
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError("cache.kv_cache_dtype",
+                              f"must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError(
                 "cache.gpu_memory_utilization",
@@ -240,10 +302,16 @@ class GridserveConfig:
         """Bytes of K and V one token occupies on the busiest worker: its stage's layers, its heads."""
         p, m = self.parallel, self.model
         if p.world_size == 1:
-            return m.kv_bytes_per_token()
+            return m.kv_bytes_per_token(self.cache.kv_cache_dtype)
         layers = stage_layers(m.num_layers, p.pipeline_parallel_size, 0).size  # stage 0 is the largest
         heads = kv_head_shard(m.num_kv_heads, p.tensor_parallel_size, 0).size
-        return 2 * layers * heads * m.head_dim * DTYPE_BYTES[m.resolved_dtype]
+        return 2 * layers * heads * m.head_dim * KV_DTYPE_BYTES[self.kv_cache_dtype]
+
+    @property
+    def kv_cache_dtype(self) -> str:
+        """The KV cache's storage dtype with "auto" resolved to the weights' dtype."""
+        dtype = self.cache.kv_cache_dtype
+        return self.model.resolved_dtype if dtype == "auto" else dtype
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> GridserveConfig:

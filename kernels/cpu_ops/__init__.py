@@ -10,6 +10,7 @@ reuse it; editing the source rebuilds it.
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import time
 from pathlib import Path
@@ -23,6 +24,7 @@ logger = logging.getLogger(__name__)
 KERNELS = frozenset({"paged_attention"})  # the ops this package implements
 _SOURCE = Path(__file__).with_name("paged_attention.cpp")
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_CACHE_DTYPES = _DTYPES + (torch.float8_e4m3fn, torch.float8_e5m2)
 # Rows with more new tokens than this go to the reference's per-sequence SDPA (tiled, GEMM-based);
 # the kernel re-reads the context once per query token, which only pays for short rows.
 MAX_KERNEL_QUERY_LEN = 4
@@ -39,8 +41,10 @@ def load():
 
         logger.info("Loading the C++ CPU paged-attention kernel (compiled on first use, then cached)")
         start = time.perf_counter()
+        # The source's hash in the name: checkouts with different sources never share a build.
+        digest = hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:10]
         cpp_extension.load(
-            name="gridserve_cpu_paged_attention",
+            name=f"gridserve_cpu_paged_attention_{digest}",
             sources=[str(_SOURCE)],
             extra_cflags=["-O3", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
@@ -62,6 +66,8 @@ def paged_attention(
     block_table: torch.Tensor,
     scale: float,
     max_query_len: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """``reference.paged_attention`` with K/V read in place from the cache for short rows.
 
@@ -71,24 +77,25 @@ def paged_attention(
     ops = load()
     if ops is None or not _supported(query, kv_cache):
         return reference.paged_attention(
-            query, kv_cache, query_start_loc, seq_lens, block_table, scale, max_query_len
+            query, kv_cache, query_start_loc, seq_lens, block_table, scale, max_query_len, k_scale, v_scale
         )
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     query = query if query.stride(-1) == 1 else query.contiguous()  # other strides are read as is
     query_start_loc, seq_lens = _int32(query_start_loc), _int32(seq_lens)
     ops.paged_attention(
         out, query, kv_cache, query_start_loc, seq_lens, _int32(block_table), float(scale),
-        MAX_KERNEL_QUERY_LEN,
+        MAX_KERNEL_QUERY_LEN, float(k_scale), float(v_scale),
     )
     if max_query_len is None or max_query_len > MAX_KERNEL_QUERY_LEN:
         qsl, lens = query_start_loc.tolist(), seq_lens.tolist()
         longer = [i for i in range(len(lens)) if qsl[i + 1] - qsl[i] > MAX_KERNEL_QUERY_LEN]
-        reference.prefill_rows(query, kv_cache, qsl, lens, block_table, longer, scale, out)
+        reference.prefill_rows(query, kv_cache, qsl, lens, block_table, longer, scale, out, (k_scale, v_scale))
     return out
 
 
 def _supported(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
-    return query.dtype in _DTYPES and kv_cache.dtype == query.dtype and kv_cache.stride(-1) == 1
+    return (query.dtype in _DTYPES and kv_cache.dtype in _CACHE_DTYPES
+            and kv_cache.element_size() <= query.element_size() and kv_cache.stride(-1) == 1)
 
 
 def _int32(t: torch.Tensor) -> torch.Tensor:

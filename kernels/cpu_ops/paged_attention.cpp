@@ -10,6 +10,11 @@
 // A sequence's new tokens are its last q_len positions: token i of a row with q_len tokens and
 // context ctx sees positions [0, ctx - q_len + i]. Rows longer than `max_q_len` are skipped (their
 // output is left untouched) so the caller can run them through a tiled prefill path.
+//
+// The cache may be narrower than the query (kv_cache_dtype): fp32 queries over a 16-bit or fp8
+// cache, 16-bit queries over fp8. fp8 rows hold K / k_scale and V / v_scale (per-tensor scales):
+// k_scale is folded into the query, v_scale into the final normalization, so rows are widened
+// with a 256-entry lookup table and nothing else.
 
 // Registered as torch.ops.gridserve_cpu.paged_attention through torch/library.h (not
 // torch/extension.h + pybind11, which takes several times longer to compile).
@@ -17,6 +22,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
 #include <c10/util/Half.h>
 
 #include <algorithm>
@@ -39,14 +46,41 @@ constexpr int kLanes = 16;  // independent partial sums: vectorizes without -ffa
 template <typename T>
 inline float to_float(T x) { return static_cast<float>(x); }
 
-// K/V rows in float32 are used in place; fp16/bf16 rows are widened into `buf` first.
-template <typename T>
-inline const float* widen(const T* src, float* buf, int64_t d) {
+// Every value of an 8-bit float, indexed by its bits.
+template <typename F8>
+const float* fp8_table() {
+  static const std::vector<float> table = [] {
+    std::vector<float> t(256);
+    for (int b = 0; b < 256; ++b) t[b] = static_cast<float>(F8(static_cast<uint8_t>(b), F8::from_bits()));
+    return t;
+  }();
+  return table.data();
+}
+
+// K/V rows in float32 are used in place; fp16/bf16 rows are widened into `buf` first, fp8 rows
+// through their lookup table.
+template <typename C>
+inline const float* widen(const C* src, float* buf, int64_t d) {
   for (int64_t j = 0; j < d; ++j) buf[j] = to_float(src[j]);
   return buf;
 }
 template <>
 inline const float* widen<float>(const float* src, float*, int64_t) { return src; }
+template <typename F8>
+inline const float* widen_fp8(const F8* src, float* buf, int64_t d) {
+  const float* table = fp8_table<F8>();
+  const uint8_t* bits = reinterpret_cast<const uint8_t*>(src);
+  for (int64_t j = 0; j < d; ++j) buf[j] = table[bits[j]];
+  return buf;
+}
+template <>
+inline const float* widen<c10::Float8_e4m3fn>(const c10::Float8_e4m3fn* src, float* buf, int64_t d) {
+  return widen_fp8(src, buf, d);
+}
+template <>
+inline const float* widen<c10::Float8_e5m2>(const c10::Float8_e5m2* src, float* buf, int64_t d) {
+  return widen_fp8(src, buf, d);
+}
 
 inline float dot(const float* a, const float* b, int64_t d) {
   float lanes[kLanes] = {0.f};
@@ -69,6 +103,7 @@ struct Geometry {
   int64_t o_stride_token, o_stride_head;   // output strides (last dim contiguous)
   int64_t kv_stride_block, kv_stride_pos, kv_stride_head;  // within the K or the V half
   float scale;
+  float k_scale, v_scale;  // fp8 cache: stored values are K / k_scale and V / v_scale (else 1)
 };
 
 // Scratch for one token, reused across a thread's share of the tokens.
@@ -82,21 +117,21 @@ struct Scratch {
 // KV heads [kv0, kv1) of one query token (and their query heads) over its first `visible`
 // positions. Each position's K (then V) row holds the KV heads contiguously, so the walk reads
 // whole rows in cache order.
-template <typename T>
+template <typename T, typename C>
 GS_SIMD_CLONES void attend_token(
-    const Geometry& g, const T* query, const T* keys, const T* values, T* out,
+    const Geometry& g, const T* query, const C* keys, const C* values, T* out,
     const int32_t* blocks, int64_t token, int64_t visible, int64_t kv0, int64_t kv1, Scratch& s) {
   const int64_t d = g.head_size, G = g.group, h0 = kv0 * G, h1 = kv1 * G;
   for (int64_t h = h0; h < h1; ++h) {
     const T* q = query + token * g.q_stride_token + h * g.q_stride_head;
-    for (int64_t j = 0; j < d; ++j) s.q[h * d + j] = to_float(q[j]) * g.scale;
+    for (int64_t j = 0; j < d; ++j) s.q[h * d + j] = to_float(q[j]) * g.scale * g.k_scale;
   }
   float* scores = s.scores.data();  // [H, visible]
 
   // Pass 1: scores, walking the block table a block at a time.
   for (int64_t start = 0; start < visible; start += g.block_size) {
     const int64_t n = std::min(g.block_size, visible - start);
-    const T* block = keys + blocks[start / g.block_size] * g.kv_stride_block;
+    const C* block = keys + blocks[start / g.block_size] * g.kv_stride_block;
     for (int64_t p = 0; p < n; ++p) {
       for (int64_t kvh = kv0; kvh < kv1; ++kvh) {
         const float* k = widen(block + p * g.kv_stride_pos + kvh * g.kv_stride_head, s.row.data(), d);
@@ -116,13 +151,13 @@ GS_SIMD_CLONES void attend_token(
       row[p] = std::exp(row[p] - m);
       sum += row[p];
     }
-    inv_sum[h] = 1.f / sum;
+    inv_sum[h] = g.v_scale / sum;
   }
   // Pass 2: weighted sum of V.
   std::fill(s.acc.begin() + h0 * d, s.acc.begin() + h1 * d, 0.f);
   for (int64_t start = 0; start < visible; start += g.block_size) {
     const int64_t n = std::min(g.block_size, visible - start);
-    const T* block = values + blocks[start / g.block_size] * g.kv_stride_block;
+    const C* block = values + blocks[start / g.block_size] * g.kv_stride_block;
     for (int64_t p = 0; p < n; ++p) {
       for (int64_t kvh = kv0; kvh < kv1; ++kvh) {
         const float* v = widen(block + p * g.kv_stride_pos + kvh * g.kv_stride_head, s.row.data(), d);
@@ -159,13 +194,13 @@ std::vector<int64_t> balanced_bounds(const std::vector<Unit>& units,
   return bounds;
 }
 
-template <typename T>
+template <typename T, typename C>
 void run(const Geometry& g, const at::Tensor& query, const at::Tensor& kv_cache,
          const at::Tensor& out, const std::vector<int64_t>& token_seq,
          const std::vector<int64_t>& token_visible, const int32_t* block_table, int64_t max_ctx) {
   const T* q = query.data_ptr<T>();
-  const T* keys = kv_cache.data_ptr<T>();
-  const T* values = keys + kv_cache.stride(0);
+  const C* keys = static_cast<const C*>(kv_cache.data_ptr());
+  const C* values = keys + kv_cache.stride(0);
   T* o = out.data_ptr<T>();
   const int64_t threads = at::get_num_threads();
   int64_t num_active = 0;
@@ -188,10 +223,32 @@ void run(const Geometry& g, const at::Tensor& query, const at::Tensor& kv_cache,
     for (int64_t i = bounds[begin]; i < bounds[end]; ++i) {
       const Unit& u = units[i];
       const int32_t* blocks = block_table + token_seq[u.token] * g.max_blocks;
-      attend_token<T>(g, q, keys, values, o, blocks, u.token, token_visible[u.token], u.kv0, u.kv1,
+      attend_token<T, C>(g, q, keys, values, o, blocks, u.token, token_visible[u.token], u.kv0, u.kv1,
                       scratch);
     }
   });
+}
+
+// The cache element type C for queries of type T.
+template <typename T>
+void run_cache(at::ScalarType cache_type, const Geometry& g, const at::Tensor& query,
+               const at::Tensor& kv_cache, const at::Tensor& out,
+               const std::vector<int64_t>& token_seq, const std::vector<int64_t>& token_visible,
+               const int32_t* table, int64_t max_ctx) {
+  switch (cache_type) {
+    case at::kFloat:
+      return run<T, float>(g, query, kv_cache, out, token_seq, token_visible, table, max_ctx);
+    case at::kBFloat16:
+      return run<T, c10::BFloat16>(g, query, kv_cache, out, token_seq, token_visible, table, max_ctx);
+    case at::kHalf:
+      return run<T, c10::Half>(g, query, kv_cache, out, token_seq, token_visible, table, max_ctx);
+    case at::kFloat8_e4m3fn:
+      return run<T, c10::Float8_e4m3fn>(g, query, kv_cache, out, token_seq, token_visible, table, max_ctx);
+    case at::kFloat8_e5m2:
+      return run<T, c10::Float8_e5m2>(g, query, kv_cache, out, token_seq, token_visible, table, max_ctx);
+    default:
+      TORCH_CHECK(false, "unsupported kv_cache dtype ", cache_type);
+  }
 }
 
 }  // namespace
@@ -199,14 +256,16 @@ void run(const Geometry& g, const at::Tensor& query, const at::Tensor& kv_cache,
 // out[t, h, :] = softmax(scale * q . K) V over each token's visible paged context.
 void paged_attention(const at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
                      const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
-                     const at::Tensor& block_table, double scale, int64_t max_q_len) {
+                     const at::Tensor& block_table, double scale, int64_t max_q_len,
+                     double k_scale, double v_scale) {
   TORCH_CHECK(query.device().is_cpu() && kv_cache.device().is_cpu(), "CPU tensors expected");
   TORCH_CHECK(query.dim() == 3 && kv_cache.dim() == 5, "query [T, H, D], kv_cache [2, N, B, KVH, D]");
   TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1 && kv_cache.stride(4) == 1,
               "query, out and kv_cache: the head dim must be contiguous");
   TORCH_CHECK(out.sizes() == query.sizes(), "out must have query's shape");
-  TORCH_CHECK(query.scalar_type() == kv_cache.scalar_type() && out.scalar_type() == query.scalar_type(),
-              "query, kv_cache and out must share a dtype");
+  TORCH_CHECK(out.scalar_type() == query.scalar_type(), "query and out must share a dtype");
+  TORCH_CHECK(kv_cache.element_size() <= query.element_size(),
+              "kv_cache may be narrower than query, never wider");
   for (const auto* t : {&query_start_loc, &seq_lens, &block_table})
     TORCH_CHECK(t->scalar_type() == at::kInt && t->is_contiguous(), "int32 contiguous metadata expected");
   const int64_t num_heads = query.size(1), num_kv_heads = kv_cache.size(3);
@@ -229,6 +288,8 @@ void paged_attention(const at::Tensor& out, const at::Tensor& query, const at::T
   g.kv_stride_pos = kv_cache.stride(2);
   g.kv_stride_head = kv_cache.stride(3);
   g.scale = static_cast<float>(scale);
+  g.k_scale = static_cast<float>(k_scale);
+  g.v_scale = static_cast<float>(v_scale);
 
   // Per token: its sequence and how many positions it sees (0 = not handled here).
   const int64_t num_seqs = seq_lens.size(0);
@@ -254,15 +315,17 @@ void paged_attention(const at::Tensor& out, const at::Tensor& query, const at::T
   }
   const int32_t* table = block_table.data_ptr<int32_t>();
 
+  const auto cache_type = kv_cache.scalar_type();
   switch (query.scalar_type()) {
     case at::kFloat:
-      run<float>(g, query, kv_cache, out, token_seq, token_visible, table, max_ctx);
+      run_cache<float>(cache_type, g, query, kv_cache, out, token_seq, token_visible, table, max_ctx);
       break;
     case at::kBFloat16:
-      run<c10::BFloat16>(g, query, kv_cache, out, token_seq, token_visible, table, max_ctx);
+      run_cache<c10::BFloat16>(cache_type, g, query, kv_cache, out, token_seq, token_visible, table,
+                               max_ctx);
       break;
     case at::kHalf:
-      run<c10::Half>(g, query, kv_cache, out, token_seq, token_visible, table, max_ctx);
+      run_cache<c10::Half>(cache_type, g, query, kv_cache, out, token_seq, token_visible, table, max_ctx);
       break;
     default:
       TORCH_CHECK(false, "unsupported dtype ", query.scalar_type());
@@ -272,7 +335,8 @@ void paged_attention(const at::Tensor& out, const at::Tensor& query, const at::T
 TORCH_LIBRARY(gridserve_cpu, m) {
   m.def(
       "paged_attention(Tensor(a!) out, Tensor query, Tensor kv_cache, Tensor query_start_loc, "
-      "Tensor seq_lens, Tensor block_table, float scale, int max_q_len) -> ()");
+      "Tensor seq_lens, Tensor block_table, float scale, int max_q_len, float k_scale=1., "
+      "float v_scale=1.) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(gridserve_cpu, CPU, m) { m.impl("paged_attention", &paged_attention); }

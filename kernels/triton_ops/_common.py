@@ -13,6 +13,13 @@ def pow2(n: int, minimum: int = 1) -> int:
     return max(triton.next_power_of_2(max(n, 1)), minimum)
 
 
+def fp8_max(dtype: torch.dtype) -> float:
+    """The largest finite value of an fp8 cache dtype, 0.0 for any other (a kernel constexpr)."""
+    if dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return float(torch.finfo(dtype).max)
+    return 0.0
+
+
 def compute_in_fp32(*tensors: torch.Tensor) -> bool:
     """Whether a kernel must upcast its operands to float32 before any arithmetic.
 

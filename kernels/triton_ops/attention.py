@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gridserve.kernels.triton_ops._common import compute_in_fp32, num_sms, pow2
+from gridserve.kernels.triton_ops._common import compute_in_fp32, fp8_max, num_sms, pow2
 
 LOG2E = 1.4426950408889634
 NEG_BIG = tl.constexpr(-1.0e30)  # initial running max: finite, so masked rows never see inf - inf
@@ -63,14 +63,17 @@ def _paged_attention_kernel(
     out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
     q_ptr, k_cache_ptr, v_cache_ptr,
     query_start_loc_ptr, seq_lens_ptr, block_table_ptr,
-    scale_log2, num_seqs, num_heads,
+    scale_log2, num_seqs, num_heads, k_scale, v_scale,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_cs, stride_ch, stride_bt,
     GROUP: tl.constexpr, PAGE: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
 ):
-    """Attention of one q-block's rows (tokens x grouped heads) over one slice of its context."""
+    """Attention of one q-block's rows (tokens x grouped heads) over one slice of its context.
+
+    ``KV_FP8``: the cache holds fp8 ``K / k_scale`` and ``V / v_scale``; tiles are widened and
+    rescaled as they load (to float32, then to the query's dtype unless computing in float32)."""
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -124,6 +127,12 @@ def _paged_attention_kernel(
         v = tl.load(
             v_base + slot[:, None] + dims[None, :], mask=kv_ok[:, None] & dim_ok[None, :], other=0.0
         )
+        if KV_FP8:
+            k = k.to(tl.float32) * k_scale
+            v = v.to(tl.float32) * v_scale
+            if not FP32:
+                k = k.to(q.dtype)
+                v = v.to(q.dtype)
         if FP32:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -220,6 +229,8 @@ def run_paged_attention(
     block_table: torch.Tensor,
     scale: float,
     plan: AttentionPlan,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Launch the attention kernel (and the split reduction) with an explicit plan."""
     num_tokens, num_heads, head_size = query.shape
@@ -252,12 +263,13 @@ def run_paged_attention(
         out, part_acc, part_max, part_sum,
         query, k_cache, v_cache,
         query_start_loc, seq_lens, block_table,
-        scale * LOG2E, num_seqs, num_heads,
+        scale * LOG2E, num_seqs, num_heads, float(k_scale), float(v_scale),
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0),
         GROUP=group, PAGE=kv_cache.shape[2], HEAD_SIZE=head_size, HEAD_PAD=pow2(head_size),
         BLOCK_M=plan.block_m, BLOCK_Q=block_q, TILE_N=plan.tile_n,
         NUM_SPLITS=splits, FP32=fp32, DOT_PRECISION="ieee" if fp32 else "tf32",
+        KV_FP8=fp8_max(kv_cache.dtype) > 0,
         num_warps=plan.num_warps,
     )
     if splits > 1:
@@ -278,10 +290,14 @@ def paged_attention(
     block_table: torch.Tensor,
     scale: float,
     max_query_len: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Attention of packed queries ([num_tokens, num_heads, head_size]) over their paged KV.
 
-    Same contract as the reference; decode, prefill and chunked prefill rows may be mixed.
+    Same contract as the reference; decode, prefill and chunked prefill rows may be mixed; the
+    cache may be narrower than the query (16-bit or fp8 with per-tensor scales).
     """
     plan = plan_attention(query, kv_cache, block_table, seq_lens.shape[0], max_query_len)
-    return run_paged_attention(query, kv_cache, query_start_loc, seq_lens, block_table, scale, plan)
+    return run_paged_attention(query, kv_cache, query_start_loc, seq_lens, block_table, scale, plan,
+                               k_scale, v_scale)

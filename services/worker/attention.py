@@ -26,7 +26,9 @@ class PagedAttention(nn.Module):
     """Writes the step's K/V into this layer's cache blocks, then attends over each sequence's blocks.
 
     ``kv_cache`` is bound by the model runner once the cache is allocated; before that (the memory
-    profiling run) every sequence is treated as a fresh prefill with no history.
+    profiling run) every sequence is treated as a fresh prefill with no history. The cache may be
+    narrower than the activations (``kv_cache_dtype``); an fp8 cache stores ``K / k_scale`` and
+    ``V / v_scale`` with per-tensor scales (1.0 unless set, as vLLM does without calibration).
     """
 
     def __init__(self, num_heads: int, head_size: int, num_kv_heads: int, scale: float) -> None:
@@ -36,6 +38,8 @@ class PagedAttention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.scale = scale
         self.kv_cache = torch.empty(0)
+        self.k_scale = 1.0
+        self.v_scale = 1.0
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         q = q.view(-1, self.num_heads, self.head_size)
@@ -44,10 +48,10 @@ class PagedAttention(nn.Module):
         if self.kv_cache.numel() == 0:
             out = self._no_cache(q, k, v, meta)
         else:
-            reshape_and_cache(k, v, self.kv_cache, meta.slot_mapping)
+            reshape_and_cache(k, v, self.kv_cache, meta.slot_mapping, self.k_scale, self.v_scale)
             out = paged_attention(
                 q, self.kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_table,
-                self.scale, meta.max_query_len,
+                self.scale, meta.max_query_len, self.k_scale, self.v_scale,
             )
         return out.reshape(-1, self.num_heads * self.head_size)
 

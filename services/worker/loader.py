@@ -25,6 +25,9 @@ from gridserve.shared.errors import ModelNotFoundError
 logger = logging.getLogger(__name__)
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# ``GridserveConfig.kv_cache_dtype`` (resolved) -> the KV cache's storage dtype.
+KV_CACHE_TORCH_DTYPES = {**TORCH_DTYPES, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
+                         "fp8_e5m2": torch.float8_e5m2}
 
 
 class CheckpointTensor:
@@ -127,14 +130,29 @@ def load_model(config: GridserveConfig, device: torch.device) -> nn.Module:
             f"checkpoint {config.model.model_path!r} lacks weights for: {', '.join(sorted(missing)[:8])}"
         )
     _reset_non_persistent(model, device)
+    _quantize(model, config)
     model.load_report = report
-    logger.info("loaded %s (%s) on %s: %.1f MiB of parameters", config.model.architecture,
-                config.model.resolved_dtype, device, parameter_bytes(model) / 2**20)
+    logger.info("loaded %s (%s, quantization %s) on %s: %.1f MiB of weights", config.model.architecture,
+                config.model.resolved_dtype, config.model.quantization or "none", device,
+                parameter_bytes(model) / 2**20)
     return model.eval()
 
 
 def parameter_bytes(model: nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+    """Bytes of the weights as held: float parameters plus quantized values and scales."""
+    from gridserve.services.worker.quantization import QuantizedWeight
+
+    quantized = sum(m.nbytes() for m in model.modules() if isinstance(m, QuantizedWeight))
+    return sum(p.numel() * p.element_size() for p in model.parameters()) + quantized
+
+
+def _quantize(model: nn.Module, config: GridserveConfig) -> None:
+    """Quantize this rank's shards by the per-layer config (no-op without ``quantization``)."""
+    from gridserve.services.worker.quantization import QuantizationConfig, quantize_model
+
+    quant = QuantizationConfig.from_model_config(config.model.quantization, config.model.quantization_config)
+    if quant is not None:
+        model.quantization = quantize_model(model, quant)
 
 
 def _reset_non_persistent(model: nn.Module, device: torch.device) -> None:

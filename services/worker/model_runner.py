@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 
 from gridserve.services.worker.attention import AttentionMetadata
-from gridserve.services.worker.loader import TORCH_DTYPES, load_model
+from gridserve.services.worker.loader import KV_CACHE_TORCH_DTYPES, TORCH_DTYPES, load_model
 from gridserve.services.worker.parallel_state import get_parallel_state
 from gridserve.services.worker.sampler import (
     Penalties,
@@ -70,6 +70,7 @@ class ModelRunner:
         self.device = device
         self.block_size = config.cache.block_size
         self.dtype = TORCH_DTYPES[config.model.resolved_dtype]
+        self.kv_cache_dtype = KV_CACHE_TORCH_DTYPES[config.kv_cache_dtype]
         self.eos_token_id = config.model.eos_token_id
         self.requests: dict[str, RequestState] = {}
         self.sampler = Sampler()
@@ -95,7 +96,7 @@ class ModelRunner:
         """Allocate one KV tensor per layer of this stage and bind it to that layer's attention."""
         layers = self.model.attention_layers()
         self.kv_caches = [
-            torch.zeros(self.kv_cache_shape(num_blocks, layer), dtype=self.dtype, device=self.device)
+            torch.zeros(self.kv_cache_shape(num_blocks, layer), dtype=self.kv_cache_dtype, device=self.device)
             for layer in layers
         ]
         for layer, cache in zip(layers, self.kv_caches):

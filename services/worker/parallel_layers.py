@@ -8,6 +8,10 @@
   all-reduce fills them in. ``parallel_logits`` is the LM head: local logits gathered on TP rank 0.
 
 With one rank each is exactly ``nn.Linear`` / ``nn.Embedding`` (no collective, whole tensors read).
+
+Every layer carries its checkpoint ``prefix``; after loading, ``quantization.quantize_model`` may
+swap a layer's float weight for a ``QuantizedWeight`` (int8 / int4) chosen by that prefix. Each
+rank quantizes only the shard it holds.
 """
 
 from __future__ import annotations
@@ -20,14 +24,46 @@ from torch import nn
 
 from gridserve.services.worker.loader import CheckpointTensor
 from gridserve.services.worker.parallel_state import ParallelState, get_parallel_state
+from gridserve.services.worker.quantization.weights import QuantizedWeight, quantize_weight
 from gridserve.shared.parallel import Shard, padded_vocab_rows, vocab_shard
 
 
-class ColumnParallelLinear(nn.Module):
+def add_prefix(prefix: str, name: str) -> str:
+    """``prefix.name`` (or ``name`` at the top): a layer's checkpoint path."""
+    return f"{prefix}.{name}" if prefix else name
+
+
+class QuantizableLinear(nn.Module):
+    """A layer computing ``x @ W.T`` whose ``weight`` may be replaced by a quantized one.
+
+    ``prefix`` is the layer's checkpoint path; ``qweight`` is None until ``quantize``.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.prefix = ""
+        self.qweight: Optional[QuantizedWeight] = None
+        self.keeps_float_weight = False  # True where the float weight has another use (tied embedding)
+
+    def quantize(self, method: str, group_size: int = 128) -> None:
+        """Swap the loaded float weight for its ``method`` form (call once the weight is loaded)."""
+        self.qweight = quantize_weight(self.weight.data, method, group_size)
+        if not self.keeps_float_weight:
+            self.weight = None
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W.T`` with whichever form of the weight this layer holds."""
+        if self.qweight is not None:
+            return self.qweight(x)
+        return F.linear(x, self.weight)
+
+
+class ColumnParallelLinear(QuantizableLinear):
     """``y_local = x @ W[rows of this rank].T``; ``shards`` are this rank's rows of each merged matrix."""
 
-    def __init__(self, input_size: int, shards: list[Shard], bias: bool) -> None:
+    def __init__(self, input_size: int, shards: list[Shard], bias: bool, prefix: str = "") -> None:
         super().__init__()
+        self.prefix = prefix
         self.shards = shards
         self.output_sizes = [s.size for s in shards]
         out = sum(self.output_sizes)
@@ -35,7 +71,10 @@ class ColumnParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        if self.qweight is None:
+            return F.linear(x, self.weight, self.bias)
+        y = self.qweight(x)
+        return y if self.bias is None else y + self.bias
 
     def load(self, param: str, tensor: CheckpointTensor, shard_id: int = 0) -> None:
         """Copy this rank's rows of checkpoint matrix ``shard_id`` into its place in the merged ``param``."""
@@ -44,21 +83,24 @@ class ColumnParallelLinear(nn.Module):
         getattr(self, param).data.narrow(0, offset, shard.size).copy_(tensor.rows(shard.start, shard.end))
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(QuantizableLinear):
     """``y = all_reduce(x_local @ W[:, columns of this rank].T) + b``."""
 
     def __init__(self, shard: Shard, output_size: int, bias: bool,
-                 state: Optional[ParallelState] = None) -> None:
+                 state: Optional[ParallelState] = None, prefix: str = "") -> None:
         super().__init__()
+        self.prefix = prefix
         self.state = state or get_parallel_state()
         self.shard = shard
         self.weight = nn.Parameter(torch.empty(output_size, shard.size))
         self.bias = nn.Parameter(torch.empty(output_size)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.state.tp_size == 1:
+        if self.state.tp_size == 1 and self.qweight is None:
             return F.linear(x, self.weight, self.bias)
-        y = self.state.all_reduce(F.linear(x, self.weight))
+        y = self.matmul(x)
+        if self.state.tp_size > 1:
+            y = self.state.all_reduce(y)
         return y if self.bias is None else y + self.bias
 
     def load(self, param: str, tensor: CheckpointTensor, shard_id: int = 0) -> None:
@@ -68,11 +110,18 @@ class RowParallelLinear(nn.Module):
             self.weight.data.copy_(tensor.cols(self.shard.start, self.shard.end))
 
 
-class VocabParallelEmbedding(nn.Module):
-    """Embedding whose vocabulary rows are split; every rank holds ``ceil(V / tp)`` rows (zero padded)."""
+class VocabParallelEmbedding(QuantizableLinear):
+    """Embedding whose vocabulary rows are split; every rank holds ``ceil(V / tp)`` rows (zero padded).
 
-    def __init__(self, vocab_size: int, hidden_size: int, state: Optional[ParallelState] = None) -> None:
+    As the LM head its ``matmul`` gives this rank's logits; quantizing it keeps the float table
+    when the module is also the input embedding (tied), drops it for a separate ``lm_head``.
+    """
+
+    def __init__(self, vocab_size: int, hidden_size: int, state: Optional[ParallelState] = None,
+                 prefix: str = "") -> None:
         super().__init__()
+        self.prefix = prefix
+        self.keeps_float_weight = not prefix.endswith("lm_head")
         self.state = state or get_parallel_state()
         self.vocab_size = vocab_size
         self.shard = vocab_shard(vocab_size, self.state.tp_size, self.state.tp_rank)
@@ -86,17 +135,21 @@ class VocabParallelEmbedding(nn.Module):
         out = F.embedding(local, self.weight) * mine.unsqueeze(-1).to(self.weight.dtype)
         return self.state.all_reduce(out)
 
+    def quantize_as_head(self) -> bool:
+        """Marks the embedding family: quantized only when it serves as the LM head."""
+        return True
+
     def load(self, param: str, tensor: CheckpointTensor, shard_id: int = 0) -> None:
         rows = self.shard.size
         self.weight.data[:rows].copy_(tensor.rows(self.shard.start, self.shard.end))
         self.weight.data[rows:].zero_()
 
 
-def parallel_logits(hidden: torch.Tensor, weight: torch.Tensor, vocab_size: int,
+def parallel_logits(hidden: torch.Tensor, head: VocabParallelEmbedding, vocab_size: int,
                     state: Optional[ParallelState] = None) -> Optional[torch.Tensor]:
-    """LM head over a vocab-sharded ``weight``: full logits on TP rank 0, ``None`` on the others."""
+    """LM head over a vocab-sharded ``head``: full logits on TP rank 0, ``None`` on the others."""
     state = state or get_parallel_state()
-    logits = F.linear(hidden, weight)
+    logits = head.matmul(hidden)
     if state.tp_size == 1:
         return logits
     full = state.gather_to_first(logits)

@@ -40,8 +40,8 @@ def config_to_pb(config: cfg.GridserveConfig) -> worker_pb2.GridserveConfig:
         section, section_msg = getattr(config, name), getattr(msg, name)
         for f in dataclasses.fields(section):
             value = getattr(section, f.name)
-            if f.name == "hf_config":
-                section_msg.hf_config_json = json.dumps(value)
+            if isinstance(value, dict):  # free-form JSON objects travel as text
+                setattr(section_msg, f"{f.name}_json", json.dumps(value))
             elif isinstance(value, list):
                 getattr(section_msg, f.name).extend(value)
             elif value is not None:
@@ -55,8 +55,8 @@ def config_from_pb(msg: worker_pb2.GridserveConfig) -> cfg.GridserveConfig:
         section_msg = getattr(msg, name)
         kwargs = {}
         for f in dataclasses.fields(klass):
-            if f.name == "hf_config":
-                kwargs[f.name] = json.loads(section_msg.hf_config_json or "{}")
+            if f"{f.name}_json" in section_msg.DESCRIPTOR.fields_by_name:
+                kwargs[f.name] = json.loads(getattr(section_msg, f"{f.name}_json") or "{}")
             elif _is_repeated(section_msg, f.name):
                 kwargs[f.name] = list(getattr(section_msg, f.name))
             elif not _has_presence(section_msg, f.name) or section_msg.HasField(f.name):

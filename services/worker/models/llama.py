@@ -25,6 +25,7 @@ from gridserve.services.worker.parallel_layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
+    add_prefix,
     load_replicated,
     parallel_logits,
 )
@@ -46,7 +47,7 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 class LlamaAttention(nn.Module):
     """GQA attention; with TP each rank holds ``heads / tp`` query heads and their KV heads."""
 
-    def __init__(self, hf, qkv_bias: bool, state: ParallelState) -> None:
+    def __init__(self, hf, qkv_bias: bool, state: ParallelState, prefix: str = "") -> None:
         super().__init__()
         total_heads = hf.num_attention_heads
         total_kv = getattr(hf, "num_key_value_heads", None) or total_heads
@@ -59,10 +60,11 @@ class LlamaAttention(nn.Module):
             hf.hidden_size,
             [Shard(heads.start * d, heads.size * d, heads.total * d)]
             + [Shard(kv_heads.start * d, kv_heads.size * d, kv_heads.total * d)] * 2,
-            bias=qkv_bias,
+            bias=qkv_bias, prefix=add_prefix(prefix, "qkv_proj"),
         )
         self.o_proj = RowParallelLinear(Shard(heads.start * d, heads.size * d, heads.total * d), hf.hidden_size,
-                                        bias=getattr(hf, "attention_bias", False), state=state)
+                                        bias=getattr(hf, "attention_bias", False), state=state,
+                                        prefix=add_prefix(prefix, "o_proj"))
         self.rotary_emb = RotaryEmbedding(d, d, hf.max_position_embeddings, rope_parameters(hf))
         self.attn = PagedAttention(self.num_heads, d, self.num_kv_heads, d**-0.5)
 
@@ -75,14 +77,16 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     """SwiGLU; with TP each rank holds ``intermediate / tp`` rows of gate and up, columns of down."""
 
-    def __init__(self, hf, state: ParallelState) -> None:
+    def __init__(self, hf, state: ParallelState, prefix: str = "") -> None:
         super().__init__()
         bias = getattr(hf, "mlp_bias", False)
         if getattr(hf, "hidden_act", "silu") != "silu":
             raise ValueError(f"model.hf_config.hidden_act: only silu is supported, got {hf.hidden_act!r}")
         inter = even_shard(hf.intermediate_size, state.tp_size, state.tp_rank, "intermediate_size")
-        self.gate_up_proj = ColumnParallelLinear(hf.hidden_size, [inter, inter], bias=bias)
-        self.down_proj = RowParallelLinear(inter, hf.hidden_size, bias=bias, state=state)
+        self.gate_up_proj = ColumnParallelLinear(hf.hidden_size, [inter, inter], bias=bias,
+                                                 prefix=add_prefix(prefix, "gate_up_proj"))
+        self.down_proj = RowParallelLinear(inter, hf.hidden_size, bias=bias, state=state,
+                                           prefix=add_prefix(prefix, "down_proj"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
@@ -91,10 +95,10 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     mlp_class: type[nn.Module] = LlamaMLP  # the feed-forward block (Mixtral: sparse MoE)
 
-    def __init__(self, hf, qkv_bias: bool, state: ParallelState) -> None:
+    def __init__(self, hf, qkv_bias: bool, state: ParallelState, prefix: str = "") -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(hf, qkv_bias, state)
-        self.mlp = self.mlp_class(hf, state)
+        self.self_attn = LlamaAttention(hf, qkv_bias, state, add_prefix(prefix, "self_attn"))
+        self.mlp = self.mlp_class(hf, state, add_prefix(prefix, "mlp"))
         self.input_layernorm = RMSNorm(hf.hidden_size, hf.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(hf.hidden_size, hf.rms_norm_eps)
 
@@ -117,14 +121,16 @@ class LlamaModel(nn.Module):
     """Embedding (first stage), this stage's decoder layers, final norm (last stage)."""
 
     def __init__(self, hf, qkv_bias: bool, state: ParallelState,
-                 layer_class: type[LlamaDecoderLayer] = LlamaDecoderLayer) -> None:
+                 layer_class: type[LlamaDecoderLayer] = LlamaDecoderLayer, prefix: str = "model") -> None:
         super().__init__()
         layout = state.layout
         self.stage = stage_layers(hf.num_hidden_layers, state.pp_size, state.pp_rank)
         if layout.is_first_stage:
-            self.embed_tokens = VocabParallelEmbedding(hf.vocab_size, hf.hidden_size, state)
+            self.embed_tokens = VocabParallelEmbedding(hf.vocab_size, hf.hidden_size, state,
+                                                       prefix=add_prefix(prefix, "embed_tokens"))
         self.layers = nn.ModuleList(
-            layer_class(hf, qkv_bias, state) if self.stage.start <= i < self.stage.end else StageMissingLayer()
+            layer_class(hf, qkv_bias, state, add_prefix(prefix, f"layers.{i}"))
+            if self.stage.start <= i < self.stage.end else StageMissingLayer()
             for i in range(hf.num_hidden_layers)
         )
         if layout.is_last_stage:
@@ -163,19 +169,26 @@ class LlamaForCausalLM(nn.Module):
         self.state = get_parallel_state()
         self.vocab_size = hf.vocab_size
         self.model = LlamaModel(hf, self.qkv_bias or getattr(hf, "attention_bias", False), self.state,
-                                self.layer_class)
+                                self.layer_class, add_prefix(prefix, "model"))
         self.tie_word_embeddings = bool(getattr(hf, "tie_word_embeddings", False))
         layout = self.state.layout
         if layout.is_last_stage and not (self.tie_word_embeddings and layout.is_first_stage):
-            self.lm_head = VocabParallelEmbedding(hf.vocab_size, hf.hidden_size, self.state)
+            self.lm_head = VocabParallelEmbedding(hf.vocab_size, hf.hidden_size, self.state,
+                                                  prefix=add_prefix(prefix, "lm_head"))
 
     def forward(self, input_ids, positions, meta: AttentionMetadata, intermediate=None):
         return self.model(input_ids, positions, meta, intermediate)
 
+    @property
+    def logits_head(self) -> Optional[VocabParallelEmbedding]:
+        """The LM head (the embedding when tied); None on a stage that does not compute logits."""
+        if hasattr(self, "lm_head"):
+            return self.lm_head
+        return self.model.embed_tokens if self.state.layout.is_last_stage else None
+
     def compute_logits(self, hidden: torch.Tensor) -> Optional[torch.Tensor]:
         """Full-vocabulary logits on TP rank 0 (``None`` on the other TP ranks)."""
-        head = self.lm_head if hasattr(self, "lm_head") else self.model.embed_tokens
-        return parallel_logits(hidden, head.weight, self.vocab_size, self.state)
+        return parallel_logits(hidden, self.logits_head, self.vocab_size, self.state)
 
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.model.layers if isinstance(layer, LlamaDecoderLayer)]

@@ -105,8 +105,9 @@ class MixtralExperts(nn.Module):
 class MixtralSparseMoeBlock(nn.Module):
     """Router, top-k experts per token, one all-reduce of the weighted sum (with TP)."""
 
-    def __init__(self, hf, state: ParallelState) -> None:
+    def __init__(self, hf, state: ParallelState, prefix: str = "") -> None:
         super().__init__()
+        self.prefix = prefix  # experts and router stay unquantized (grouped GEMMs, not linear layers)
         if getattr(hf, "hidden_act", "silu") != "silu":
             raise ConfigError("model.hf_config.hidden_act", f"only silu is supported, got {hf.hidden_act!r}")
         experts, top_k = hf.num_local_experts, hf.num_experts_per_tok

@@ -20,6 +20,7 @@ from gridserve.services.worker.parallel_layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
+    add_prefix,
     load_replicated,
     parallel_logits,
 )
@@ -33,7 +34,7 @@ _ACTIVATIONS = {"relu": nn.ReLU, "gelu": nn.GELU}
 
 
 class OPTAttention(nn.Module):
-    def __init__(self, hf, state: ParallelState) -> None:
+    def __init__(self, hf, state: ParallelState, prefix: str = "") -> None:
         super().__init__()
         self.head_dim = hf.hidden_size // hf.num_attention_heads
         heads = even_shard(hf.num_attention_heads, state.tp_size, state.tp_rank, "num_attention_heads")
@@ -41,8 +42,10 @@ class OPTAttention(nn.Module):
         bias = getattr(hf, "enable_bias", True)
         d = self.head_dim
         rows = Shard(heads.start * d, heads.size * d, hf.hidden_size)
-        self.qkv_proj = ColumnParallelLinear(hf.hidden_size, [rows] * 3, bias=bias)
-        self.out_proj = RowParallelLinear(rows, hf.hidden_size, bias=bias, state=state)
+        self.qkv_proj = ColumnParallelLinear(hf.hidden_size, [rows] * 3, bias=bias,
+                                             prefix=add_prefix(prefix, "qkv_proj"))
+        self.out_proj = RowParallelLinear(rows, hf.hidden_size, bias=bias, state=state,
+                                          prefix=add_prefix(prefix, "out_proj"))
         self.attn = PagedAttention(self.num_heads, d, self.num_heads, d**-0.5)
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -51,16 +54,17 @@ class OPTAttention(nn.Module):
 
 
 class OPTDecoderLayer(nn.Module):
-    def __init__(self, hf, state: ParallelState) -> None:
+    def __init__(self, hf, state: ParallelState, prefix: str = "") -> None:
         super().__init__()
         bias = getattr(hf, "enable_bias", True)
         affine = getattr(hf, "layer_norm_elementwise_affine", True)
         self.pre_norm = getattr(hf, "do_layer_norm_before", True)
-        self.self_attn = OPTAttention(hf, state)
+        self.self_attn = OPTAttention(hf, state, add_prefix(prefix, "self_attn"))
         self.self_attn_layer_norm = nn.LayerNorm(hf.hidden_size, elementwise_affine=affine)
         ffn = even_shard(hf.ffn_dim, state.tp_size, state.tp_rank, "ffn_dim")
-        self.fc1 = ColumnParallelLinear(hf.hidden_size, [ffn], bias=bias)
-        self.fc2 = RowParallelLinear(ffn, hf.hidden_size, bias=bias, state=state)
+        self.fc1 = ColumnParallelLinear(hf.hidden_size, [ffn], bias=bias, prefix=add_prefix(prefix, "fc1"))
+        self.fc2 = RowParallelLinear(ffn, hf.hidden_size, bias=bias, state=state,
+                                     prefix=add_prefix(prefix, "fc2"))
         self.final_layer_norm = nn.LayerNorm(hf.hidden_size, elementwise_affine=affine)
         act = getattr(hf, "activation_function", "relu")
         if act not in _ACTIVATIONS:
@@ -84,10 +88,11 @@ class OPTDecoderLayer(nn.Module):
 
 
 class OPTDecoder(nn.Module):
-    def __init__(self, hf, state: ParallelState) -> None:
+    def __init__(self, hf, state: ParallelState, prefix: str = "model.decoder") -> None:
         super().__init__()
         proj_dim = getattr(hf, "word_embed_proj_dim", None) or hf.hidden_size
-        self.embed_tokens = VocabParallelEmbedding(hf.vocab_size, proj_dim, state)
+        self.embed_tokens = VocabParallelEmbedding(hf.vocab_size, proj_dim, state,
+                                                   prefix=add_prefix(prefix, "embed_tokens"))
         self.embed_positions = nn.Embedding(hf.max_position_embeddings + _POSITION_OFFSET, hf.hidden_size)
         needs_proj = proj_dim != hf.hidden_size
         self.project_in = nn.Linear(proj_dim, hf.hidden_size, bias=False) if needs_proj else None
@@ -97,7 +102,8 @@ class OPTDecoder(nn.Module):
         )
         affine = getattr(hf, "layer_norm_elementwise_affine", True)
         self.final_layer_norm = nn.LayerNorm(hf.hidden_size, elementwise_affine=affine) if keep_final else None
-        self.layers = nn.ModuleList(OPTDecoderLayer(hf, state) for _ in range(hf.num_hidden_layers))
+        self.layers = nn.ModuleList(OPTDecoderLayer(hf, state, add_prefix(prefix, f"layers.{i}"))
+                                    for i in range(hf.num_hidden_layers))
 
     def forward(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
@@ -114,9 +120,9 @@ class OPTDecoder(nn.Module):
 
 
 class _OPTModel(nn.Module):
-    def __init__(self, hf, state: ParallelState) -> None:
+    def __init__(self, hf, state: ParallelState, prefix: str = "model") -> None:
         super().__init__()
-        self.decoder = OPTDecoder(hf, state)
+        self.decoder = OPTDecoder(hf, state, add_prefix(prefix, "decoder"))
 
 
 class OPTForCausalLM(nn.Module):
@@ -128,14 +134,19 @@ class OPTForCausalLM(nn.Module):
         hf = hf_config_of(config)
         self.state = get_parallel_state()
         self.vocab_size = hf.vocab_size
-        self.model = _OPTModel(hf, self.state)
+        self.model = _OPTModel(hf, self.state, add_prefix(prefix, "model"))
 
     def forward(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
         return self.model.decoder(input_ids, positions, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> Optional[torch.Tensor]:
         """Full-vocabulary logits on TP rank 0 (``None`` on the other TP ranks)."""
-        return parallel_logits(hidden, self.model.decoder.embed_tokens.weight, self.vocab_size, self.state)
+        return parallel_logits(hidden, self.logits_head, self.vocab_size, self.state)
+
+    @property
+    def logits_head(self) -> VocabParallelEmbedding:
+        """The LM head: the token embedding (tied)."""
+        return self.model.decoder.embed_tokens
 
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.model.decoder.layers]

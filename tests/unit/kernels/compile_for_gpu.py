@@ -29,7 +29,8 @@ from gridserve.kernels import triton_ops
 from gridserve.kernels.triton_ops import activation, attention, cache, norm, rotary
 
 TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
-         torch.int32: "i32", torch.int64: "i64"}
+         torch.int32: "i32", torch.int64: "i64",
+         torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5"}
 MODULES = (activation, attention, cache, norm, rotary)
 Launch = tuple[triton.runtime.jit.JITFunction, tuple, dict]
 
@@ -55,12 +56,16 @@ def record_launches() -> list[Launch]:
     attention.num_sms = lambda device: 132
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         _run_wrappers(dtype)
+    for cache_dtype in (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2):  # kv_cache_dtype
+        _run_wrappers(torch.float32, cache_dtype, norms=False)
+    for cache_dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        _run_wrappers(torch.float16, cache_dtype, norms=False)
     return launches
 
 
-def _run_wrappers(dtype: torch.dtype) -> None:
+def _run_wrappers(dtype: torch.dtype, cache_dtype: torch.dtype | None = None, norms: bool = True) -> None:
     for head_size, heads, kv_heads in ((128, 32, 8), (64, 12, 2)):
-        kv = torch.zeros(2, 8, 16, kv_heads, head_size, dtype=dtype)
+        kv = torch.zeros(2, 8, 16, kv_heads, head_size, dtype=cache_dtype or dtype)
         table = torch.zeros(2, 64, dtype=torch.int32)
         seq_lens = torch.tensor([5, 900], dtype=torch.int32)
         for q_lens in ((1, 1), (3, 7)):  # decode (split-K), then prefill
@@ -68,9 +73,12 @@ def _run_wrappers(dtype: torch.dtype) -> None:
             q = torch.zeros(sum(q_lens), heads, head_size, dtype=dtype)
             triton_ops.paged_attention(q, kv, loc, seq_lens, table, 0.1, max(q_lens))
         triton_ops.reshape_and_cache(q[:, :kv_heads], q[:, :kv_heads], kv, torch.arange(q.shape[0]))
-        triton_ops.rotary_embedding(
-            torch.arange(q.shape[0]), q, q[:, :kv_heads], torch.zeros(8, head_size // 2), False
-        )
+        if norms:
+            triton_ops.rotary_embedding(
+                torch.arange(q.shape[0]), q, q[:, :kv_heads], torch.zeros(8, head_size // 2), False
+            )
+    if not norms:
+        return
     x = torch.zeros(4, 4096, dtype=dtype)
     triton_ops.rms_norm(x, x[0], 1e-6)
     triton_ops.fused_add_rms_norm(x, x, x[0], 1e-6)

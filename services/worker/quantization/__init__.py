@@ -1,0 +1,52 @@
+"""Weight quantization at load: each rank quantizes the shard it read, layer by layer, by prefix.
+
+``quantize_model`` runs after the checkpoint is loaded and before the KV cache is allocated:
+every ``QuantizableLinear`` (column / row-parallel layers, the LM head) asks the config for its
+method and swaps its float weight for a ``QuantizedWeight``. Pre-quantized checkpoints
+(compressed-tensors) are read by ``compressed_tensors.load`` instead.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from torch import nn
+
+from gridserve.services.worker.quantization.config import QuantizationConfig
+from gridserve.services.worker.quantization.weights import (
+    Int4Weight,
+    Int8Weight,
+    QuantizedWeight,
+    quantize_weight,
+)
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Int4Weight", "Int8Weight", "QuantizationConfig", "QuantizedWeight", "quantize_model",
+           "quantize_weight"]
+
+
+def quantize_model(model: nn.Module, config: QuantizationConfig) -> dict[str, str]:
+    """Quantize every linear layer of ``model`` the config does not ignore; returns prefix -> method
+    ("none" for the ignored ones)."""
+    from gridserve.services.worker.parallel_layers import QuantizableLinear
+
+    chosen: dict[str, str] = {}
+    head = getattr(model, "logits_head", None)
+    for module in model.modules():
+        if not isinstance(module, QuantizableLinear):
+            continue
+        if module is head:
+            prefix = "lm_head"  # a tied head answers to lm_head, as in vLLM's configs
+        elif hasattr(module, "quantize_as_head"):
+            continue  # an embedding that is not the head: lookups stay float
+        else:
+            prefix = module.prefix
+        method = config.method_for(prefix)
+        chosen[prefix] = method or "none"
+        if method is not None:
+            module.quantize(method, config.group_size)
+    config.check_all_matched()
+    counts = {m: sum(1 for v in chosen.values() if v == m) for m in set(chosen.values())}
+    logger.info("quantized linear layers: %s", counts)
+    return chosen
