@@ -199,6 +199,8 @@ BENCHMARKS = {
     "executor": ("executor", "GrpcExecutor vs UniProcExecutor throughput and round trips",
                  "add_arguments", "run"),
     "sampler": ("sampler", "sampler cost per step: plain vs mixed batch", "add_arguments", "run"),
+    "quantization": ("quantization", "accuracy (KL, greedy agreement) and memory per weight / KV mode vs fp32",
+                     "add_arguments", "run"),
     "serve": ("serve", "online load against an OpenAI-compatible server", "add_arguments", "run"),
     "step": ("engine", "decode-step wall time vs the model forward inside it", "add_step_arguments",
              "run_step"),

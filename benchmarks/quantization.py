@@ -1,0 +1,187 @@
+"""``gridserve bench quantization``: accuracy and memory of every weight / KV-cache mode against
+fp32, on the same model and held-out text, in one run.
+
+Per mode: mean KL divergence (nats) of the next-token distributions against fp32 over a held-out
+text (teacher forcing: the fp32 and the quantized model read the same tokens), greedy agreement
+(share of the first ``--greedy-tokens`` greedily generated tokens equal to fp32's, position by
+position, over several prompts), held-out perplexity, bytes of weights and KV tokens per GiB.
+The bars are the issue's: 16-bit KV KL <= 0.005; int8 KL <= 0.02 and agreement >= 0.9; fp8 KV
+KL <= 0.05; int4 KL <= 0.15.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+logger = logging.getLogger(__name__)
+
+MODES: dict[str, dict[str, Any]] = {
+    "fp32": {},
+    "kv-bf16": {"kv_cache_dtype": "bfloat16"},
+    "kv-fp16": {"kv_cache_dtype": "float16"},
+    "kv-fp8_e4m3": {"kv_cache_dtype": "fp8_e4m3"},
+    "kv-fp8_e5m2": {"kv_cache_dtype": "fp8_e5m2"},
+    "int8": {"quantization": "int8"},
+    "int8+kv-bf16": {"quantization": "int8", "kv_cache_dtype": "bfloat16"},
+    "int4": {"quantization": "int4"},
+    "int4+kv-fp8": {"quantization": "int4", "kv_cache_dtype": "fp8_e4m3"},
+}
+# mode -> (max mean KL in nats, min greedy agreement or None)
+BARS: dict[str, tuple[float, Optional[float]]] = {
+    "kv-bf16": (0.005, None),
+    "kv-fp16": (0.005, None),
+    "kv-fp8_e4m3": (0.05, None),
+    "kv-fp8_e5m2": (0.05, None),
+    "int8": (0.02, 0.9),
+    "int8+kv-bf16": (0.02, 0.9),
+    "int4": (0.15, None),
+}
+DEFAULT_OUTPUT_JSON = str(Path(__file__).parent / "results" / "quantization.json")
+
+
+@dataclass
+class ModeResult:
+    mode: str
+    mean_kl: float
+    greedy_agreement: float
+    perplexity: float
+    weight_bytes: int
+    kv_tokens_per_gib: int
+    passes: Optional[bool]
+
+
+def _model_of(llm: Any) -> Any:
+    return llm.llm_engine.core.executor.worker.runner.model
+
+
+def teacher_forced_logprobs(llm: Any, token_ids: list[int]) -> Any:
+    """Log-softmax of the next-token logits at every position of ``token_ids`` ([n, vocab]).
+
+    Captures the logits the worker computes for prompt logprobs (and the last position's sample)
+    in the in-process worker: the engine's own forward pass, paged cache and kernels included.
+    """
+    import torch
+
+    from gridserve import SamplingParams
+
+    model = _model_of(llm)
+    captured: list[torch.Tensor] = []
+    original = model.compute_logits
+
+    def capture(hidden: torch.Tensor) -> torch.Tensor:
+        logits = original(hidden)
+        captured.append(logits.float().clone())
+        return logits
+
+    model.compute_logits = capture
+    try:
+        llm.generate([{"prompt_token_ids": token_ids}], SamplingParams(max_tokens=1, prompt_logprobs=0),
+                     use_tqdm=False)
+    finally:
+        del model.compute_logits
+    return torch.log_softmax(torch.cat(captured), dim=-1)
+
+
+def greedy_tokens(llm: Any, prompts: list[list[int]], n: int) -> list[list[int]]:
+    from gridserve import SamplingParams
+
+    params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def mean_kl(reference: Any, other: Any) -> float:
+    """Mean over positions of KL(reference || other), both log-probabilities [n, vocab]."""
+    return float((reference.exp() * (reference - other)).sum(-1).mean())
+
+
+def perplexity(logprobs: Any, token_ids: list[int]) -> float:
+    import torch
+
+    targets = torch.tensor(token_ids[1:])
+    nll = -logprobs[: len(targets)].gather(1, targets[:, None]).mean()
+    return math.exp(float(nll))
+
+
+def agreement(reference: list[list[int]], other: list[list[int]]) -> float:
+    same = sum(a == b for ref, out in zip(reference, other) for a, b in zip(ref, out))
+    return same / max(sum(len(r) for r in reference), 1)
+
+
+def weight_bytes(llm: Any) -> int:
+    from gridserve.services.worker.loader import parameter_bytes
+
+    return parameter_bytes(_model_of(llm))
+
+
+def evaluate(model: str, text_ids: list[int], prompts: list[list[int]], modes: list[str],
+             greedy: int = 64, **llm_kwargs: Any) -> list[ModeResult]:
+    """Every mode of ``modes`` against fp32, one model loaded at a time."""
+    from gridserve import LLM
+
+    results: list[ModeResult] = []
+    reference = ref_tokens = None
+    for mode in ["fp32"] + [m for m in modes if m != "fp32"]:
+        llm = LLM(model, **MODES[mode], **llm_kwargs)
+        try:
+            logprobs = teacher_forced_logprobs(llm, text_ids)
+            tokens = greedy_tokens(llm, prompts, greedy)
+            per_token = llm.llm_engine.core.config.kv_bytes_per_token_per_rank()
+            if reference is None:
+                reference, ref_tokens = logprobs, tokens
+            kl, agree = mean_kl(reference, logprobs), agreement(ref_tokens, tokens)
+            bar = BARS.get(mode)
+            passes = None if bar is None else kl <= bar[0] and (bar[1] is None or agree >= bar[1])
+            results.append(ModeResult(mode, kl, agree, perplexity(logprobs, text_ids), weight_bytes(llm),
+                                      2**30 // per_token, passes))
+            logger.info("%s: KL %.5f, agreement %.3f", mode, kl, agree)
+        finally:
+            llm.shutdown()
+    return results
+
+
+def held_out_text() -> str:
+    """Text the recipe's tokenizer and the demo model were not trained on: this repo's docs."""
+    root = Path(__file__).resolve().parent.parent
+    return "\n\n".join(p.read_text(encoding="utf-8") for p in sorted((root / "docs").glob("*.md")))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="HF folder (default: the recipe's llama small)")
+    parser.add_argument("--modes", default=",".join(MODES), help="comma-separated modes")
+    parser.add_argument("--tokens", type=int, default=512, help="held-out tokens scored")
+    parser.add_argument("--greedy-tokens", type=int, default=64)
+    parser.add_argument("--prompts", type=int, default=4, help="greedy prompts")
+    parser.add_argument("--output-json", default=DEFAULT_OUTPUT_JSON)
+
+
+def run(args: argparse.Namespace) -> int:
+    from transformers import AutoTokenizer
+
+    from gridserve.demo.recipe import ensure_checkpoint
+
+    model = args.model or str(ensure_checkpoint("llama", "small"))
+    ids = AutoTokenizer.from_pretrained(model)(held_out_text())["input_ids"]
+    text_ids = ids[: args.tokens]
+    prompts = [ids[args.tokens + 32 * i : args.tokens + 32 * i + 32] for i in range(args.prompts)]
+    modes = [m for m in args.modes.split(",") if m]
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        raise SystemExit(f"--modes: unknown {unknown}; known: {list(MODES)}")
+    results = evaluate(model, text_ids, prompts, modes, args.greedy_tokens,
+                       kv_cache_memory_bytes=2**28, max_model_len=2048)
+    print(f"{'mode':<14} {'mean KL':>9} {'greedy':>7} {'ppl':>8} {'weights MiB':>12} {'KV tok/GiB':>11} bar")
+    for r in results:
+        bar = "-" if r.passes is None else ("pass" if r.passes else "FAIL")
+        print(f"{r.mode:<14} {r.mean_kl:>9.5f} {r.greedy_agreement:>7.3f} {r.perplexity:>8.2f} "
+              f"{r.weight_bytes / 2**20:>12.1f} {r.kv_tokens_per_gib:>11} {bar}")
+    Path(args.output_json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.output_json).write_text(json.dumps({"model": model, "results": [asdict(r) for r in results]},
+                                                 indent=2))
+    return 0

@@ -1,0 +1,149 @@
+"""Quantization at load and narrow KV caches through the real engine (``LLM``, in-process worker).
+
+Structure on the tiny recipe model: KV capacity in tokens per dtype, the per-layer config seen
+in the built modules, errors naming the field. Accuracy against fp32 on the trained demo model
+when this checkout has one (``gridserve.demo.train.ensure_demo_model``), else on the recipe's
+random-weight llama small, where KL bars are meaningless and only the bounds that hold for any
+weights are asserted (16-bit KV; int8 weight error).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from gridserve import LLM
+from gridserve.benchmarks import quantization as bench
+from gridserve.demo.recipe import ensure_checkpoint
+from gridserve.services.worker.parallel_layers import QuantizableLinear
+from gridserve.services.worker.quantization import Int8Weight
+from gridserve.shared.errors import ConfigError
+
+KV_BYTES = 1 << 22
+
+
+def _model(llm):
+    return llm.llm_engine.core.executor.worker.runner.model
+
+
+@pytest.mark.parametrize(("dtype", "factor"), [("bfloat16", 2), ("float16", 2), ("fp8_e4m3", 4), ("fp8_e5m2", 4)])
+def test_same_kv_memory_holds_2x_or_4x_the_tokens(llama_tiny, dtype, factor):
+    blocks = {}
+    for kv_dtype in ("auto", dtype):
+        llm = LLM(str(llama_tiny), kv_cache_memory_bytes=KV_BYTES, kv_cache_dtype=kv_dtype)
+        try:
+            blocks[kv_dtype] = llm.llm_engine.core.config.cache.num_blocks
+            cache = llm.llm_engine.core.executor.worker.runner.kv_caches[0]
+            assert cache.dtype == {"auto": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+                                   "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}[kv_dtype]
+        finally:
+            llm.shutdown()
+    assert blocks[dtype] == factor * blocks["auto"]
+
+
+def test_per_layer_config_leaves_lm_head_and_layer_0_in_fp32(llama_tiny):
+    config = {"method": "int8", "ignore": ["lm_head", r"re:model\.layers\.0\..*"]}
+    llm = LLM(str(llama_tiny), kv_cache_memory_bytes=KV_BYTES, quantization_config=config)
+    try:
+        model = _model(llm)
+        layers = {m.prefix: m for m in model.modules() if isinstance(m, QuantizableLinear)}
+        float_layers = {p for p, m in layers.items() if m.qweight is None}
+        int8_layers = {p for p, m in layers.items() if isinstance(m.qweight, Int8Weight)}
+        assert float_layers == {"lm_head", "model.embed_tokens"} | {
+            f"model.layers.0.{name}" for name in ("self_attn.qkv_proj", "self_attn.o_proj",
+                                                  "mlp.gate_up_proj", "mlp.down_proj")}
+        assert int8_layers == {f"model.layers.1.{name}" for name in ("self_attn.qkv_proj", "self_attn.o_proj",
+                                                                     "mlp.gate_up_proj", "mlp.down_proj")}
+        assert all(layers[p].weight is None for p in int8_layers)  # the float copy is gone
+        assert all(layers[p].weight.dtype == torch.float32 for p in float_layers)
+        out = llm.generate(["def f("], bench_params(8), use_tqdm=False)[0].outputs[0]
+        assert len(out.token_ids) == 8
+    finally:
+        llm.shutdown()
+
+
+def bench_params(n):
+    from gridserve import SamplingParams
+
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+def test_an_ignore_entry_matching_no_layer_fails_at_load_naming_the_field(llama_tiny):
+    with pytest.raises(ConfigError) as err:
+        LLM(str(llama_tiny), kv_cache_memory_bytes=KV_BYTES,
+            quantization_config={"method": "int8", "ignore": ["model.layers.7.mlp.down_proj"]})
+    assert err.value.field == "model.quantization_config.ignore"
+
+
+def test_quantized_weights_take_fewer_bytes(llama_tiny):
+    sizes = {}
+    for mode in ("fp32", "int8", "int4"):
+        llm = LLM(str(llama_tiny), kv_cache_memory_bytes=KV_BYTES, **bench.MODES[mode])
+        try:
+            sizes[mode] = bench.weight_bytes(llm)
+        finally:
+            llm.shutdown()
+    assert sizes["int4"] < sizes["int8"] < sizes["fp32"]  # the float embedding stays in every mode
+
+
+# ---- accuracy against fp32 ------------------------------------------------------------------------
+def _trained_model():
+    if importlib.util.find_spec("gridserve.demo.train") is None:
+        return None
+    from gridserve.demo import train
+
+    return getattr(train, "ensure_demo_model", None)
+
+
+@pytest.fixture(scope="module")
+def accuracy_setup():
+    """(model folder, held-out ids, greedy prompts, trained?)."""
+    from transformers import AutoTokenizer
+
+    ensure = _trained_model()
+    model = str(ensure(progress=False)) if ensure is not None else str(ensure_checkpoint("llama", "small"))
+    ids = AutoTokenizer.from_pretrained(model)(bench.held_out_text())["input_ids"]
+    return model, ids[:384], [ids[400 + 24 * i : 424 + 24 * i] for i in range(4)], ensure is not None
+
+
+def _check(setup, modes, max_model_len=1024, text_ids=None):
+    model, ids, prompts, trained = setup
+    results = bench.evaluate(model, text_ids or ids, prompts, modes, 64,
+                             kv_cache_memory_bytes=1 << 26, max_model_len=max_model_len)
+    return {r.mode: r for r in results}, trained
+
+
+@pytest.mark.slow
+def test_16_bit_kv_cache_stays_within_its_kl_bar(accuracy_setup):
+    results, _ = _check(accuracy_setup, ["kv-bf16", "kv-fp16"])
+    for mode in ("kv-bf16", "kv-fp16"):
+        assert results[mode].mean_kl <= bench.BARS[mode][0], results[mode]
+
+
+@pytest.mark.slow
+def test_quantized_modes_meet_the_issue_bars_on_the_trained_model(accuracy_setup):
+    modes = ["int8", "int8+kv-bf16", "kv-fp8_e4m3", "kv-fp8_e5m2", "int4"]
+    results, trained = _check(accuracy_setup, modes)
+    if not trained:
+        # Random weights: only what holds for any weights (int8 error is small, not near-uniform).
+        assert results["int8"].mean_kl < 0.1 and results["kv-fp8_e4m3"].mean_kl < 0.1
+        pytest.skip("no trained demo model in this checkout: KL bars need it (random-weight KL: "
+                    + ", ".join(f"{m} {r.mean_kl:.4f}" for m, r in results.items()) + ")")
+    for mode in modes:
+        assert results[mode].passes, results[mode]
+
+
+@pytest.mark.slow
+def test_bars_hold_for_prompts_near_max_model_len(accuracy_setup):
+    model, ids, prompts, trained = accuracy_setup
+    from transformers import AutoTokenizer
+
+    long_ids = AutoTokenizer.from_pretrained(model)(bench.held_out_text() * 4)["input_ids"][:1000]
+    results, _ = _check(accuracy_setup, ["kv-bf16", "kv-fp8_e4m3", "int8"], max_model_len=1088,
+                        text_ids=long_ids)
+    assert results["kv-bf16"].mean_kl <= bench.BARS["kv-bf16"][0]
+    if trained:
+        for mode in ("kv-fp8_e4m3", "int8"):
+            assert results[mode].mean_kl <= bench.BARS[mode][0], results[mode]

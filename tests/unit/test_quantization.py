@@ -1,0 +1,95 @@
+"""Quantization config and weights: errors naming the field, per-prefix choice, pack / unpack,
+and the error each format allows against the float weight."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gridserve.services.worker.quantization import Int4Weight, Int8Weight, QuantizationConfig
+from gridserve.services.worker.quantization.weights import pack_int4, unpack_int4
+from gridserve.shared.config import CacheConfig, GridserveConfig, ModelConfig
+from gridserve.shared.errors import ConfigError
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"quantization": "int3"}, "model.quantization"),
+        ({"kv_cache_dtype": "fp4"}, "cache.kv_cache_dtype"),
+        ({"quantization_config": "{not json"}, "model.quantization_config"),
+        ({"quantization_config": {"method": "int8", "ignore": "lm_head"}}, "model.quantization_config.ignore"),
+        ({"quantization_config": {"method": "int8", "group_size": 0}}, "model.quantization_config.group_size"),
+        ({"quantization_config": {"ignore": ["lm_head"]}}, "model.quantization_config.method"),
+        ({"quantization": "int4", "quantization_config": {"method": "int8"}}, "model.quantization_config.method"),
+        ({"quantization_config": {"method": "int8", "bits": 3}}, "model.quantization_config"),
+    ],
+)
+def test_bad_quantization_values_are_errors_naming_the_field(kwargs, field):
+    with pytest.raises(ConfigError) as err:
+        GridserveConfig.from_kwargs(model="unused", **kwargs)
+    assert err.value.field == field
+
+
+def test_quantization_config_json_text_sets_the_method():
+    model = ModelConfig(quantization_config='{"method": "int4", "ignore": ["lm_head"]}')
+    assert model.quantization == "int4"
+    assert model.quantization_config == {"method": "int4", "ignore": ["lm_head"]}
+
+
+@pytest.mark.parametrize(("dtype", "bytes_per_elem"),
+                         [("auto", 4), ("bfloat16", 2), ("float16", 2), ("fp8_e4m3", 1), ("fp8_e5m2", 1)])
+def test_kv_bytes_per_token_follow_the_cache_dtype(dtype, bytes_per_elem):
+    config = GridserveConfig(cache=CacheConfig(kv_cache_dtype=dtype))
+    config.model.num_layers, config.model.num_kv_heads, config.model.head_dim = 4, 2, 64
+    assert config.kv_bytes_per_token_per_rank() == 2 * 4 * 2 * 64 * bytes_per_elem
+
+
+def test_method_for_prefix_honours_exact_regex_and_merged_part_names():
+    config = QuantizationConfig("int8", ["lm_head", r"re:model\.layers\.0\..*", "model.layers.2.self_attn.k_proj"])
+    assert config.method_for("lm_head") is None
+    assert config.method_for("model.layers.0.mlp.down_proj") is None
+    assert config.method_for("model.layers.1.mlp.down_proj") == "int8"
+    assert config.method_for("model.layers.2.self_attn.qkv_proj") is None  # names its k_proj part
+    assert config.method_for("model.layers.10.self_attn.qkv_proj") == "int8"  # regex matches in full
+    config.check_all_matched()
+
+
+def test_an_ignore_entry_matching_no_layer_is_an_error_naming_it():
+    config = QuantizationConfig("int8", ["lm_head", "model.layers.99.mlp"])
+    config.method_for("lm_head")
+    with pytest.raises(ConfigError) as err:
+        config.check_all_matched()
+    assert err.value.field == "model.quantization_config.ignore"
+    assert "model.layers.99.mlp" in str(err.value)
+
+
+def test_int4_pack_round_trips_every_value():
+    q = torch.arange(-8, 8, dtype=torch.int8).repeat(3, 4)  # [3, 64]
+    packed = pack_int4(q)
+    assert packed.dtype == torch.uint8 and packed.shape == (3, 32)
+    assert torch.equal(unpack_int4(packed, 64), q)
+
+
+def test_int8_weight_is_per_output_channel_and_close_to_float():
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(96, 256, generator=gen) * torch.linspace(0.01, 3.0, 96)[:, None]  # rows of any scale
+    q = Int8Weight.from_float(w)
+    assert q.qweight.dtype == torch.int8 and q.scales.shape == (96,)
+    rel = ((q.dequantize() - w).abs().amax(1) / w.abs().amax(1))
+    assert rel.max().item() <= 0.5 / 127 + 1e-6  # half a step of each row's own scale
+    x = torch.randn(7, 256, generator=gen)
+    exact = x @ w.T
+    assert ((q(x) - exact).norm() / exact.norm()).item() < 0.01
+
+
+def test_int4_weight_uses_group_scales():
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn(16, 256, generator=gen)
+    w[:, 128:] *= 100  # the second group's scale must not flatten the first group
+    q = Int4Weight.from_float(w, group_size=128)
+    assert q.scales.shape == (16, 2) and q.packed.shape == (16, 128)
+    err = (q.dequantize() - w).abs()
+    assert err[:, :128].max() <= w[:, :128].abs().max() / 14 + 1e-5
+    x = torch.randn(5, 256, generator=gen)
+    torch.testing.assert_close(q(x), x @ q.dequantize().T)
