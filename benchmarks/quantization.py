@@ -152,6 +152,50 @@ def held_out_text() -> str:
     return "\n\n".join(p.read_text(encoding="utf-8") for p in sorted((root / "docs").glob("*.md")))
 
 
+SPEED_MODES = ("fp32", "int8+kv-bf16", "int8", "kv-bf16", "int4+kv-fp8")
+
+
+def add_speed_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="HF folder (default: the recipe's llama small)")
+    parser.add_argument("--modes", default=",".join(SPEED_MODES), help="comma-separated modes; fp32 first")
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--input-len-min", type=int, default=32)
+    parser.add_argument("--input-len-max", type=int, default=256)
+    parser.add_argument("--output-len-min", type=int, default=16)
+    parser.add_argument("--output-len-max", type=int, default=128)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--output-json", default=str(Path(__file__).parent / "results" / "quantization_speed.json"))
+
+
+def run_speed(args: argparse.Namespace) -> int:
+    """Offline throughput of W per mode, one run each, as a ratio to fp32 in the same run."""
+    from gridserve.benchmarks import throughput
+    from gridserve.demo.recipe import ensure_checkpoint
+
+    model = args.model or str(ensure_checkpoint("llama", "small"))
+    vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
+    workload = throughput.make_workload(args.num_prompts, args.input_len_min, args.input_len_max,
+                                        args.output_len_min, args.output_len_max, vocab, args.seed)
+    kv_bytes = throughput.kv_cache_bytes_for(workload, model)  # the fp32 need: every mode fits
+    rows = []
+    for mode in [m for m in args.modes.split(",") if m]:
+        result = throughput.run_gridserve(model, workload, kv_cache_memory_bytes=kv_bytes, name=mode,
+                                          device=args.device, **MODES[mode])
+        rows.append({"mode": mode, "elapsed_s": result.elapsed_s, "tok_per_s": result.output_tok_per_s,
+                     "cpu_s": result.cpu_s, "load_avg": result.load_avg})
+    base = rows[0]["tok_per_s"]
+    print(f"W offline ({workload.num_requests} requests, {Path(model).name}), one run each:")
+    print(f"{'mode':<14} {'tok/s':>8} {'vs ' + rows[0]['mode']:>9} {'load avg':>12}")
+    for r in rows:
+        r["ratio"] = r["tok_per_s"] / base
+        print(f"{r['mode']:<14} {r['tok_per_s']:>8.1f} {r['ratio']:>8.2f}x {str(r['load_avg']):>12}")
+    Path(args.output_json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.output_json).write_text(json.dumps({"model": model, "workload": workload.describe(),
+                                                  "results": rows}, indent=2))
+    return 0
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="HF folder (default: the recipe's llama small)")
     parser.add_argument("--modes", default=",".join(MODES), help="comma-separated modes")

@@ -286,11 +286,16 @@ def run_gridserve(
     max_num_seqs: int = 256,
     max_num_batched_tokens: Optional[int] = None,
     kv_cache_memory_bytes: Optional[int] = None,
+    name: str = "gridserve",
+    **engine_kwargs: Any,
 ) -> SystemResult:
-    """``LLM.generate`` on the whole workload in one call (after an untimed warm-up)."""
+    """``LLM.generate`` on the whole workload in one call (after an untimed warm-up).
+
+    ``engine_kwargs`` go to ``LLM`` as they are (e.g. ``quantization``, ``kv_cache_dtype``).
+    """
     from gridserve import LLM, SamplingParams
 
-    kwargs: dict[str, Any] = {"dtype": dtype, "device": device, "max_num_seqs": max_num_seqs}
+    kwargs: dict[str, Any] = {"dtype": dtype, "device": device, "max_num_seqs": max_num_seqs, **engine_kwargs}
     if max_num_batched_tokens is not None:
         kwargs["max_num_batched_tokens"] = max_num_batched_tokens
     if kv_cache_memory_bytes is not None:
@@ -315,7 +320,7 @@ def run_gridserve(
         logger.warning("gridserve: %d requests did not produce their wanted length (first: #%d)",
                        len(short), short[0])
     return SystemResult(
-        name="gridserve",
+        name=name,
         num_requests=workload.num_requests,
         output_tokens=workload.total_output_tokens,
         outputs=outputs,

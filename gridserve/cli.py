@@ -201,6 +201,8 @@ BENCHMARKS = {
     "sampler": ("sampler", "sampler cost per step: plain vs mixed batch", "add_arguments", "run"),
     "quantization": ("quantization", "accuracy (KL, greedy agreement) and memory per weight / KV mode vs fp32",
                      "add_arguments", "run"),
+    "quantization-speed": ("quantization", "offline throughput per weight / KV mode vs fp32",
+                           "add_speed_arguments", "run_speed"),
     "serve": ("serve", "online load against an OpenAI-compatible server", "add_arguments", "run"),
     "step": ("engine", "decode-step wall time vs the model forward inside it", "add_step_arguments",
              "run_step"),

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Issue 20's device checks in one bounded run (the device tool's H200 or any CUDA box):
+#   1. Triton attention / cache writes over 16-bit and fp8 caches vs the torch reference, int8 /
+#      int4 matmuls on CUDA, LLM on CUDA in every mode (tests/gpu/test_quantization_cuda.py);
+#   2. the CPU paths on that machine's cores, pinned to 2 of them: the C++ kernel over narrow
+#      caches and offline throughput per mode (a quiet CPU, unlike the shared dev machines).
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-benchmarks/results/gpu}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TRITON_INTERPRET=0
+PY=${PYTHON:-python3}
+if ls .whl/*.whl >/dev/null 2>&1; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+$PY -m gridserve.protos_build >/dev/null 2>&1 || echo "protos_build failed"
+echo "== 1: CUDA"
+timeout 200 $PY -m pytest -q -p no:cacheprovider tests/gpu/test_quantization_cuda.py -rA -s 2>&1 | tee "$OUT/quant_gpu.log" | tail -30
+echo "== 2: CPU, 2 pinned cores"
+export GRIDSERVE_CPU_THREADS=2 CUDA_VISIBLE_DEVICES=
+timeout 90 taskset -c 0,1 $PY -m pytest -q -p no:cacheprovider tests/unit/kernels/test_kv_cache_dtypes.py 2>&1 | tail -3
+timeout 240 taskset -c 0,1 $PY -m gridserve.cli bench quantization-speed --device cpu \
+  --output-json "$OUT/quantization_speed_cpu.json" 2>&1 | grep -v INFO | tee "$OUT/quant_speed.log" | tail -12
