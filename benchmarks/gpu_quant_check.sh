@@ -18,9 +18,9 @@ else
 fi
 $PY -m gridserve.protos_build >/dev/null 2>&1 || echo "protos_build failed"
 echo "== 1: CUDA"
-timeout 200 $PY -m pytest -q -p no:cacheprovider tests/gpu/test_quantization_cuda.py -rA -s 2>&1 | tee "$OUT/quant_gpu.log" | tail -30
+timeout 170 $PY -m pytest -q -p no:cacheprovider tests/gpu/test_quantization_cuda.py -rA -s 2>&1 | tee "$OUT/quant_gpu.log" | tail -30
 echo "== 2: CPU, 2 pinned cores"
 export GRIDSERVE_CPU_THREADS=2 CUDA_VISIBLE_DEVICES=
-timeout 90 taskset -c 0,1 $PY -m pytest -q -p no:cacheprovider tests/unit/kernels/test_kv_cache_dtypes.py 2>&1 | tail -3
-timeout 240 taskset -c 0,1 $PY -m gridserve.cli bench quantization-speed --device cpu \
+timeout 60 taskset -c 0,1 $PY -m pytest -q -p no:cacheprovider tests/unit/kernels/test_kv_cache_dtypes.py 2>&1 | tail -3
+timeout 180 taskset -c 0,1 $PY -m gridserve.cli bench quantization-speed --device cpu --modes fp32,int8+kv-bf16,int4+kv-fp8 \
   --output-json "$OUT/quantization_speed_cpu.json" 2>&1 | grep -v INFO | tee "$OUT/quant_speed.log" | tail -12
