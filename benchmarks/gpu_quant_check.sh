@@ -22,5 +22,8 @@ timeout 170 $PY -m pytest -q -p no:cacheprovider tests/gpu/test_quantization_cud
 echo "== 2: CPU, 2 pinned cores"
 export GRIDSERVE_CPU_THREADS=2 CUDA_VISIBLE_DEVICES=
 timeout 60 taskset -c 0,1 $PY -m pytest -q -p no:cacheprovider tests/unit/kernels/test_kv_cache_dtypes.py 2>&1 | tail -3
-timeout 180 taskset -c 0,1 $PY -m gridserve.cli bench quantization-speed --device cpu --modes fp32,int8+kv-bf16,int4+kv-fp8 \
-  --output-json "$OUT/quantization_speed_cpu.json" 2>&1 | grep -v INFO | tee "$OUT/quant_speed.log" | tail -12
+SIZE=${SPEED_MODEL_SIZE:-small}
+MODEL=$($PY -c "from gridserve.demo.recipe import ensure_checkpoint; print(ensure_checkpoint('llama', '$SIZE'))")
+timeout ${SPEED_TIMEOUT:-180} taskset -c 0,1 $PY -m gridserve.cli bench quantization-speed --device cpu --model "$MODEL" \
+  --modes ${SPEED_MODES:-fp32,int8+kv-bf16,int4+kv-fp8} \
+  --output-json "$OUT/quantization_speed_cpu_$SIZE.json" 2>&1 | grep -v INFO | tee "$OUT/quant_speed.log" | tail -12

@@ -76,7 +76,7 @@ def teacher_forced_logprobs(llm: Any, token_ids: list[int]) -> Any:
 
     def capture(hidden: torch.Tensor) -> torch.Tensor:
         logits = original(hidden)
-        captured.append(logits.float().clone())
+        captured.append(logits.float().cpu())
         return logits
 
     model.compute_logits = capture
