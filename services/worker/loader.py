@@ -123,14 +123,21 @@ def load_model(config: GridserveConfig, device: torch.device) -> nn.Module:
         model = model_class(config=config)
     model = model.to_empty(device=device).to(dtype)
     report = LoadReport()
-    loaded = model.load_weights(iterate_weights(config.model.model_path, report))
+    weights = iterate_weights(config.model.model_path, report)
+    prequantized = None
+    if config.model.quantization == "compressed-tensors":
+        from gridserve.services.worker.quantization import compressed_tensors
+
+        prequantized = compressed_tensors.scheme_of(config.model.hf_config["quantization_config"])
+        weights = compressed_tensors.dequantized_weights(weights, prequantized, report)
+    loaded = model.load_weights(weights)
     missing = {name for name, _ in model.named_parameters()} - loaded
     if missing:
         raise ModelNotFoundError(
             f"checkpoint {config.model.model_path!r} lacks weights for: {', '.join(sorted(missing)[:8])}"
         )
     _reset_non_persistent(model, device)
-    _quantize(model, config)
+    _quantize(model, config, prequantized)
     model.load_report = report
     logger.info("loaded %s (%s, quantization %s) on %s: %.1f MiB of weights", config.model.architecture,
                 config.model.resolved_dtype, config.model.quantization or "none", device,
@@ -146,11 +153,13 @@ def parameter_bytes(model: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters()) + quantized
 
 
-def _quantize(model: nn.Module, config: GridserveConfig) -> None:
-    """Quantize this rank's shards by the per-layer config (no-op without ``quantization``)."""
+def _quantize(model: nn.Module, config: GridserveConfig, prequantized=None) -> None:
+    """Quantize this rank's shards by the per-layer config (no-op without ``quantization``), or
+    re-quantize the layers a pre-quantized checkpoint stored packed (``prequantized``)."""
     from gridserve.services.worker.quantization import QuantizationConfig, quantize_model
 
-    quant = QuantizationConfig.from_model_config(config.model.quantization, config.model.quantization_config)
+    quant = prequantized or QuantizationConfig.from_model_config(config.model.quantization,
+                                                                 config.model.quantization_config)
     if quant is not None:
         model.quantization = quantize_model(model, quant)
 

@@ -45,7 +45,7 @@ def quantize_model(model: nn.Module, config: QuantizationConfig) -> dict[str, st
         method = config.method_for(prefix)
         chosen[prefix] = method or "none"
         if method is not None:
-            module.quantize(method, config.group_size)
+            module.quantize(method, config.group_size, config.activations)
     config.check_all_matched()
     counts = {m: sum(1 for v in chosen.values() if v == m) for m in set(chosen.values())}
     logger.info("quantized linear layers: %s", counts)

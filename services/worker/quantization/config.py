@@ -29,6 +29,10 @@ class QuantizationConfig:
     method: str
     ignore: list[str] = field(default_factory=list)
     group_size: int = 128
+    # Pre-quantized checkpoints: only these checkpoint prefixes are quantized (None: all but ignore),
+    # and int8 stays weight-only (no activation quantization) when ``activations`` is False.
+    only: set[str] | None = None
+    activations: bool = True
     _matched: set[str] = field(default_factory=set, repr=False)
 
     @classmethod
@@ -43,6 +47,8 @@ class QuantizationConfig:
         head, _, last = prefix.rpartition(".")
         for part in _MERGED_PARTS.get(last, ()):
             names.append(f"{head}.{part}" if head else part)
+        if self.only is not None:
+            return self.method if any(name in self.only for name in names) else None
         hit = [entry for entry in self.ignore if any(_matches(entry, name) for name in names)]
         self._matched.update(hit)
         return None if hit else self.method

@@ -8,7 +8,8 @@ A ``QuantizedWeight`` replaces a linear layer's fp32 weight ``W`` [out, in] and 
   int8 x int8 -> int32 GEMM (``torch._int_mm``), then rescales by the row and channel scales:
   W8A8 as llama.cpp's q8_0 path. fbgemm's dynamic linear (one activation scale per *call*, 7-bit)
   was measured and rejected: mean KL 0.22 nats against fp32 where per-row scales give 0.026 and
-  weight-only 0.011 (llama small, 512 tokens). On CUDA the weight is dequantized per call.
+  weight-only 0.011 (llama small, 512 tokens). On CUDA, and for weight-only checkpoints
+  (``activations=False``, compressed-tensors W8A16), the weight is dequantized per call.
 - ``Int4Weight``: 4-bit values in [-8, 7], two per byte, one scale per group of ``group_size``
   input columns. Correct everywhere, fast nowhere yet: it dequantizes to the activation dtype and
   runs ``F.linear`` (the slow path; torch's CPU int4 packs are 40-75x slower than fp32 here).
@@ -48,20 +49,21 @@ class Int8Weight(QuantizedWeight):
 
     method = "int8"
 
-    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor) -> None:
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, activations: bool = True) -> None:
         super().__init__()
+        self.activations = activations  # quantize activation rows too (the fast CPU path)
         self.register_buffer("qweight", qweight.contiguous())  # [out, in] int8
         self.register_buffer("scales", scales.float().contiguous())  # [out]
 
     @classmethod
-    def from_float(cls, weight: torch.Tensor) -> Int8Weight:
+    def from_float(cls, weight: torch.Tensor, activations: bool = True) -> Int8Weight:
         w = weight.float()
         scales = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
         q = torch.round(w / scales[:, None]).clamp_(-127, 127).to(torch.int8)
-        return cls(q, scales)
+        return cls(q, scales, activations)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.qweight.device.type != "cpu":  # CUDA: weight-only, dequantized per call
+        if self.qweight.device.type != "cpu" or not self.activations:  # weight-only, dequantized per call
             return F.linear(x, self.qweight.to(x.dtype) * self.scales[:, None].to(x.dtype))
         shape = x.shape
         rows = x.reshape(-1, shape[-1]).float()
@@ -129,10 +131,13 @@ def unpack_int4(packed: torch.Tensor, in_features: int) -> torch.Tensor:
     return torch.where(q >= 8, q - 16, q)
 
 
-def quantize_weight(weight: torch.Tensor, method: str, group_size: int = 128) -> Optional[QuantizedWeight]:
-    """``weight`` quantized by ``method`` ("int8", "int4"); None for no quantization."""
+def quantize_weight(weight: torch.Tensor, method: str, group_size: int = 128,
+                    activations: bool = True) -> Optional[QuantizedWeight]:
+    """``weight`` quantized by ``method`` ("int8", "int4"); None for no quantization.
+
+    ``activations=False`` keeps int8 weight-only (a W8A16 checkpoint's semantics)."""
     if method == "int8":
-        return Int8Weight.from_float(weight)
+        return Int8Weight.from_float(weight, activations)
     if method == "int4":
         return Int4Weight.from_float(weight, group_size)
     return None
