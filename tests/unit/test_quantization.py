@@ -93,3 +93,35 @@ def test_int4_weight_uses_group_scales():
     assert err[:, :128].max() <= w[:, :128].abs().max() / 14 + 1e-5
     x = torch.randn(5, 256, generator=gen)
     torch.testing.assert_close(q(x), x @ q.dequantize().T)
+
+
+def test_engine_flags_carry_quantization_and_kv_cache_dtype(llama_tiny):
+    import argparse
+
+    from gridserve.roles import add_engine_arguments, engine_argv, engine_config
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model")
+    add_engine_arguments(parser)
+    argv = ["--model", str(llama_tiny), "--kv-cache-dtype", "fp8_e5m2", "--quantization", "int4",
+            "--quantization-config", '{"method": "int4", "ignore": ["lm_head"], "group_size": 64}']
+    args = parser.parse_args(argv)
+    config = engine_config(args, ["127.0.0.1:1"])
+    assert config.cache.kv_cache_dtype == "fp8_e5m2"
+    assert config.model.quantization == "int4"
+    assert config.model.quantization_config == {"method": "int4", "ignore": ["lm_head"], "group_size": 64}
+    forwarded = engine_argv(args)  # what `serve` hands its engine
+    assert forwarded[forwarded.index("--kv-cache-dtype") + 1] == "fp8_e5m2"
+    assert forwarded[forwarded.index("--quantization") + 1] == "int4"
+
+
+def test_quantization_settings_survive_the_worker_protobuf(llama_tiny):
+    from gridserve.shared.rpc.worker_convert import config_from_pb, config_to_pb
+
+    config = GridserveConfig.from_kwargs(model=str(llama_tiny), kv_cache_dtype="bfloat16",
+                                         quantization_config={"method": "int8", "ignore": ["lm_head"]}).finalize()
+    back = config_from_pb(config_to_pb(config))
+    assert back.cache.kv_cache_dtype == "bfloat16"
+    assert back.model.quantization == "int8"
+    assert back.model.quantization_config == {"method": "int8", "ignore": ["lm_head"]}
+    assert back.kv_bytes_per_token_per_rank() == config.kv_bytes_per_token_per_rank()
