@@ -161,7 +161,7 @@ def _quantize(model: nn.Module, config: GridserveConfig, prequantized=None) -> N
     quant = prequantized or QuantizationConfig.from_model_config(config.model.quantization,
                                                                  config.model.quantization_config)
     if quant is not None:
-        model.quantization = quantize_model(model, quant)
+        model.quantization = quantize_model(model, quant, config.model.num_layers)
 
 
 def _reset_non_persistent(model: nn.Module, device: torch.device) -> None:

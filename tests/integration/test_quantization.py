@@ -207,3 +207,26 @@ def test_tp2_int8_with_fp8_kv_generates_like_tp1(llama_tiny):
             if x != y:
                 assert x in b.logprobs[i] and y in a.logprobs[i], (a.token_ids, b.token_ids)
                 break
+
+
+def test_a_pipeline_stage_accepts_ignore_entries_for_the_other_stage(llama_tiny):
+    from gridserve.services.worker.loader import load_model
+    from gridserve.services.worker.parallel_state import ParallelState, set_parallel_state
+    from gridserve.shared.config import GridserveConfig
+    from gridserve.shared.parallel import RankLayout
+
+    config = GridserveConfig.from_kwargs(
+        model=str(llama_tiny), pipeline_parallel_size=2,
+        quantization_config={"method": "int8", "ignore": ["lm_head", r"re:model\.layers\.0\..*"]}).finalize()
+    try:
+        for rank in range(2):
+            set_parallel_state(ParallelState(RankLayout(rank, 1, 2)))
+            model = load_model(config, torch.device("cpu"))
+            quantized = {p for p, m in model.quantization.items() if m != "none"}
+            assert quantized == (set() if rank == 0 else {f"model.layers.1.{n}" for n in (
+                "self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")})
+        config.model.quantization_config = {"method": "int8", "ignore": ["model.layers.5.mlp.down_proj"]}
+        with pytest.raises(ConfigError):
+            load_model(config, torch.device("cpu"))
+    finally:
+        set_parallel_state(ParallelState.single())

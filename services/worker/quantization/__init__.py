@@ -9,6 +9,7 @@ method and swaps its float weight for a ``QuantizedWeight``. Pre-quantized check
 from __future__ import annotations
 
 import logging
+import re
 
 from torch import nn
 
@@ -21,14 +22,16 @@ from gridserve.services.worker.quantization.weights import (
 )
 
 logger = logging.getLogger(__name__)
+_LAYER_INDEX = re.compile(r"\.layers\.(\d+)\.")
 
 __all__ = ["Int4Weight", "Int8Weight", "QuantizationConfig", "QuantizedWeight", "quantize_model",
            "quantize_weight"]
 
 
-def quantize_model(model: nn.Module, config: QuantizationConfig) -> dict[str, str]:
+def quantize_model(model: nn.Module, config: QuantizationConfig, num_layers: int = 0) -> dict[str, str]:
     """Quantize every linear layer of ``model`` the config does not ignore; returns prefix -> method
-    ("none" for the ignored ones)."""
+    ("none" for the ignored ones). ``num_layers``: the whole model's decoder layers (a pipeline
+    stage holds only some; ignore entries may name the others)."""
     from gridserve.services.worker.parallel_layers import QuantizableLinear
 
     chosen: dict[str, str] = {}
@@ -46,7 +49,17 @@ def quantize_model(model: nn.Module, config: QuantizationConfig) -> dict[str, st
         chosen[prefix] = method or "none"
         if method is not None:
             module.quantize(method, config.group_size, config.activations)
-    config.check_all_matched()
+    config.check_all_matched(_other_stages(chosen, num_layers))
     counts = {m: sum(1 for v in chosen.values() if v == m) for m in set(chosen.values())}
     logger.info("quantized linear layers: %s", counts)
     return chosen
+
+
+def _other_stages(held: dict[str, str], num_layers: int) -> set[str]:
+    """Prefixes of the layers this rank would hold at every layer index, plus the LM head."""
+    names = {"lm_head"}
+    for prefix in held:
+        match = _LAYER_INDEX.search(prefix)
+        if match:
+            names.update(prefix[: match.start(1)] + str(i) + prefix[match.end(1):] for i in range(num_layers))
+    return names - set(held)

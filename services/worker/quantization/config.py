@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from gridserve.shared.errors import ConfigError
@@ -43,22 +44,33 @@ class QuantizationConfig:
 
     def method_for(self, prefix: str) -> str | None:
         """The method for the layer at ``prefix``, None when an ``ignore`` entry matches it."""
-        names = [prefix]
-        head, _, last = prefix.rpartition(".")
-        for part in _MERGED_PARTS.get(last, ()):
-            names.append(f"{head}.{part}" if head else part)
+        names = _names(prefix)
         if self.only is not None:
             return self.method if any(name in self.only for name in names) else None
         hit = [entry for entry in self.ignore if any(_matches(entry, name) for name in names)]
         self._matched.update(hit)
         return None if hit else self.method
 
-    def check_all_matched(self) -> None:
-        """Raise for ignore entries that matched no layer (a typo would silently quantize)."""
-        unmatched = [entry for entry in self.ignore if entry not in self._matched]
+    def check_all_matched(self, elsewhere: Iterable[str] = ()) -> None:
+        """Raise for ignore entries that matched no layer (a typo would silently quantize).
+
+        ``elsewhere``: prefixes of layers other pipeline stages hold; an entry naming one of them
+        is not a typo."""
+        others = [name for prefix in elsewhere for name in _names(prefix)]
+        unmatched = [entry for entry in self.ignore if entry not in self._matched
+                     and not any(_matches(entry, name) for name in others)]
         if unmatched:
             raise ConfigError("model.quantization_config.ignore",
                               f"entries match no linear layer of this model: {unmatched}")
+
+
+def _names(prefix: str) -> list[str]:
+    """``prefix`` and, for a merged layer, its checkpoint parts' prefixes."""
+    names = [prefix]
+    head, _, last = prefix.rpartition(".")
+    for part in _MERGED_PARTS.get(last, ()):
+        names.append(f"{head}.{part}" if head else part)
+    return names
 
 
 def _matches(entry: str, name: str) -> bool:
