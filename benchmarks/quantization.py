@@ -29,6 +29,7 @@ MODES: dict[str, dict[str, Any]] = {
     "kv-fp8_e5m2": {"kv_cache_dtype": "fp8_e5m2"},
     "int8": {"quantization": "int8"},
     "int8+kv-bf16": {"quantization": "int8", "kv_cache_dtype": "bfloat16"},
+    "int8-weight-only": {"quantization_config": {"method": "int8", "weight_only": True}},
     "int4": {"quantization": "int4"},
     "int4+kv-fp8": {"quantization": "int4", "kv_cache_dtype": "fp8_e4m3"},
 }
@@ -40,6 +41,7 @@ BARS: dict[str, tuple[float, Optional[float]]] = {
     "kv-fp8_e5m2": (0.05, None),
     "int8": (0.02, 0.9),
     "int8+kv-bf16": (0.02, 0.9),
+    "int8-weight-only": (0.02, 0.9),
     "int4": (0.15, None),
 }
 DEFAULT_OUTPUT_JSON = str(Path(__file__).parent / "results" / "quantization.json")
@@ -81,8 +83,11 @@ def teacher_forced_logprobs(llm: Any, token_ids: list[int]) -> Any:
 
     model.compute_logits = capture
     try:
-        llm.generate([{"prompt_token_ids": token_ids}], SamplingParams(max_tokens=1, prompt_logprobs=0),
-                     use_tqdm=False)
+        llm.generate(
+            [{"prompt_token_ids": token_ids}],
+            SamplingParams(max_tokens=1, prompt_logprobs=0),
+            use_tqdm=False,
+        )
     finally:
         del model.compute_logits
     return torch.log_softmax(torch.cat(captured), dim=-1)
@@ -120,8 +125,14 @@ def weight_bytes(llm: Any) -> int:
     return parameter_bytes(_model_of(llm))
 
 
-def evaluate(model: str, text_ids: list[int], prompts: list[list[int]], modes: list[str],
-             greedy: int = 64, **llm_kwargs: Any) -> list[ModeResult]:
+def evaluate(
+    model: str,
+    text_ids: list[int],
+    prompts: list[list[int]],
+    modes: list[str],
+    greedy: int = 64,
+    **llm_kwargs: Any,
+) -> list[ModeResult]:
     """Every mode of ``modes`` against fp32, one model loaded at a time."""
     from gridserve import LLM
 
@@ -138,8 +149,17 @@ def evaluate(model: str, text_ids: list[int], prompts: list[list[int]], modes: l
             kl, agree = mean_kl(reference, logprobs), agreement(ref_tokens, tokens)
             bar = BARS.get(mode)
             passes = None if bar is None else kl <= bar[0] and (bar[1] is None or agree >= bar[1])
-            results.append(ModeResult(mode, kl, agree, perplexity(logprobs, text_ids), weight_bytes(llm),
-                                      2**30 // per_token, passes))
+            results.append(
+                ModeResult(
+                    mode,
+                    kl,
+                    agree,
+                    perplexity(logprobs, text_ids),
+                    weight_bytes(llm),
+                    2**30 // per_token,
+                    passes,
+                )
+            )
             logger.info("%s: KL %.5f, agreement %.3f", mode, kl, agree)
         finally:
             llm.shutdown()
@@ -156,8 +176,12 @@ SPEED_MODES = ("fp32", "int8+kv-bf16", "int8", "kv-bf16", "int4+kv-fp8")
 
 
 def add_speed_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="HF folder (default: the recipe's llama small)")
-    parser.add_argument("--modes", default=",".join(SPEED_MODES), help="comma-separated modes; fp32 first")
+    parser.add_argument(
+        "--model", default=None, help="HF folder (default: the recipe's llama small)"
+    )
+    parser.add_argument(
+        "--modes", default=",".join(SPEED_MODES), help="comma-separated modes; fp32 first"
+    )
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--input-len-min", type=int, default=32)
     parser.add_argument("--input-len-max", type=int, default=256)
@@ -165,7 +189,9 @@ def add_speed_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len-max", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    parser.add_argument("--output-json", default=str(Path(__file__).parent / "results" / "quantization_speed.json"))
+    parser.add_argument(
+        "--output-json", default=str(Path(__file__).parent / "results" / "quantization_speed.json")
+    )
 
 
 def run_speed(args: argparse.Namespace) -> int:
@@ -175,29 +201,54 @@ def run_speed(args: argparse.Namespace) -> int:
 
     model = args.model or str(ensure_checkpoint("llama", "small"))
     vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
-    workload = throughput.make_workload(args.num_prompts, args.input_len_min, args.input_len_max,
-                                        args.output_len_min, args.output_len_max, vocab, args.seed)
+    workload = throughput.make_workload(
+        args.num_prompts,
+        args.input_len_min,
+        args.input_len_max,
+        args.output_len_min,
+        args.output_len_max,
+        vocab,
+        args.seed,
+    )
     kv_bytes = throughput.kv_cache_bytes_for(workload, model)  # the fp32 need: every mode fits
     rows = []
     for mode in [m for m in args.modes.split(",") if m]:
-        result = throughput.run_gridserve(model, workload, kv_cache_memory_bytes=kv_bytes, name=mode,
-                                          device=args.device, **MODES[mode])
-        rows.append({"mode": mode, "elapsed_s": result.elapsed_s, "tok_per_s": result.output_tok_per_s,
-                     "cpu_s": result.cpu_s, "load_avg": result.load_avg})
+        result = throughput.run_gridserve(
+            model,
+            workload,
+            kv_cache_memory_bytes=kv_bytes,
+            name=mode,
+            device=args.device,
+            **MODES[mode],
+        )
+        rows.append(
+            {
+                "mode": mode,
+                "elapsed_s": result.elapsed_s,
+                "tok_per_s": result.output_tok_per_s,
+                "cpu_s": result.cpu_s,
+                "load_avg": result.load_avg,
+            }
+        )
     base = rows[0]["tok_per_s"]
     print(f"W offline ({workload.num_requests} requests, {Path(model).name}), one run each:")
     print(f"{'mode':<14} {'tok/s':>8} {'vs ' + rows[0]['mode']:>9} {'load avg':>12}")
     for r in rows:
         r["ratio"] = r["tok_per_s"] / base
-        print(f"{r['mode']:<14} {r['tok_per_s']:>8.1f} {r['ratio']:>8.2f}x {str(r['load_avg']):>12}")
+        print(
+            f"{r['mode']:<14} {r['tok_per_s']:>8.1f} {r['ratio']:>8.2f}x {str(r['load_avg']):>12}"
+        )
     Path(args.output_json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.output_json).write_text(json.dumps({"model": model, "workload": workload.describe(),
-                                                  "results": rows}, indent=2))
+    Path(args.output_json).write_text(
+        json.dumps({"model": model, "workload": workload.describe(), "results": rows}, indent=2)
+    )
     return 0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="HF folder (default: the recipe's llama small)")
+    parser.add_argument(
+        "--model", default=None, help="HF folder (default: the recipe's llama small)"
+    )
     parser.add_argument("--modes", default=",".join(MODES), help="comma-separated modes")
     parser.add_argument("--tokens", type=int, default=512, help="held-out tokens scored")
     parser.add_argument("--greedy-tokens", type=int, default=64)
@@ -218,14 +269,26 @@ def run(args: argparse.Namespace) -> int:
     unknown = [m for m in modes if m not in MODES]
     if unknown:
         raise SystemExit(f"--modes: unknown {unknown}; known: {list(MODES)}")
-    results = evaluate(model, text_ids, prompts, modes, args.greedy_tokens,
-                       kv_cache_memory_bytes=2**28, max_model_len=2048)
-    print(f"{'mode':<14} {'mean KL':>9} {'greedy':>7} {'ppl':>8} {'weights MiB':>12} {'KV tok/GiB':>11} bar")
+    results = evaluate(
+        model,
+        text_ids,
+        prompts,
+        modes,
+        args.greedy_tokens,
+        kv_cache_memory_bytes=2**28,
+        max_model_len=2048,
+    )
+    print(
+        f"{'mode':<14} {'mean KL':>9} {'greedy':>7} {'ppl':>8} {'weights MiB':>12} {'KV tok/GiB':>11} bar"
+    )
     for r in results:
         bar = "-" if r.passes is None else ("pass" if r.passes else "FAIL")
-        print(f"{r.mode:<14} {r.mean_kl:>9.5f} {r.greedy_agreement:>7.3f} {r.perplexity:>8.2f} "
-              f"{r.weight_bytes / 2**20:>12.1f} {r.kv_tokens_per_gib:>11} {bar}")
+        print(
+            f"{r.mode:<14} {r.mean_kl:>9.5f} {r.greedy_agreement:>7.3f} {r.perplexity:>8.2f} "
+            f"{r.weight_bytes / 2**20:>12.1f} {r.kv_tokens_per_gib:>11} {bar}"
+        )
     Path(args.output_json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.output_json).write_text(json.dumps({"model": model, "results": [asdict(r) for r in results]},
-                                                 indent=2))
+    Path(args.output_json).write_text(
+        json.dumps({"model": model, "results": [asdict(r) for r in results]}, indent=2)
+    )
     return 0

@@ -53,7 +53,8 @@ def reshape_and_cache(
     """Write packed ``key`` / ``value`` ([num_tokens, num_kv_heads, head_size]) into their slots."""
     num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
     flat = kv_cache.view(2, num_blocks * block_size, *kv_cache.shape[3:])
-    key, value = to_cache_dtype(key, kv_cache.dtype, k_scale), to_cache_dtype(value, kv_cache.dtype, v_scale)
+    key = to_cache_dtype(key, kv_cache.dtype, k_scale)
+    value = to_cache_dtype(value, kv_cache.dtype, v_scale)
     if kv_cache.dtype in FP8_DTYPES:  # index_copy_ has no fp8 kernel: copy the bytes
         flat, key, value = flat.view(torch.uint8), key.view(torch.uint8), value.view(torch.uint8)
     flat[0].index_copy_(0, slot_mapping, key)

@@ -86,15 +86,20 @@ class ModelConfig:
                 raise ConfigError("model.quantization_config", f"is not valid JSON: {exc}") from None
         if not isinstance(qc, dict):
             raise ConfigError("model.quantization_config", f"must be a JSON object, got {qc!r}")
-        unknown = set(qc) - {"method", "ignore", "group_size"}
+        unknown = set(qc) - {"method", "ignore", "group_size", "weight_only"}
         if unknown:
             raise ConfigError("model.quantization_config", f"unknown keys {sorted(unknown)}")
         ignore = qc.get("ignore", [])
         if not isinstance(ignore, list) or not all(isinstance(x, str) and x for x in ignore):
-            raise ConfigError("model.quantization_config.ignore", f"must be a list of names, got {ignore!r}")
+            raise ConfigError("model.quantization_config.ignore",
+                              f"must be a list of names, got {ignore!r}")
+        if not isinstance(qc.get("weight_only", False), bool):
+            raise ConfigError("model.quantization_config.weight_only",
+                              f"must be true or false, got {qc['weight_only']!r}")
         group = qc.get("group_size", 128)
         if not isinstance(group, int) or isinstance(group, bool) or group < 1:
-            raise ConfigError("model.quantization_config.group_size", f"must be a positive integer, got {group!r}")
+            raise ConfigError("model.quantization_config.group_size",
+                              f"must be a positive integer, got {group!r}")
         method = qc.get("method", self.quantization)
         if self.quantization is not None and method != self.quantization:
             raise ConfigError("model.quantization_config.method",
@@ -143,11 +148,13 @@ class ModelConfig:
             return
         method = saved.get("quant_method")
         if method != "compressed-tensors":
-            raise ConfigError("model.model", f"checkpoint quantization {method!r} is not supported; "
-                                             "supported: 'compressed-tensors' (int8 / int4 weight-only)")
+            raise ConfigError("model.model",
+                              f"checkpoint quantization {method!r} is not supported; "
+                              "supported: 'compressed-tensors' (int8 / int4 weight-only)")
         if self.quantization not in (None, "compressed-tensors"):
-            raise ConfigError("model.quantization", f"the checkpoint is already quantized "
-                                                    f"(compressed-tensors); got {self.quantization!r}")
+            raise ConfigError("model.quantization",
+                              "the checkpoint is already quantized (compressed-tensors); "
+                              f"got {self.quantization!r}")
         self.quantization = "compressed-tensors"
         self.quantization_config = {"method": "compressed-tensors"}
 

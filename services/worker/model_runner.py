@@ -96,7 +96,8 @@ class ModelRunner:
         """Allocate one KV tensor per layer of this stage and bind it to that layer's attention."""
         layers = self.model.attention_layers()
         self.kv_caches = [
-            torch.zeros(self.kv_cache_shape(num_blocks, layer), dtype=self.kv_cache_dtype, device=self.device)
+            torch.zeros(self.kv_cache_shape(num_blocks, layer), dtype=self.kv_cache_dtype,
+                        device=self.device)
             for layer in layers
         ]
         for layer, cache in zip(layers, self.kv_caches):

@@ -16,8 +16,10 @@ from gridserve.kernels import reference
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-    pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
-                       reason="the Triton interpreter is on: these tests compile for the GPU"),
+    pytest.mark.skipif(
+        os.environ.get("TRITON_INTERPRET") == "1",
+        reason="the Triton interpreter is on: these tests compile for the GPU",
+    ),
 ]
 
 CACHE_DTYPES = [torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2]
@@ -92,8 +94,16 @@ def test_llm_on_cuda_runs_every_mode_close_to_fp32():
     model = str(ensure_checkpoint("llama", "small"))
     ids = AutoTokenizer.from_pretrained(model)(bench.held_out_text())["input_ids"]
     modes = ["kv-bf16", "kv-fp8_e4m3", "int8", "int4+kv-fp8"]
-    results = bench.evaluate(model, ids[:384], [ids[400:424]], modes, 32, device="cuda",
-                             kv_cache_memory_bytes=1 << 26, max_model_len=1024)
+    results = bench.evaluate(
+        model,
+        ids[:384],
+        [ids[400:424]],
+        modes,
+        32,
+        device="cuda",
+        kv_cache_memory_bytes=1 << 26,
+        max_model_len=1024,
+    )
     by_mode = {r.mode: r for r in results}
     print({m: round(r.mean_kl, 5) for m, r in by_mode.items()})
     assert by_mode["kv-bf16"].mean_kl <= bench.BARS["kv-bf16"][0]

@@ -28,7 +28,9 @@ def _model(llm):
     return llm.llm_engine.core.executor.worker.runner.model
 
 
-@pytest.mark.parametrize(("dtype", "factor"), [("bfloat16", 2), ("float16", 2), ("fp8_e4m3", 4), ("fp8_e5m2", 4)])
+@pytest.mark.parametrize(
+    ("dtype", "factor"), [("bfloat16", 2), ("float16", 2), ("fp8_e4m3", 4), ("fp8_e5m2", 4)]
+)
 def test_same_kv_memory_holds_2x_or_4x_the_tokens(llama_tiny, dtype, factor):
     blocks = {}
     for kv_dtype in ("auto", dtype):
@@ -36,8 +38,16 @@ def test_same_kv_memory_holds_2x_or_4x_the_tokens(llama_tiny, dtype, factor):
         try:
             blocks[kv_dtype] = llm.llm_engine.core.config.cache.num_blocks
             cache = llm.llm_engine.core.executor.worker.runner.kv_caches[0]
-            assert cache.dtype == {"auto": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-                                   "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}[kv_dtype]
+            assert (
+                cache.dtype
+                == {
+                    "auto": torch.float32,
+                    "bfloat16": torch.bfloat16,
+                    "float16": torch.float16,
+                    "fp8_e4m3": torch.float8_e4m3fn,
+                    "fp8_e5m2": torch.float8_e5m2,
+                }[kv_dtype]
+            )
         finally:
             llm.shutdown()
     assert blocks[dtype] == factor * blocks["auto"]
@@ -52,10 +62,23 @@ def test_per_layer_config_leaves_lm_head_and_layer_0_in_fp32(llama_tiny):
         float_layers = {p for p, m in layers.items() if m.qweight is None}
         int8_layers = {p for p, m in layers.items() if isinstance(m.qweight, Int8Weight)}
         assert float_layers == {"lm_head", "model.embed_tokens"} | {
-            f"model.layers.0.{name}" for name in ("self_attn.qkv_proj", "self_attn.o_proj",
-                                                  "mlp.gate_up_proj", "mlp.down_proj")}
-        assert int8_layers == {f"model.layers.1.{name}" for name in ("self_attn.qkv_proj", "self_attn.o_proj",
-                                                                     "mlp.gate_up_proj", "mlp.down_proj")}
+            f"model.layers.0.{name}"
+            for name in (
+                "self_attn.qkv_proj",
+                "self_attn.o_proj",
+                "mlp.gate_up_proj",
+                "mlp.down_proj",
+            )
+        }
+        assert int8_layers == {
+            f"model.layers.1.{name}"
+            for name in (
+                "self_attn.qkv_proj",
+                "self_attn.o_proj",
+                "mlp.gate_up_proj",
+                "mlp.down_proj",
+            )
+        }
         assert all(layers[p].weight is None for p in int8_layers)  # the float copy is gone
         assert all(layers[p].weight.dtype == torch.float32 for p in float_layers)
         out = llm.generate(["def f("], bench_params(8), use_tqdm=False)[0].outputs[0]
@@ -72,8 +95,11 @@ def bench_params(n):
 
 def test_an_ignore_entry_matching_no_layer_fails_at_load_naming_the_field(llama_tiny):
     with pytest.raises(ConfigError) as err:
-        LLM(str(llama_tiny), kv_cache_memory_bytes=KV_BYTES,
-            quantization_config={"method": "int8", "ignore": ["model.layers.7.mlp.down_proj"]})
+        LLM(
+            str(llama_tiny),
+            kv_cache_memory_bytes=KV_BYTES,
+            quantization_config={"method": "int8", "ignore": ["model.layers.7.mlp.down_proj"]},
+        )
     assert err.value.field == "model.quantization_config.ignore"
 
 
@@ -103,15 +129,31 @@ def accuracy_setup():
     from transformers import AutoTokenizer
 
     ensure = _trained_model()
-    model = str(ensure(progress=False)) if ensure is not None else str(ensure_checkpoint("llama", "small"))
+    model = (
+        str(ensure(progress=False))
+        if ensure is not None
+        else str(ensure_checkpoint("llama", "small"))
+    )
     ids = AutoTokenizer.from_pretrained(model)(bench.held_out_text())["input_ids"]
-    return model, ids[:384], [ids[400 + 24 * i : 424 + 24 * i] for i in range(4)], ensure is not None
+    return (
+        model,
+        ids[:384],
+        [ids[400 + 24 * i : 424 + 24 * i] for i in range(4)],
+        ensure is not None,
+    )
 
 
 def _check(setup, modes, max_model_len=1024, text_ids=None):
     model, ids, prompts, trained = setup
-    results = bench.evaluate(model, text_ids or ids, prompts, modes, 64,
-                             kv_cache_memory_bytes=1 << 26, max_model_len=max_model_len)
+    results = bench.evaluate(
+        model,
+        text_ids or ids,
+        prompts,
+        modes,
+        64,
+        kv_cache_memory_bytes=1 << 26,
+        max_model_len=max_model_len,
+    )
     return {r.mode: r for r in results}, trained
 
 
@@ -129,8 +171,11 @@ def test_quantized_modes_meet_the_issue_bars_on_the_trained_model(accuracy_setup
     if not trained:
         # Random weights: only what holds for any weights (int8 error is small, not near-uniform).
         assert results["int8"].mean_kl < 0.1 and results["kv-fp8_e4m3"].mean_kl < 0.1
-        pytest.skip("no trained demo model in this checkout: KL bars need it (random-weight KL: "
-                    + ", ".join(f"{m} {r.mean_kl:.4f}" for m, r in results.items()) + ")")
+        pytest.skip(
+            "no trained demo model in this checkout: KL bars need it (random-weight KL: "
+            + ", ".join(f"{m} {r.mean_kl:.4f}" for m, r in results.items())
+            + ")"
+        )
     for mode in modes:
         assert results[mode].passes, results[mode]
 
@@ -141,8 +186,9 @@ def test_bars_hold_for_prompts_near_max_model_len(accuracy_setup):
     from transformers import AutoTokenizer
 
     long_ids = AutoTokenizer.from_pretrained(model)(bench.held_out_text() * 4)["input_ids"][:1000]
-    results, _ = _check(accuracy_setup, ["kv-bf16", "kv-fp8_e4m3", "int8"], max_model_len=1088,
-                        text_ids=long_ids)
+    results, _ = _check(
+        accuracy_setup, ["kv-bf16", "kv-fp8_e4m3", "int8"], max_model_len=1088, text_ids=long_ids
+    )
     assert results["kv-bf16"].mean_kl <= bench.BARS["kv-bf16"][0]
     if trained:
         for mode in ("kv-fp8_e4m3", "int8"):
@@ -156,7 +202,9 @@ def _rank(checkpoint, rank: int, tp: int, **kwargs):
     from gridserve.shared.config import GridserveConfig
     from gridserve.shared.parallel import RankLayout
 
-    config = GridserveConfig.from_kwargs(model=str(checkpoint), tensor_parallel_size=tp, **kwargs).finalize()
+    config = GridserveConfig.from_kwargs(
+        model=str(checkpoint), tensor_parallel_size=tp, **kwargs
+    ).finalize()
     set_parallel_state(ParallelState(RankLayout(rank, tp, 1)))
     try:
         return load_model(config, torch.device("cpu"))
@@ -165,19 +213,31 @@ def _rank(checkpoint, rank: int, tp: int, **kwargs):
 
 
 def test_each_tp_rank_quantizes_only_its_shard(llama_tiny):
-    whole = {m.prefix: m for m in _rank(llama_tiny, 0, 1, quantization="int8").modules()
-             if isinstance(m, QuantizableLinear) and m.qweight is not None}
+    whole = {
+        m.prefix: m
+        for m in _rank(llama_tiny, 0, 1, quantization="int8").modules()
+        if isinstance(m, QuantizableLinear) and m.qweight is not None
+    }
     for rank in range(2):
-        part = {m.prefix: m for m in _rank(llama_tiny, rank, 2, quantization="int8").modules()
-                if isinstance(m, QuantizableLinear) and m.qweight is not None}
+        part = {
+            m.prefix: m
+            for m in _rank(llama_tiny, rank, 2, quantization="int8").modules()
+            if isinstance(m, QuantizableLinear) and m.qweight is not None
+        }
         assert set(part) == set(whole)
         for prefix, layer in part.items():
             full, mine = whole[prefix].qweight, layer.qweight
-            assert mine.qweight.numel() * 2 == full.qweight.numel()  # half of every weight, quantized
+            assert (
+                mine.qweight.numel() * 2 == full.qweight.numel()
+            )  # half of every weight, quantized
             if prefix.endswith("gate_up_proj"):  # column-parallel: its rows of gate and of up
                 rows = full.qweight.shape[0] // 4
-                expected = torch.cat([full.qweight[rank * rows : (rank + 1) * rows],
-                                      full.qweight[2 * rows + rank * rows : 2 * rows + (rank + 1) * rows]])
+                expected = torch.cat(
+                    [
+                        full.qweight[rank * rows : (rank + 1) * rows],
+                        full.qweight[2 * rows + rank * rows : 2 * rows + (rank + 1) * rows],
+                    ]
+                )
                 assert torch.equal(mine.qweight, expected)  # per-output-channel: the same int8 rows
             if prefix.endswith("down_proj"):  # row-parallel: its columns, scaled by its own slice
                 cols = full.qweight.shape[1] // 2
@@ -193,8 +253,13 @@ def test_tp2_int8_with_fp8_kv_generates_like_tp1(llama_tiny):
     prompts = [[11, 12, 13, 14], list(range(40, 75)), [5] * 20]
     outputs = {}
     for tp in (1, 2):
-        llm = LLM(str(llama_tiny), kv_cache_memory_bytes=KV_BYTES, tensor_parallel_size=tp,
-                  quantization="int8", kv_cache_dtype="fp8_e4m3")
+        llm = LLM(
+            str(llama_tiny),
+            kv_cache_memory_bytes=KV_BYTES,
+            tensor_parallel_size=tp,
+            quantization="int8",
+            kv_cache_dtype="fp8_e4m3",
+        )
         try:
             outputs[tp] = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
         finally:
@@ -216,16 +281,32 @@ def test_a_pipeline_stage_accepts_ignore_entries_for_the_other_stage(llama_tiny)
     from gridserve.shared.parallel import RankLayout
 
     config = GridserveConfig.from_kwargs(
-        model=str(llama_tiny), pipeline_parallel_size=2,
-        quantization_config={"method": "int8", "ignore": ["lm_head", r"re:model\.layers\.0\..*"]}).finalize()
+        model=str(llama_tiny),
+        pipeline_parallel_size=2,
+        quantization_config={"method": "int8", "ignore": ["lm_head", r"re:model\.layers\.0\..*"]},
+    ).finalize()
     try:
         for rank in range(2):
             set_parallel_state(ParallelState(RankLayout(rank, 1, 2)))
             model = load_model(config, torch.device("cpu"))
             quantized = {p for p, m in model.quantization.items() if m != "none"}
-            assert quantized == (set() if rank == 0 else {f"model.layers.1.{n}" for n in (
-                "self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")})
-        config.model.quantization_config = {"method": "int8", "ignore": ["model.layers.5.mlp.down_proj"]}
+            assert quantized == (
+                set()
+                if rank == 0
+                else {
+                    f"model.layers.1.{n}"
+                    for n in (
+                        "self_attn.qkv_proj",
+                        "self_attn.o_proj",
+                        "mlp.gate_up_proj",
+                        "mlp.down_proj",
+                    )
+                }
+            )
+        config.model.quantization_config = {
+            "method": "int8",
+            "ignore": ["model.layers.5.mlp.down_proj"],
+        }
         with pytest.raises(ConfigError):
             load_model(config, torch.device("cpu"))
     finally:

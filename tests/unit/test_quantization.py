@@ -18,10 +18,19 @@ from gridserve.shared.errors import ConfigError
         ({"quantization": "int3"}, "model.quantization"),
         ({"kv_cache_dtype": "fp4"}, "cache.kv_cache_dtype"),
         ({"quantization_config": "{not json"}, "model.quantization_config"),
-        ({"quantization_config": {"method": "int8", "ignore": "lm_head"}}, "model.quantization_config.ignore"),
-        ({"quantization_config": {"method": "int8", "group_size": 0}}, "model.quantization_config.group_size"),
+        (
+            {"quantization_config": {"method": "int8", "ignore": "lm_head"}},
+            "model.quantization_config.ignore",
+        ),
+        (
+            {"quantization_config": {"method": "int8", "group_size": 0}},
+            "model.quantization_config.group_size",
+        ),
         ({"quantization_config": {"ignore": ["lm_head"]}}, "model.quantization_config.method"),
-        ({"quantization": "int4", "quantization_config": {"method": "int8"}}, "model.quantization_config.method"),
+        (
+            {"quantization": "int4", "quantization_config": {"method": "int8"}},
+            "model.quantization_config.method",
+        ),
         ({"quantization_config": {"method": "int8", "bits": 3}}, "model.quantization_config"),
     ],
 )
@@ -37,8 +46,10 @@ def test_quantization_config_json_text_sets_the_method():
     assert model.quantization_config == {"method": "int4", "ignore": ["lm_head"]}
 
 
-@pytest.mark.parametrize(("dtype", "bytes_per_elem"),
-                         [("auto", 4), ("bfloat16", 2), ("float16", 2), ("fp8_e4m3", 1), ("fp8_e5m2", 1)])
+@pytest.mark.parametrize(
+    ("dtype", "bytes_per_elem"),
+    [("auto", 4), ("bfloat16", 2), ("float16", 2), ("fp8_e4m3", 1), ("fp8_e5m2", 1)],
+)
 def test_kv_bytes_per_token_follow_the_cache_dtype(dtype, bytes_per_elem):
     config = GridserveConfig(cache=CacheConfig(kv_cache_dtype=dtype))
     config.model.num_layers, config.model.num_kv_heads, config.model.head_dim = 4, 2, 64
@@ -46,12 +57,16 @@ def test_kv_bytes_per_token_follow_the_cache_dtype(dtype, bytes_per_elem):
 
 
 def test_method_for_prefix_honours_exact_regex_and_merged_part_names():
-    config = QuantizationConfig("int8", ["lm_head", r"re:model\.layers\.0\..*", "model.layers.2.self_attn.k_proj"])
+    config = QuantizationConfig(
+        "int8", ["lm_head", r"re:model\.layers\.0\..*", "model.layers.2.self_attn.k_proj"]
+    )
     assert config.method_for("lm_head") is None
     assert config.method_for("model.layers.0.mlp.down_proj") is None
     assert config.method_for("model.layers.1.mlp.down_proj") == "int8"
     assert config.method_for("model.layers.2.self_attn.qkv_proj") is None  # names its k_proj part
-    assert config.method_for("model.layers.10.self_attn.qkv_proj") == "int8"  # regex matches in full
+    assert (
+        config.method_for("model.layers.10.self_attn.qkv_proj") == "int8"
+    )  # regex matches in full
     config.check_all_matched()
 
 
@@ -73,10 +88,12 @@ def test_int4_pack_round_trips_every_value():
 
 def test_int8_weight_is_per_output_channel_and_close_to_float():
     gen = torch.Generator().manual_seed(0)
-    w = torch.randn(96, 256, generator=gen) * torch.linspace(0.01, 3.0, 96)[:, None]  # rows of any scale
+    w = (
+        torch.randn(96, 256, generator=gen) * torch.linspace(0.01, 3.0, 96)[:, None]
+    )  # rows of any scale
     q = Int8Weight.from_float(w)
     assert q.qweight.dtype == torch.int8 and q.scales.shape == (96,)
-    rel = ((q.dequantize() - w).abs().amax(1) / w.abs().amax(1))
+    rel = (q.dequantize() - w).abs().amax(1) / w.abs().amax(1)
     assert rel.max().item() <= 0.5 / 127 + 1e-6  # half a step of each row's own scale
     x = torch.randn(7, 256, generator=gen)
     exact = x @ w.T
@@ -103,13 +120,25 @@ def test_engine_flags_carry_quantization_and_kv_cache_dtype(llama_tiny):
     parser = argparse.ArgumentParser()
     parser.add_argument("--model")
     add_engine_arguments(parser)
-    argv = ["--model", str(llama_tiny), "--kv-cache-dtype", "fp8_e5m2", "--quantization", "int4",
-            "--quantization-config", '{"method": "int4", "ignore": ["lm_head"], "group_size": 64}']
+    argv = [
+        "--model",
+        str(llama_tiny),
+        "--kv-cache-dtype",
+        "fp8_e5m2",
+        "--quantization",
+        "int4",
+        "--quantization-config",
+        '{"method": "int4", "ignore": ["lm_head"], "group_size": 64}',
+    ]
     args = parser.parse_args(argv)
     config = engine_config(args, ["127.0.0.1:1"])
     assert config.cache.kv_cache_dtype == "fp8_e5m2"
     assert config.model.quantization == "int4"
-    assert config.model.quantization_config == {"method": "int4", "ignore": ["lm_head"], "group_size": 64}
+    assert config.model.quantization_config == {
+        "method": "int4",
+        "ignore": ["lm_head"],
+        "group_size": 64,
+    }
     forwarded = engine_argv(args)  # what `serve` hands its engine
     assert forwarded[forwarded.index("--kv-cache-dtype") + 1] == "fp8_e5m2"
     assert forwarded[forwarded.index("--quantization") + 1] == "int4"
@@ -118,8 +147,11 @@ def test_engine_flags_carry_quantization_and_kv_cache_dtype(llama_tiny):
 def test_quantization_settings_survive_the_worker_protobuf(llama_tiny):
     from gridserve.shared.rpc.worker_convert import config_from_pb, config_to_pb
 
-    config = GridserveConfig.from_kwargs(model=str(llama_tiny), kv_cache_dtype="bfloat16",
-                                         quantization_config={"method": "int8", "ignore": ["lm_head"]}).finalize()
+    config = GridserveConfig.from_kwargs(
+        model=str(llama_tiny),
+        kv_cache_dtype="bfloat16",
+        quantization_config={"method": "int8", "ignore": ["lm_head"]},
+    ).finalize()
     back = config_from_pb(config_to_pb(config))
     assert back.cache.kv_cache_dtype == "bfloat16"
     assert back.model.quantization == "int8"

@@ -24,11 +24,19 @@ from gridserve.services.worker.quantization.weights import (
 logger = logging.getLogger(__name__)
 _LAYER_INDEX = re.compile(r"\.layers\.(\d+)\.")
 
-__all__ = ["Int4Weight", "Int8Weight", "QuantizationConfig", "QuantizedWeight", "quantize_model",
-           "quantize_weight"]
+__all__ = [
+    "Int4Weight",
+    "Int8Weight",
+    "QuantizationConfig",
+    "QuantizedWeight",
+    "quantize_model",
+    "quantize_weight",
+]
 
 
-def quantize_model(model: nn.Module, config: QuantizationConfig, num_layers: int = 0) -> dict[str, str]:
+def quantize_model(
+    model: nn.Module, config: QuantizationConfig, num_layers: int = 0
+) -> dict[str, str]:
     """Quantize every linear layer of ``model`` the config does not ignore; returns prefix -> method
     ("none" for the ignored ones). ``num_layers``: the whole model's decoder layers (a pipeline
     stage holds only some; ignore entries may name the others)."""
@@ -61,5 +69,8 @@ def _other_stages(held: dict[str, str], num_layers: int) -> set[str]:
     for prefix in held:
         match = _LAYER_INDEX.search(prefix)
         if match:
-            names.update(prefix[: match.start(1)] + str(i) + prefix[match.end(1):] for i in range(num_layers))
+            names.update(
+                prefix[: match.start(1)] + str(i) + prefix[match.end(1) :]
+                for i in range(num_layers)
+            )
     return names - set(held)

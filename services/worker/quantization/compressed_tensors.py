@@ -32,21 +32,37 @@ def scheme_of(hf_quantization_config: dict) -> QuantizationConfig:
     """The int8 / int4 weight-only scheme of a compressed-tensors config (one config group)."""
     fmt = hf_quantization_config.get("format")
     if fmt != "pack-quantized":
-        raise ConfigError("model.quantization_config", f"compressed-tensors format {fmt!r} is not "
-                                                       "supported; supported: 'pack-quantized'")
+        raise ConfigError(
+            "model.quantization_config",
+            f"compressed-tensors format {fmt!r} is not supported; supported: 'pack-quantized'",
+        )
     groups = list((hf_quantization_config.get("config_groups") or {}).values())
     if len(groups) != 1 or groups[0].get("input_activations"):
-        raise ConfigError("model.quantization_config", "only one weight-only config group is supported")
+        raise ConfigError(
+            "model.quantization_config", "only one weight-only config group is supported"
+        )
     weights = groups[0].get("weights") or {}
     bits, strategy = weights.get("num_bits"), weights.get("strategy")
-    if bits not in (4, 8) or not weights.get("symmetric", True) or weights.get("type", "int") != "int":
-        raise ConfigError("model.quantization_config", f"weights must be symmetric int4 or int8, got {weights}")
+    if (
+        bits not in (4, 8)
+        or not weights.get("symmetric", True)
+        or weights.get("type", "int") != "int"
+    ):
+        raise ConfigError(
+            "model.quantization_config", f"weights must be symmetric int4 or int8, got {weights}"
+        )
     if bits == 8 and strategy != "channel":
-        raise ConfigError("model.quantization_config", f"int8 needs strategy 'channel', got {strategy!r}")
+        raise ConfigError(
+            "model.quantization_config", f"int8 needs strategy 'channel', got {strategy!r}"
+        )
     if bits == 4 and strategy != "group":
-        raise ConfigError("model.quantization_config", f"int4 needs strategy 'group', got {strategy!r}")
+        raise ConfigError(
+            "model.quantization_config", f"int4 needs strategy 'group', got {strategy!r}"
+        )
     group = int(weights.get("group_size") or 128)
-    return QuantizationConfig("int8" if bits == 8 else "int4", group_size=group, only=set(), activations=False)
+    return QuantizationConfig(
+        "int8" if bits == 8 else "int4", group_size=group, only=set(), activations=False
+    )
 
 
 def unpack(packed: torch.Tensor, num_bits: int, columns: int) -> torch.Tensor:
@@ -55,12 +71,18 @@ def unpack(packed: torch.Tensor, num_bits: int, columns: int) -> torch.Tensor:
     if num_bits == 8:
         values = data.to(torch.int16) - 128
     else:
-        values = torch.stack((data & 0xF, data >> 4), dim=-1).reshape(packed.shape[0], -1).to(torch.int16) - 8
+        values = (
+            torch.stack((data & 0xF, data >> 4), dim=-1)
+            .reshape(packed.shape[0], -1)
+            .to(torch.int16)
+            - 8
+        )
     return values[:, :columns].to(torch.int8)
 
 
-def dequantized_weights(weights: Iterable[tuple[str, CheckpointTensor]], scheme: QuantizationConfig,
-                        report: LoadReport) -> Iterator[tuple[str, CheckpointTensor]]:
+def dequantized_weights(
+    weights: Iterable[tuple[str, CheckpointTensor]], scheme: QuantizationConfig, report: LoadReport
+) -> Iterator[tuple[str, CheckpointTensor]]:
     """Pass float tensors through; turn each packed triple into a float ``<prefix>.weight``.
 
     Adds every packed prefix to ``scheme.only``. Packed tensors are read whole (small: a quarter
@@ -83,10 +105,18 @@ def dequantized_weights(weights: Iterable[tuple[str, CheckpointTensor]], scheme:
         scale = parts["weight_scale"].float()
         group = columns if scale.shape[1] == 1 else scheme.group_size
         if scale.shape != (out, math.ceil(columns / group)):
-            raise ConfigError("model.quantization_config", f"{prefix}.weight_scale has shape "
-                                                           f"{tuple(scale.shape)} for a {out}x{columns} weight")
-        weight = q * scale.repeat_interleave(group, dim=1)[:, :columns]  # the last group may be short
+            raise ConfigError(
+                "model.quantization_config",
+                f"{prefix}.weight_scale has shape "
+                f"{tuple(scale.shape)} for a {out}x{columns} weight",
+            )
+        weight = (
+            q * scale.repeat_interleave(group, dim=1)[:, :columns]
+        )  # the last group may be short
         scheme.only.add(prefix)
-        yield f"{prefix}.weight", CheckpointTensor(f"{prefix}.weight", (out, columns), weight.__getitem__, report)
+        yield (
+            f"{prefix}.weight",
+            CheckpointTensor(f"{prefix}.weight", (out, columns), weight.__getitem__, report),
+        )
     if pending:
         raise ConfigError("model.model", f"incomplete packed weights for {sorted(pending)[:4]}")

@@ -20,7 +20,10 @@ from gridserve.shared.errors import ConfigError
 logger = logging.getLogger(__name__)
 
 # A merged layer's checkpoint parts: an ignore entry may name either.
-_MERGED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+_MERGED_PARTS = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+}
 
 
 @dataclass
@@ -40,7 +43,12 @@ class QuantizationConfig:
     def from_model_config(cls, quantization: str | None, raw: dict) -> QuantizationConfig | None:
         if quantization in (None, "compressed-tensors"):
             return None
-        return cls(quantization, list(raw.get("ignore", [])), int(raw.get("group_size", 128)))
+        return cls(
+            quantization,
+            list(raw.get("ignore", [])),
+            int(raw.get("group_size", 128)),
+            activations=not raw.get("weight_only", False),
+        )
 
     def method_for(self, prefix: str) -> str | None:
         """The method for the layer at ``prefix``, None when an ``ignore`` entry matches it."""
@@ -57,11 +65,16 @@ class QuantizationConfig:
         ``elsewhere``: prefixes of layers other pipeline stages hold; an entry naming one of them
         is not a typo."""
         others = [name for prefix in elsewhere for name in _names(prefix)]
-        unmatched = [entry for entry in self.ignore if entry not in self._matched
-                     and not any(_matches(entry, name) for name in others)]
+        unmatched = [
+            entry
+            for entry in self.ignore
+            if entry not in self._matched and not any(_matches(entry, name) for name in others)
+        ]
         if unmatched:
-            raise ConfigError("model.quantization_config.ignore",
-                              f"entries match no linear layer of this model: {unmatched}")
+            raise ConfigError(
+                "model.quantization_config.ignore",
+                f"entries match no linear layer of this model: {unmatched}",
+            )
 
 
 def _names(prefix: str) -> list[str]:

@@ -49,7 +49,9 @@ class Int8Weight(QuantizedWeight):
 
     method = "int8"
 
-    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, activations: bool = True) -> None:
+    def __init__(
+        self, qweight: torch.Tensor, scales: torch.Tensor, activations: bool = True
+    ) -> None:
         super().__init__()
         self.activations = activations  # quantize activation rows too (the fast CPU path)
         self.register_buffer("qweight", qweight.contiguous())  # [out, in] int8
@@ -63,7 +65,9 @@ class Int8Weight(QuantizedWeight):
         return cls(q, scales, activations)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.qweight.device.type != "cpu" or not self.activations:  # weight-only, dequantized per call
+        if (
+            self.qweight.device.type != "cpu" or not self.activations
+        ):  # weight-only, dequantized per call
             return F.linear(x, self.qweight.to(x.dtype) * self.scales[:, None].to(x.dtype))
         shape = x.shape
         rows = x.reshape(-1, shape[-1]).float()
@@ -82,7 +86,9 @@ class Int4Weight(QuantizedWeight):
 
     method = "int4"
 
-    def __init__(self, packed: torch.Tensor, scales: torch.Tensor, in_features: int, group_size: int) -> None:
+    def __init__(
+        self, packed: torch.Tensor, scales: torch.Tensor, in_features: int, group_size: int
+    ) -> None:
         super().__init__()
         self.in_features = in_features
         self.group_size = group_size
@@ -97,7 +103,12 @@ class Int4Weight(QuantizedWeight):
             raise ValueError(f"int4 needs an even number of input features, got {in_features}")
         w = weight.float().reshape(out, in_features // group, group)
         scales = (w.abs().amax(dim=-1) / 7.0).clamp(min=1e-12)
-        q = torch.round(w / scales[..., None]).clamp_(-8, 7).to(torch.int8).reshape(out, in_features)
+        q = (
+            torch.round(w / scales[..., None])
+            .clamp_(-8, 7)
+            .to(torch.int8)
+            .reshape(out, in_features)
+        )
         return cls(pack_int4(q), scales, in_features, group)
 
     @classmethod
@@ -131,8 +142,9 @@ def unpack_int4(packed: torch.Tensor, in_features: int) -> torch.Tensor:
     return torch.where(q >= 8, q - 16, q)
 
 
-def quantize_weight(weight: torch.Tensor, method: str, group_size: int = 128,
-                    activations: bool = True) -> Optional[QuantizedWeight]:
+def quantize_weight(
+    weight: torch.Tensor, method: str, group_size: int = 128, activations: bool = True
+) -> Optional[QuantizedWeight]:
     """``weight`` quantized by ``method`` ("int8", "int4"); None for no quantization.
 
     ``activations=False`` keeps int8 weight-only (a W8A16 checkpoint's semantics)."""

@@ -16,17 +16,24 @@ CONTEXTS = [1, 15, 17, 300, 64, 5, 40]
 Q_LENS = [1, 1, 1, 1, 1, 5, 9]  # decode rows and prefill rows in one call
 NARROW = [torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2]
 # Worst element error of attention outputs against an fp32 cache, per storage format.
-TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 3e-3, torch.float8_e4m3fn: 0.12, torch.float8_e5m2: 0.25}
+TOLERANCE = {
+    torch.bfloat16: 2e-2,
+    torch.float16: 3e-3,
+    torch.float8_e4m3fn: 0.12,
+    torch.float8_e5m2: 0.25,
+}
 
 
-def narrowed(kv_cache: torch.Tensor, dtype: torch.dtype, k_scale: float, v_scale: float) -> torch.Tensor:
+def narrowed(
+    kv_cache: torch.Tensor, dtype: torch.dtype, k_scale: float, v_scale: float
+) -> torch.Tensor:
     out = torch.empty(kv_cache.shape, dtype=dtype)
-    out.view(torch.uint8 if dtype.itemsize == 1 else dtype)[0] = (
-        reference.to_cache_dtype(kv_cache[0], dtype, k_scale).view(torch.uint8 if dtype.itemsize == 1 else dtype)
-    )
-    out.view(torch.uint8 if dtype.itemsize == 1 else dtype)[1] = (
-        reference.to_cache_dtype(kv_cache[1], dtype, v_scale).view(torch.uint8 if dtype.itemsize == 1 else dtype)
-    )
+    out.view(torch.uint8 if dtype.itemsize == 1 else dtype)[0] = reference.to_cache_dtype(
+        kv_cache[0], dtype, k_scale
+    ).view(torch.uint8 if dtype.itemsize == 1 else dtype)
+    out.view(torch.uint8 if dtype.itemsize == 1 else dtype)[1] = reference.to_cache_dtype(
+        kv_cache[1], dtype, v_scale
+    ).view(torch.uint8 if dtype.itemsize == 1 else dtype)
     return out
 
 
