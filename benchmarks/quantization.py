@@ -245,6 +245,114 @@ def run_speed(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_step_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model", default=None, help="HF folder (default: the recipe's llama base)"
+    )
+    parser.add_argument(
+        "--modes", default="fp32,int8+kv-bf16,int8,kv-bf16", help="comma-separated modes"
+    )
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--context", type=int, default=250, help="prompt tokens per request")
+    parser.add_argument("--steps", type=int, default=10, help="decode steps measured")
+    parser.add_argument(
+        "--output-json", default=str(Path(__file__).parent / "results" / "quantization_step.json")
+    )
+
+
+def memory_bandwidth(nbytes: int = 1 << 29, repeats: int = 5) -> float:
+    """Bytes per second a large tensor copy moves (read + written), best of ``repeats``."""
+    import time
+
+    import torch
+
+    src = torch.ones(nbytes // 4)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - start)
+    return 2 * nbytes / best
+
+
+def decode_step(model: str, mode: str, batch: int, context: int, steps: int) -> dict[str, Any]:
+    """Median decode-step time at ``batch`` running requests of ``context`` tokens, and the bytes
+    the step must read: every weight once plus every request's KV cache."""
+    import random
+    import statistics
+    import time
+
+    from gridserve import LLM, SamplingParams
+
+    llm = LLM(model, max_num_seqs=batch, kv_cache_memory_bytes=2 << 30, **MODES[mode])
+    try:
+        engine = llm.llm_engine
+        rng = random.Random(0)
+        vocab = engine.config.model.vocab_size
+        params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
+        for i in range(batch):
+            engine.add_request(
+                {"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(context)]},
+                params,
+                str(i),
+            )
+        scheduler = engine.core.scheduler
+        while scheduler.waiting or any(
+            r.num_computed_tokens < r.num_prompt_tokens for r in scheduler.running
+        ):
+            engine.step()
+        engine.step()  # warm-up
+        walls = []
+        for _ in range(steps):
+            start = time.perf_counter()
+            engine.step()
+            walls.append(time.perf_counter() - start)
+        kv_tokens = sum(r.num_computed_tokens for r in scheduler.running)
+        kv_bytes = kv_tokens * engine.core.config.kv_bytes_per_token_per_rank()
+        weights = weight_bytes(llm)
+    finally:
+        llm.shutdown()
+    return {
+        "mode": mode,
+        "median_step_ms": statistics.median(walls) * 1e3,
+        "weight_bytes": weights,
+        "kv_bytes": kv_bytes,
+    }
+
+
+def run_step(args: argparse.Namespace) -> int:
+    """Decode step per mode against its bandwidth floor (bytes to read / measured bandwidth)."""
+    from gridserve.demo.recipe import ensure_checkpoint
+
+    model = args.model or str(ensure_checkpoint("llama", "base"))
+    bandwidth = memory_bandwidth()
+    rows = [
+        decode_step(model, mode, args.batch_size, args.context, args.steps)
+        for mode in args.modes.split(",")
+        if mode
+    ]
+    print(
+        f"decode step, batch {args.batch_size}, ~{args.context} tokens of context, "
+        f"copy bandwidth {bandwidth / 1e9:.1f} GB/s:"
+    )
+    print(
+        f"{'mode':<14} {'step ms':>8} {'weights MB':>11} {'KV MB':>8} {'floor ms':>9} {'floor/step':>10}"
+    )
+    for r in rows:
+        r["floor_ms"] = (r["weight_bytes"] + r["kv_bytes"]) / bandwidth * 1e3
+        r["floor_share"] = r["floor_ms"] / r["median_step_ms"]
+        print(
+            f"{r['mode']:<14} {r['median_step_ms']:>8.1f} {r['weight_bytes'] / 1e6:>11.1f} "
+            f"{r['kv_bytes'] / 1e6:>8.1f} {r['floor_ms']:>9.1f} {r['floor_share']:>9.0%}"
+        )
+    Path(args.output_json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.output_json).write_text(
+        json.dumps({"model": model, "bandwidth_bytes_per_s": bandwidth, "results": rows}, indent=2)
+    )
+    return 0
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model", default=None, help="HF folder (default: the recipe's llama small)"

@@ -203,6 +203,8 @@ BENCHMARKS = {
                      "add_arguments", "run"),
     "quantization-speed": ("quantization", "offline throughput per weight / KV mode vs fp32",
                            "add_speed_arguments", "run_speed"),
+    "quantization-step": ("quantization", "decode step per weight / KV mode vs its memory-bandwidth floor",
+                          "add_step_arguments", "run_step"),
     "serve": ("serve", "online load against an OpenAI-compatible server", "add_arguments", "run"),
     "step": ("engine", "decode-step wall time vs the model forward inside it", "add_step_arguments",
              "run_step"),
