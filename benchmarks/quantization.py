@@ -166,8 +166,17 @@ def evaluate(
     return results
 
 
-def held_out_text() -> str:
-    """Text the recipe's tokenizer and the demo model were not trained on: this repo's docs."""
+def held_out_text(max_chars: int = 60_000) -> str:
+    """Text the model was not trained on: the demo corpus's held-out stdlib files when this checkout
+    has them (``gridserve.demo.corpus.heldout_files``), else this repo's docs (out of domain)."""
+    try:
+        from gridserve.demo import corpus
+    except ImportError:
+        corpus = None
+    if corpus is not None and hasattr(corpus, "heldout_files"):
+        text = "\n\n".join(corpus.read_text(p) for p in corpus.heldout_files()[:8])
+        if text.strip():
+            return text[:max_chars]
     root = Path(__file__).resolve().parent.parent
     return "\n\n".join(p.read_text(encoding="utf-8") for p in sorted((root / "docs").glob("*.md")))
 
@@ -359,6 +368,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--modes", default=",".join(MODES), help="comma-separated modes")
     parser.add_argument("--tokens", type=int, default=512, help="held-out tokens scored")
+    parser.add_argument("--text-file", default=None, help="held-out text (default: see held_out_text)")
     parser.add_argument("--greedy-tokens", type=int, default=64)
     parser.add_argument("--prompts", type=int, default=4, help="greedy prompts")
     parser.add_argument("--output-json", default=DEFAULT_OUTPUT_JSON)
@@ -370,7 +380,8 @@ def run(args: argparse.Namespace) -> int:
     from gridserve.demo.recipe import ensure_checkpoint
 
     model = args.model or str(ensure_checkpoint("llama", "small"))
-    ids = AutoTokenizer.from_pretrained(model)(held_out_text())["input_ids"]
+    text = Path(args.text_file).read_text(encoding="utf-8") if args.text_file else held_out_text()
+    ids = AutoTokenizer.from_pretrained(model)(text)["input_ids"]
     text_ids = ids[: args.tokens]
     prompts = [ids[args.tokens + 32 * i : args.tokens + 32 * i + 32] for i in range(args.prompts)]
     modes = [m for m in args.modes.split(",") if m]
