@@ -135,10 +135,6 @@ class VocabParallelEmbedding(QuantizableLinear):
         out = F.embedding(local, self.weight) * mine.unsqueeze(-1).to(self.weight.dtype)
         return self.state.all_reduce(out)
 
-    def quantize_as_head(self) -> bool:
-        """Marks the embedding family: quantized only when it serves as the LM head."""
-        return True
-
     def load(self, param: str, tensor: CheckpointTensor, shard_id: int = 0) -> None:
         rows = self.shard.size
         self.weight.data[:rows].copy_(tensor.rows(self.shard.start, self.shard.end))

@@ -40,7 +40,7 @@ def quantize_model(
     """Quantize every linear layer of ``model`` the config does not ignore; returns prefix -> method
     ("none" for the ignored ones). ``num_layers``: the whole model's decoder layers (a pipeline
     stage holds only some; ignore entries may name the others)."""
-    from gridserve.services.worker.parallel_layers import QuantizableLinear
+    from gridserve.services.worker.parallel_layers import QuantizableLinear, VocabParallelEmbedding
 
     chosen: dict[str, str] = {}
     head = getattr(model, "logits_head", None)
@@ -49,7 +49,7 @@ def quantize_model(
             continue
         if module is head:
             prefix = "lm_head"  # a tied head answers to lm_head, as in vLLM's configs
-        elif hasattr(module, "quantize_as_head"):
+        elif isinstance(module, VocabParallelEmbedding):
             continue  # an embedding that is not the head: lookups stay float
         else:
             prefix = module.prefix
