@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Optional
 
+from gridserve.edge import EdgeLimits
 from gridserve.shared.rpc.client import health_status, make_channel, wait_until_serving
 
 logger = logging.getLogger(__name__)
@@ -74,6 +75,7 @@ class Launcher:
                  log_dir: Optional[Path] = None, grace_s: float = 10.0,
                  edge_port: Optional[int] = None, served_model_name: Optional[str] = None,
                  api_key: Optional[str] = None, edge_admin_port: Optional[int] = None,
+                 edge_limits: Optional[EdgeLimits] = None,
                  tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
                  data_parallel_size: int = 1,
                  observability_args: Optional[list[str]] = None, metrics: bool = True) -> None:
@@ -92,6 +94,7 @@ class Launcher:
         self.served_model_name = served_model_name
         self.api_key = api_key
         self.edge_admin_port = edge_admin_port
+        self.edge_limits = edge_limits or EdgeLimits()
         # --otlp-traces-endpoint / --log-format for every role; with ``metrics`` each role gets a
         # free --metrics-port (shown in the process table; the edge serves the gateways' at /metrics).
         self.observability_args = list(observability_args or [])
@@ -207,7 +210,8 @@ class Launcher:
         metrics = [p.metrics_address for p in self.processes if p.role == "gateway" and p.metrics_address]
         config = write_config(folder / "edge-0.json", envoy_config(self.host, port, self.gateway_addresses,
                                                                    admin_port=self.edge_admin_port,
-                                                                   metrics_addresses=metrics))
+                                                                   metrics_addresses=metrics,
+                                                                   limits=self.edge_limits))
         log = None
         if self.log_dir is not None:
             log = open(self.log_dir / "edge-0.log", "ab")  # noqa: SIM115 - closed in stop()
