@@ -189,9 +189,10 @@ def _serve(args: argparse.Namespace) -> int:
         print(launcher.table(), flush=True)
         print(f"gridserve ready: model {model}; public gRPC API (gateway) on {launcher.gateway_addresses[0]}; "
               f"REST and gRPC through the Envoy edge on http://{launcher.edge_address}", flush=True)
-        exited = launcher.wait()
-        if exited is not None:
-            logger.error("%s (pid %d) exited with %s: stopping", exited.role, exited.pid, exited.process.returncode)
+        failing = launcher.supervise()
+        if failing is not None:
+            logger.error("%s (pid %d) keeps failing at start (exit status %s): stopping", failing.role,
+                         failing.pid, failing.process.returncode)
             return 1
         return 0
     except KeyboardInterrupt:
