@@ -40,7 +40,7 @@ def _wave(launcher) -> tuple[int, bool]:
     coordinator = next(p for p in launcher.processes if p.role == "coordinator")
     with grpc.insecure_channel(coordinator.address) as channel:
         stub = coordinator_pb2_grpc.CoordinatorStub(channel)
-        first = next(iter(stub.WatchLoad(coordinator_pb2.WatchLoadRequest(gateway_id="test"), timeout=10)))
+        first = next(iter(stub.WatchLoad(coordinator_pb2.WatchLoadRequest(subscriber_id="test"), timeout=10)))
     return first.wave, first.wave_running
 
 
