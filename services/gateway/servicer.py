@@ -91,7 +91,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     def OpenAIListModels(self, request: httpbody_pb2.HttpBody, context: grpc.ServicerContext):
         return _unary(self.openai.models(), context)
 
-    # The two streaming routes run on the server's asyncio loop (AioRpcServer): one thread serves
+    # The two streaming routes run on the server's asyncio loop (RpcServer): one thread serves
     # every open stream; the rest of the methods run in its thread pool.
     async def OpenAICompletions(self, request: httpbody_pb2.HttpBody, context: grpc.aio.ServicerContext):
         response = await self.openai.completions_async(request.data, _on_done(context), self._traceparent(context))
