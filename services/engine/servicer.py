@@ -11,6 +11,7 @@ import grpc
 from gridserve.api.engine.v1 import engine_pb2, engine_pb2_grpc
 from gridserve.services.engine.loop import EngineLoop
 from gridserve.services.engine.request import Request
+from gridserve.services.engine.status import EngineStatus
 from gridserve.shared.config import GridserveConfig
 from gridserve.shared.errors import EngineDeadError, InvalidArgumentError
 from gridserve.shared.observability.tracing import traceparent_from_metadata
@@ -27,6 +28,7 @@ class EngineServicer(engine_pb2_grpc.EngineCoreServicer):
         self.metrics_port = metrics_port
         self.tracing = tracing  # read the caller's traceparent from the metadata
         self._loop: Optional[EngineLoop] = None
+        self.status = EngineStatus(config.parallel.worker_addresses, lambda: self.loop.stats(timeout=5.0))
 
     @property
     def loop(self) -> EngineLoop:
@@ -99,3 +101,14 @@ class EngineServicer(engine_pb2_grpc.EngineCoreServicer):
 
     def ResetPrefixCache(self, request: engine_pb2.ResetPrefixCacheRequest, context: grpc.ServicerContext):
         return engine_pb2.ResetPrefixCacheResponse(reset=self.loop.call(self.loop.core.reset_prefix_cache))
+
+    def GetStatus(self, request: engine_pb2.GetStatusRequest, context: grpc.ServicerContext):
+        report = self.status.report()
+        stats = report.stats
+        return engine_pb2.GetStatusResponse(
+            workers=[engine_pb2.WorkerStatus(rank=w.rank, address=w.address, health=w.health)
+                     for w in report.workers],
+            loop_alive=report.loop_alive, error=report.error,
+            num_generation_tokens=stats.num_generation_tokens if stats else 0,
+            num_prompt_tokens=stats.num_prompt_tokens if stats else 0,
+        )
