@@ -112,6 +112,11 @@ def envoy_config(host: str, port: int, gateways: list[str], *,
         "services": [GATEWAY_SERVICE],
         "convert_grpc_status": True,
         "print_options": {"preserve_proto_field_names": True, "always_print_primitive_fields": True},
+        # A path no Gateway method declares (a browser's /favicon.ico) is a 404 here: passed
+        # through, the gateway's gRPC server would reset it and the outlier detection below would
+        # eject the replica. Query parameters a route does not bind (``/?utm=...``) are ignored.
+        "request_validation_options": {"reject_unknown_method": True},
+        "ignore_unknown_query_parameters": True,
     }
     manager = {
         "@type": _HCM,

@@ -130,7 +130,11 @@
                         "print_options": {
                           "preserve_proto_field_names": true,
                           "always_print_primitive_fields": true
-                        }
+                        },
+                        "request_validation_options": {
+                          "reject_unknown_method": true
+                        },
+                        "ignore_unknown_query_parameters": true
                       }
                     },
                     {
