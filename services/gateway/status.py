@@ -133,7 +133,7 @@ class StatusCollector:
             detail = detail or "GetStatus failed"
         else:
             alive = status.loop_alive
-            detail = detail or status.error
+            detail = status.error or detail  # the loop's own error says more than its health
             engine.num_workers = len(status.workers)
             if alive:
                 engine.generation_tokens_per_second = self._rates[index].update(time.monotonic(),

@@ -33,8 +33,10 @@ def test_config_has_transcoder_cluster_of_all_replicas_and_health_checks():
     assert transcoder["proto_descriptor"] == str(DESCRIPTOR_SET) and DESCRIPTOR_SET.exists()
     assert transcoder["convert_grpc_status"] is True
     assert transcoder["print_options"]["preserve_proto_field_names"] is True
-    (cluster,) = config["static_resources"]["clusters"]
+    cluster, operator = config["static_resources"]["clusters"]
     assert cluster["name"] == CLUSTER
+    assert operator["load_assignment"]["endpoints"] == cluster["load_assignment"]["endpoints"]
+    assert "health_checks" not in operator  # the status page and console answer with no replica ready
     ports = [e["endpoint"]["address"]["socket_address"]["port_value"]
              for e in cluster["load_assignment"]["endpoints"][0]["lb_endpoints"]]
     assert ports == [50050, 50051]

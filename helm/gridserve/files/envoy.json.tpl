@@ -69,6 +69,50 @@
                         "routes": [
                           {
                             "match": {
+                              "path": "/gridserve.gateway.v1.Gateway/GetStatus"
+                            },
+                            "route": {
+                              "cluster": "gateways_any_state",
+                              "timeout": "10s",
+                              "retry_policy": {
+                                "retry_on": "connect-failure,refused-stream,reset,unavailable",
+                                "num_retries": 2,
+                                "retry_host_predicate": [
+                                  {
+                                    "name": "envoy.retry_host_predicates.previous_hosts",
+                                    "typed_config": {
+                                      "@type": "type.googleapis.com/envoy.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate"
+                                    }
+                                  }
+                                ],
+                                "host_selection_retry_max_attempts": 3
+                              }
+                            }
+                          },
+                          {
+                            "match": {
+                              "path": "/gridserve.gateway.v1.Gateway/GetConsoleFile"
+                            },
+                            "route": {
+                              "cluster": "gateways_any_state",
+                              "timeout": "10s",
+                              "retry_policy": {
+                                "retry_on": "connect-failure,refused-stream,reset,unavailable",
+                                "num_retries": 2,
+                                "retry_host_predicate": [
+                                  {
+                                    "name": "envoy.retry_host_predicates.previous_hosts",
+                                    "typed_config": {
+                                      "@type": "type.googleapis.com/envoy.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate"
+                                    }
+                                  }
+                                ],
+                                "host_selection_retry_max_attempts": 3
+                              }
+                            }
+                          },
+                          {
+                            "match": {
                               "prefix": "/"
                             },
                             "route": {
@@ -219,6 +263,49 @@
             "grpc_health_check": {}
           }
         ]
+      },
+      {
+        "name": "gateways_any_state",
+        "type": "STRICT_DNS",
+        "connect_timeout": "1s",
+        "lb_policy": "ROUND_ROBIN",
+        "typed_extension_protocol_options": {
+          "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+            "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+            "explicit_http_config": {
+              "http2_protocol_options": {}
+            }
+          }
+        },
+        "load_assignment": {
+          "cluster_name": "gateways_any_state",
+          "endpoints": [
+            {
+              "lb_endpoints": [
+                {
+                  "endpoint": {
+                    "address": {
+                      "socket_address": {
+                        "address": "{{ include "gridserve.fullname" . }}-gateway-headless.{{ include "gridserve.svcSuffix" . }}",
+                        "port_value": {{ .Values.gateway.port }}
+                      }
+                    }
+                  }
+                }
+              ]
+            }
+          ]
+        },
+        "circuit_breakers": {
+          "thresholds": [
+            {
+              "max_connections": 100000,
+              "max_pending_requests": 100000,
+              "max_requests": 100000,
+              "max_retries": 100000
+            }
+          ]
+        }
       }
     ]
   }

@@ -1,0 +1,151 @@
+"""The web console in a real browser (headless Chromium, Playwright) against a real deployment:
+worker, engine, gateway and the Envoy edge on free loopback ports, serving the recipe's tiny Llama.
+
+The page is served by the edge at ``/``; the chat streams from ``/v1/chat/completions`` and the
+status page polls ``/v1/status``. Set ``GRIDSERVE_CONSOLE_SCREENSHOT=PATH`` to save a screenshot
+of the console (the README's is taken that way).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+import urllib.request
+
+import grpc
+import pytest
+
+from gridserve.api.engine.v1 import engine_pb2
+from gridserve.launcher import free_port
+
+from .browser import launch
+from .services import address, deployment, engine_stub, pid
+
+pytestmark = pytest.mark.slow
+
+TIMEOUT_MS = 30_000
+# Long enough to still be streaming when the test cancels (the tiny Llama's context is 512).
+LONG_ANSWER_TOKENS = 450
+
+
+@pytest.fixture(scope="module")
+def browser():
+    yield from launch()
+
+
+@pytest.fixture(scope="module")
+def edge(llama_tiny, tmp_path_factory):
+    with deployment(llama_tiny, tmp_path_factory.mktemp("logs"), edge_port=free_port()) as launcher:
+        yield launcher
+
+
+@pytest.fixture
+def page(browser, edge):
+    context = browser.new_context(viewport={"width": 1100, "height": 760})
+    page = context.new_page()
+    page.set_default_timeout(TIMEOUT_MS)
+    page.goto(f"http://{edge.edge_address}/")
+    yield page
+    context.close()
+
+
+def _running(launcher) -> int:
+    with grpc.insecure_channel(address(launcher, "engine")) as channel:
+        return engine_stub(channel).GetLoad(engine_pb2.GetLoadRequest(), timeout=10).num_running
+
+
+def _ask(page, prompt: str, max_tokens: int, temperature: float = 0.0) -> None:
+    page.fill("#max-tokens", str(max_tokens))
+    page.fill("#temperature", str(temperature))
+    page.fill("#prompt", prompt)
+    page.click("#send")
+
+
+def test_console_page_loads_and_lists_the_served_model(page, llama_tiny):
+    assert page.title() == "gridserve console"
+    page.wait_for_function("document.querySelectorAll('#model option').length > 0")
+    assert page.eval_on_selector_all("#model option", "os => os.map(o => o.value)") == [str(llama_tiny)]
+    assert page.is_visible("#chat") and not page.is_visible("#status")
+    assert page.is_hidden("#chat-error")
+
+
+def test_prompt_streams_tokens_into_the_page_incrementally(page):
+    page.wait_for_function("document.querySelectorAll('#model option').length > 0")
+    # Record the answer's length each time the page changes it (one record per task, so several
+    # records mean the text grew across several network reads, not from one buffered body).
+    page.evaluate("""() => {
+        window.reads = [];
+        new MutationObserver(() => {
+            const answer = document.querySelector('.message.assistant:last-child .text');
+            if (answer) window.reads.push(answer.textContent.length);
+        }).observe(document.getElementById('messages'), {childList: true, subtree: true, characterData: true});
+    }""")
+    _ask(page, "def fibonacci(n):", max_tokens=200)
+    page.wait_for_selector(".message.assistant[data-done='true']")
+    final = page.inner_text(".message.assistant:last-child .text")
+    reads = [n for n in page.evaluate("window.reads") if n > 0]
+    assert len(final) > 0 and reads[-1] == len(final)
+    growing = sorted(set(reads))
+    assert len(growing) >= 2, f"the answer appeared in one piece: {reads}"
+    assert growing[0] < len(final)
+    assert page.is_hidden("#chat-error")
+    assert page.is_enabled("#send") and page.is_disabled("#cancel")
+
+
+def test_cancel_aborts_the_stream_and_frees_the_engine(page, edge):
+    page.wait_for_function("document.querySelectorAll('#model option').length > 0")
+    _ask(page, "Write a very long story.", max_tokens=LONG_ANSWER_TOKENS, temperature=1.0)
+    page.wait_for_function("document.querySelector('.message.assistant .text')?.textContent.length > 0")
+    assert _running(edge) == 1
+    page.click("#cancel")
+    page.wait_for_selector(".message.assistant[data-done='true']")
+    assert page.get_attribute(".message.assistant:last-child", "data-cancelled") == "true"
+    stopped_at = len(page.inner_text(".message.assistant:last-child .text"))
+    deadline = time.monotonic() + 10
+    while _running(edge) != 0:
+        assert time.monotonic() < deadline, "the engine still runs the cancelled request"
+        time.sleep(0.1)
+    assert len(page.inner_text(".message.assistant:last-child .text")) == stopped_at
+    assert page.is_enabled("#send")
+
+
+def test_status_endpoint_lists_every_role(edge):
+    with urllib.request.urlopen(f"http://{edge.edge_address}/v1/status", timeout=10) as response:
+        status = json.loads(response.read())
+    roles = {r["name"]: r for r in status["roles"]}
+    assert set(roles) == {"gateway", "engine-0", "worker-0.0"}
+    assert roles["worker-0.0"]["address"] == address(edge, "worker")
+    assert roles["engine-0"]["address"] == address(edge, "engine")
+    assert all(r["health"] == "SERVING" and r["ready"] for r in roles.values())
+    (engine,) = status["engines"]
+    assert engine["num_workers"] == 1 and 0.0 <= engine["kv_cache_usage"] <= 1.0
+
+
+def test_status_page_shows_a_killed_worker(browser, llama_tiny, tmp_path):
+    with deployment(llama_tiny, tmp_path, edge_port=free_port()) as launcher:
+        context = browser.new_context(viewport={"width": 1100, "height": 560})
+        page = context.new_page()
+        page.set_default_timeout(TIMEOUT_MS)
+        page.goto(f"http://{launcher.edge_address}/#status")
+        names = ["gateway", "engine-0", "worker-0.0"]
+        for name in names:
+            page.wait_for_selector(f"#roles tr[data-name='{name}'][data-health='SERVING']")
+        _save_screenshot(page)
+        os.kill(pid(launcher, "worker"), signal.SIGKILL)
+        page.wait_for_selector("#roles tr[data-health='NOT_SERVING']")
+        page.wait_for_selector("#roles tr[data-name='worker-0.0'][data-health='UNREACHABLE']")
+        health = dict(page.eval_on_selector_all("#roles tr", "rows => rows.map(r => [r.dataset.name, r.dataset.health])"))
+        # The engine lost its worker, the gateway its only engine: both stop SERVING, and the page
+        # still answers (the edge routes the console and /v1/status to replicas in any state).
+        assert health["engine-0"] == "NOT_SERVING" and health["gateway"] == "NOT_SERVING"
+        assert "127.0.0.1" in page.inner_text("#roles tr[data-name='worker-0.0']")
+        assert page.inner_text("#status-error") == ""
+        context.close()
+
+
+def _save_screenshot(page) -> None:
+    path = os.environ.get("GRIDSERVE_CONSOLE_SCREENSHOT")
+    if path:
+        page.screenshot(path=path)
