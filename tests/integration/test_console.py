@@ -2,8 +2,9 @@
 worker, engine, gateway and the Envoy edge on free loopback ports, serving the recipe's tiny Llama.
 
 The page is served by the edge at ``/``; the chat streams from ``/v1/chat/completions`` and the
-status page polls ``/v1/status``. Set ``GRIDSERVE_CONSOLE_SCREENSHOT=PATH`` to save a screenshot
-of the console (the README's is taken that way).
+status page polls ``/v1/status``. ``GRIDSERVE_CONSOLE_SCREENSHOTS=DIR`` saves screenshots of the
+chat and the status page there (``docs/console.png`` is taken that way, with
+``GRIDSERVE_CONSOLE_MODEL`` naming the trained demo model's folder instead of the tiny Llama).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import os
 import signal
 import time
 import urllib.request
+from pathlib import Path
 
 import grpc
 import pytest
@@ -36,8 +38,13 @@ def browser():
 
 
 @pytest.fixture(scope="module")
-def edge(llama_tiny, tmp_path_factory):
-    with deployment(llama_tiny, tmp_path_factory.mktemp("logs"), edge_port=free_port()) as launcher:
+def model(llama_tiny) -> Path:
+    return Path(os.environ.get("GRIDSERVE_CONSOLE_MODEL") or llama_tiny)
+
+
+@pytest.fixture(scope="module")
+def edge(model, tmp_path_factory):
+    with deployment(model, tmp_path_factory.mktemp("logs"), edge_port=free_port()) as launcher:
         yield launcher
 
 
@@ -63,10 +70,10 @@ def _ask(page, prompt: str, max_tokens: int, temperature: float = 0.0) -> None:
     page.click("#send")
 
 
-def test_console_page_loads_and_lists_the_served_model(page, llama_tiny):
+def test_console_page_loads_and_lists_the_served_model(page, model):
     assert page.title() == "gridserve console"
     page.wait_for_function("document.querySelectorAll('#model option').length > 0")
-    assert page.eval_on_selector_all("#model option", "os => os.map(o => o.value)") == [str(llama_tiny)]
+    assert page.eval_on_selector_all("#model option", "os => os.map(o => o.value)") == [str(model)]
     assert page.is_visible("#chat") and not page.is_visible("#status")
     assert page.is_hidden("#chat-error")
 
@@ -84,6 +91,7 @@ def test_prompt_streams_tokens_into_the_page_incrementally(page):
     }""")
     _ask(page, "def fibonacci(n):", max_tokens=200)
     page.wait_for_selector(".message.assistant[data-done='true']")
+    _save_screenshot(page, "console.png")
     final = page.inner_text(".message.assistant:last-child .text")
     reads = [n for n in page.evaluate("window.reads") if n > 0]
     assert len(final) > 0 and reads[-1] == len(final)
@@ -123,8 +131,8 @@ def test_status_endpoint_lists_every_role(edge):
     assert engine["num_workers"] == 1 and 0.0 <= engine["kv_cache_usage"] <= 1.0
 
 
-def test_status_page_shows_a_killed_worker(browser, llama_tiny, tmp_path):
-    with deployment(llama_tiny, tmp_path, edge_port=free_port()) as launcher:
+def test_status_page_shows_a_killed_worker(browser, model, tmp_path):
+    with deployment(model, tmp_path, edge_port=free_port()) as launcher:
         context = browser.new_context(viewport={"width": 1100, "height": 560})
         page = context.new_page()
         page.set_default_timeout(TIMEOUT_MS)
@@ -132,7 +140,7 @@ def test_status_page_shows_a_killed_worker(browser, llama_tiny, tmp_path):
         names = ["gateway", "engine-0", "worker-0.0"]
         for name in names:
             page.wait_for_selector(f"#roles tr[data-name='{name}'][data-health='SERVING']")
-        _save_screenshot(page)
+        _save_screenshot(page, "console-status.png")
         os.kill(pid(launcher, "worker"), signal.SIGKILL)
         page.wait_for_selector("#roles tr[data-health='NOT_SERVING']")
         page.wait_for_selector("#roles tr[data-name='worker-0.0'][data-health='UNREACHABLE']")
@@ -145,7 +153,7 @@ def test_status_page_shows_a_killed_worker(browser, llama_tiny, tmp_path):
         context.close()
 
 
-def _save_screenshot(page) -> None:
-    path = os.environ.get("GRIDSERVE_CONSOLE_SCREENSHOT")
-    if path:
-        page.screenshot(path=path)
+def _save_screenshot(page, name: str) -> None:
+    folder = os.environ.get("GRIDSERVE_CONSOLE_SCREENSHOTS")
+    if folder:
+        page.screenshot(path=str(Path(folder) / name))
