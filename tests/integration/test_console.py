@@ -20,10 +20,11 @@ import grpc
 import pytest
 
 from gridserve.api.engine.v1 import engine_pb2
+from gridserve.api.gateway.v1 import gateway_pb2
 from gridserve.launcher import free_port
 
 from .browser import launch
-from .services import address, deployment, engine_stub, pid
+from .services import address, deployment, engine_stub, gateway_stub, pid
 
 pytestmark = pytest.mark.slow
 
@@ -78,8 +79,9 @@ def test_console_page_loads_and_lists_the_served_model(page, model):
     assert page.is_hidden("#chat-error")
 
 
-def test_prompt_streams_tokens_into_the_page_incrementally(page):
+def test_prompt_streams_tokens_into_the_page_incrementally(page, edge):
     page.wait_for_function("document.querySelectorAll('#model option').length > 0")
+    _status(edge)  # the token rate's first sample
     # Record the answer's length each time the page changes it (one record per task, so several
     # records mean the text grew across several network reads, not from one buffered body).
     page.evaluate("""() => {
@@ -100,6 +102,8 @@ def test_prompt_streams_tokens_into_the_page_incrementally(page):
     assert growing[0] < len(final)
     assert page.is_hidden("#chat-error")
     assert page.is_enabled("#send") and page.is_disabled("#cancel")
+    (engine,) = _status(edge)["engines"]
+    assert engine["generation_tokens_per_second"] > 0  # the answer's tokens, since the first sample
 
 
 def test_cancel_aborts_the_stream_and_frees_the_engine(page, edge):
@@ -119,9 +123,13 @@ def test_cancel_aborts_the_stream_and_frees_the_engine(page, edge):
     assert page.is_enabled("#send")
 
 
+def _status(launcher) -> dict:
+    with urllib.request.urlopen(f"http://{launcher.edge_address}/v1/status", timeout=10) as response:
+        return json.loads(response.read())
+
+
 def test_status_endpoint_lists_every_role(edge):
-    with urllib.request.urlopen(f"http://{edge.edge_address}/v1/status", timeout=10) as response:
-        status = json.loads(response.read())
+    status = _status(edge)
     roles = {r["name"]: r for r in status["roles"]}
     assert set(roles) == {"gateway", "engine-0", "worker-0.0"}
     assert roles["worker-0.0"]["address"] == address(edge, "worker")
@@ -129,6 +137,21 @@ def test_status_endpoint_lists_every_role(edge):
     assert all(r["health"] == "SERVING" and r["ready"] for r in roles.values())
     (engine,) = status["engines"]
     assert engine["num_workers"] == 1 and 0.0 <= engine["kv_cache_usage"] <= 1.0
+
+
+def test_status_lists_the_coordinator_and_each_engines_workers_with_data_parallel(llama_tiny, tmp_path):
+    with deployment(llama_tiny, tmp_path, data_parallel_size=2) as launcher:
+        with grpc.insecure_channel(address(launcher, "gateway")) as channel:
+            status = gateway_stub(channel).GetStatus(gateway_pb2.GetStatusRequest(), timeout=10)
+        by_role = {role: {(r.name, r.address) for r in status.roles if r.role == role}
+                   for role in ("gateway", "coordinator", "engine", "worker")}
+        for role, named in by_role.items():
+            addresses = {p.address for p in launcher.processes if p.role == role}
+            assert {a for _, a in named} == addresses, role
+        assert {n for n, _ in by_role["engine"]} == {"engine-0", "engine-1"}
+        assert {n for n, _ in by_role["worker"]} == {"worker-0.0", "worker-1.0"}
+        assert all(r.health == "SERVING" and r.ready for r in status.roles)
+        assert [e.name for e in status.engines] == ["engine-0", "engine-1"]
 
 
 def test_status_page_shows_a_killed_worker(browser, model, tmp_path):
