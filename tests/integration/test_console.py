@@ -123,6 +123,23 @@ def test_cancel_aborts_the_stream_and_frees_the_engine(page, edge):
     assert page.is_enabled("#send")
 
 
+def test_with_an_api_key_the_page_loads_and_the_api_needs_the_key_typed_in(browser, llama_tiny, tmp_path):
+    with deployment(llama_tiny, tmp_path, edge_port=free_port(), api_key="s3cret") as launcher:
+        context = browser.new_context()
+        page = context.new_page()
+        page.set_default_timeout(TIMEOUT_MS)
+        page.goto(f"http://{launcher.edge_address}/")
+        page.wait_for_selector("#chat-error:not([hidden])")
+        assert "API key" in page.inner_text("#chat-error")
+        page.fill("#api-key", "s3cret")
+        page.dispatch_event("#api-key", "change")
+        page.wait_for_function("document.querySelectorAll('#model option').length > 0")
+        assert page.is_hidden("#chat-error")
+        page.click("#nav-status")
+        page.wait_for_selector("#roles tr[data-name='worker-0.0'][data-health='SERVING']")
+        context.close()
+
+
 def _status(launcher) -> dict:
     with urllib.request.urlopen(f"http://{launcher.edge_address}/v1/status", timeout=10) as response:
         return json.loads(response.read())
