@@ -119,10 +119,7 @@ def envoy_config(host: str, port: int, gateways: list[str], *,
         "services": [GATEWAY_SERVICE],
         "convert_grpc_status": True,
         "print_options": {"preserve_proto_field_names": True, "always_print_primitive_fields": True},
-        # A path no Gateway method declares (a browser's /favicon.ico) is a 404 here: passed
-        # through, the gateway's gRPC server would reset it and the outlier detection below would
-        # eject the replica. Query parameters a route does not bind (``/?utm=...``) are ignored.
-        "request_validation_options": {"reject_unknown_method": True},
+        # Query parameters a route does not bind (``/?utm=...``) are ignored, not an error.
         "ignore_unknown_query_parameters": True,
     }
     manager = {
@@ -138,6 +135,10 @@ def envoy_config(host: str, port: int, gateways: list[str], *,
                 "filter": {"status_code_filter": {"comparison": {
                     "op": "GE", "value": {"default_value": 500, "runtime_key": "edge.local_reply.server_error"}}}},
                 "body_format_override": _openai_error_format("ServiceUnavailableError"),
+            }, {
+                "filter": {"status_code_filter": {"comparison": {
+                    "op": "EQ", "value": {"default_value": 404, "runtime_key": "edge.local_reply.not_found"}}}},
+                "body_format_override": _openai_error_format("NotFoundError"),
             }],
             "body_format": _openai_error_format("BadRequestError"),
         },
@@ -151,8 +152,14 @@ def envoy_config(host: str, port: int, gateways: list[str], *,
                       if metrics_addresses else []),
                     *({"match": match, "route": {"cluster": OPERATOR_CLUSTER, "timeout": "10s",
                                                  "retry_policy": _RETRY}} for match in OPERATOR_ROUTES),
-                    {"match": {"prefix": "/"},
+                    # gRPC: native calls, and REST calls the transcoder turned into gRPC.
+                    {"match": {"prefix": "/", "grpc": {}},
                      "route": {"cluster": CLUSTER, "timeout": "0s", "retry_policy": _RETRY}},
+                    # Any other path (a browser's /favicon.ico) is a 404 here: passed on, the
+                    # gateway's gRPC server would reset it and the outlier detection below would
+                    # eject the replica.
+                    {"match": {"prefix": "/"},
+                     "direct_response": {"status": 404, "body": {"inline_string": "no such route"}}},
                 ],
             }],
         },

@@ -9,6 +9,7 @@ import pytest
 from gridserve.edge import (
     CLUSTER,
     GATEWAY_SERVICE,
+    OPERATOR_CLUSTER,
     envoy_argv,
     envoy_binary,
     envoy_config,
@@ -59,3 +60,18 @@ def test_real_envoy_validates_the_config(tmp_path, admin_port):
     result = subprocess.run(envoy_argv(path, validate=True), capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "OK" in result.stdout + result.stderr
+
+
+def test_status_and_console_reach_any_replica_and_unknown_paths_stop_at_the_edge():
+    config = envoy_config("127.0.0.1", 18000, ["127.0.0.1:50050"], metrics_addresses=["127.0.0.1:9090"])
+    manager = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    routes = manager["route_config"]["virtual_hosts"][0]["routes"]
+    clusters = {c["name"]: c for c in config["static_resources"]["clusters"]}
+    operator = [r for r in routes if r.get("route", {}).get("cluster") == OPERATOR_CLUSTER]
+    assert {r["match"]["path"] for r in operator} == {f"/{GATEWAY_SERVICE}/GetStatus",
+                                                      f"/{GATEWAY_SERVICE}/GetConsoleFile"}
+    assert "health_checks" not in clusters[OPERATOR_CLUSTER] and "health_checks" in clusters[CLUSTER]
+    grpc_route, fallback = routes[-2:]
+    assert grpc_route["match"] == {"prefix": "/", "grpc": {}} and grpc_route["route"]["cluster"] == CLUSTER
+    assert fallback["direct_response"]["status"] == 404  # never a non-gRPC request to a gateway
+    assert routes[0]["match"] == {"path": "/metrics"}

@@ -44,6 +44,30 @@
                           },
                           "content_type": "application/json"
                         }
+                      },
+                      {
+                        "filter": {
+                          "status_code_filter": {
+                            "comparison": {
+                              "op": "EQ",
+                              "value": {
+                                "default_value": 404,
+                                "runtime_key": "edge.local_reply.not_found"
+                              }
+                            }
+                          }
+                        },
+                        "body_format_override": {
+                          "json_format": {
+                            "error": {
+                              "message": "%LOCAL_REPLY_BODY%",
+                              "type": "NotFoundError",
+                              "param": null,
+                              "code": "%RESPONSE_CODE%"
+                            }
+                          },
+                          "content_type": "application/json"
+                        }
                       }
                     ],
                     "body_format": {
@@ -113,7 +137,8 @@
                           },
                           {
                             "match": {
-                              "prefix": "/"
+                              "prefix": "/",
+                              "grpc": {}
                             },
                             "route": {
                               "cluster": "gateways",
@@ -130,6 +155,17 @@
                                   }
                                 ],
                                 "host_selection_retry_max_attempts": 3
+                              }
+                            }
+                          },
+                          {
+                            "match": {
+                              "prefix": "/"
+                            },
+                            "direct_response": {
+                              "status": 404,
+                              "body": {
+                                "inline_string": "no such route"
                               }
                             }
                           }
@@ -174,9 +210,6 @@
                         "print_options": {
                           "preserve_proto_field_names": true,
                           "always_print_primitive_fields": true
-                        },
-                        "request_validation_options": {
-                          "reject_unknown_method": true
                         },
                         "ignore_unknown_query_parameters": true
                       }
