@@ -194,6 +194,17 @@ def test_status_page_shows_a_killed_worker(browser, model, tmp_path):
 
 
 def _save_screenshot(page, name: str) -> None:
+    """Save the page as ``name`` in $GRIDSERVE_CONSOLE_SCREENSHOTS (64 colours with Pillow: a third
+    of the size, for the README)."""
     folder = os.environ.get("GRIDSERVE_CONSOLE_SCREENSHOTS")
-    if folder:
-        page.screenshot(path=str(Path(folder) / name))
+    if not folder:
+        return
+    path = Path(folder) / name
+    page.screenshot(path=str(path))
+    try:
+        from PIL import Image
+    except ImportError:
+        return
+    with Image.open(path) as image:
+        palette = image.convert("RGB").quantize(colors=64, method=Image.Quantize.MEDIANCUT)
+    palette.save(path, optimize=True)
