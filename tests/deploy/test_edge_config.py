@@ -101,8 +101,13 @@ def test_gateways_are_found_through_their_headless_service(render_chart) -> None
                        "port_value": 6000}
     headless = rendered.named("Service", f"{RELEASE}-gridserve-gateway-headless")
     assert headless["spec"]["clusterIP"] == "None"
-    for key in reference.keys() - {"type", "load_assignment", "health_checks", "outlier_detection"}:
+    for key in reference.keys() - {"type", "load_assignment", "health_checks", "outlier_detection",
+                                   "circuit_breakers"}:
         assert cluster[key] == reference[key], key
+    # The chart sizes the breaker for its most replicas: maxRequestsPerGateway x autoscaling.maxReplicas.
+    (breaker,) = cluster["circuit_breakers"]["thresholds"]
+    (reference_breaker,) = reference["circuit_breakers"]["thresholds"]
+    assert breaker.keys() == reference_breaker.keys() and len(set(breaker.values())) == 1
     (check,) = cluster["health_checks"]
     (reference_check,) = reference["health_checks"]
     assert check.keys() == reference_check.keys() and check["grpc_health_check"] == {}
