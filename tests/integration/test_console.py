@@ -45,7 +45,8 @@ def model(llama_tiny) -> Path:
 
 @pytest.fixture(scope="module")
 def edge(model, tmp_path_factory):
-    with deployment(model, tmp_path_factory.mktemp("logs"), edge_port=free_port()) as launcher:
+    with deployment(model, tmp_path_factory.mktemp("logs"), edge_port=free_port(),
+                    served_model_name=model.name) as launcher:
         yield launcher
 
 
@@ -74,7 +75,7 @@ def _ask(page, prompt: str, max_tokens: int, temperature: float = 0.0) -> None:
 def test_console_page_loads_and_lists_the_served_model(page, model):
     assert page.title() == "gridserve console"
     page.wait_for_function("document.querySelectorAll('#model option').length > 0")
-    assert page.eval_on_selector_all("#model option", "os => os.map(o => o.value)") == [str(model)]
+    assert page.eval_on_selector_all("#model option", "os => os.map(o => o.value)") == [model.name]
     assert page.is_visible("#chat") and not page.is_visible("#status")
     assert page.is_hidden("#chat-error")
 
