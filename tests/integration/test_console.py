@@ -28,7 +28,7 @@ from .services import address, deployment, engine_stub, gateway_stub, pid
 
 pytestmark = pytest.mark.slow
 
-TIMEOUT_MS = 30_000
+TIMEOUT_MS = 60_000
 # Long enough to still be streaming when the test cancels (the tiny Llama's context is 512).
 LONG_ANSWER_TOKENS = 450
 
@@ -92,7 +92,7 @@ def test_prompt_streams_tokens_into_the_page_incrementally(page, edge):
             if (answer) window.reads.push(answer.textContent.length);
         }).observe(document.getElementById('messages'), {childList: true, subtree: true, characterData: true});
     }""")
-    _ask(page, "def fibonacci(n):", max_tokens=200)
+    _ask(page, "def fibonacci(n):", max_tokens=64)
     page.wait_for_selector(".message.assistant[data-done='true']")
     _save_screenshot(page, "console.png")
     final = page.inner_text(".message.assistant:last-child .text")
