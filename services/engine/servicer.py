@@ -18,6 +18,7 @@ import grpc
 from gridserve.api.engine.v1 import engine_pb2, engine_pb2_grpc
 from gridserve.services.engine.loop import END, EngineLoop
 from gridserve.services.engine.request import Request
+from gridserve.services.engine.status import EngineStatus
 from gridserve.shared.config import GridserveConfig
 from gridserve.shared.errors import EngineDeadError, InvalidArgumentError
 from gridserve.shared.observability.tracing import traceparent_from_metadata
@@ -34,6 +35,7 @@ class EngineServicer(engine_pb2_grpc.EngineCoreServicer):
         self.metrics_port = metrics_port
         self.tracing = tracing  # read the caller's traceparent from the metadata
         self._loop: Optional[EngineLoop] = None
+        self.status = EngineStatus(config.parallel.worker_addresses, lambda: self.loop.stats().result(timeout=5.0))
 
     @property
     def loop(self) -> EngineLoop:
@@ -126,6 +128,17 @@ class EngineServicer(engine_pb2_grpc.EngineCoreServicer):
         reset = await _done(self.loop.submit(self.loop.core.reset_prefix_cache))
         return engine_pb2.ResetPrefixCacheResponse(reset=reset)
 
+
+    async def GetStatus(self, request: engine_pb2.GetStatusRequest, context: grpc.aio.ServicerContext):
+        report = await asyncio.to_thread(self.status.report)  # asks the workers: off the event loop
+        stats = report.stats
+        return engine_pb2.GetStatusResponse(
+            workers=[engine_pb2.WorkerStatus(rank=w.rank, address=w.address, health=w.health)
+                     for w in report.workers],
+            loop_alive=report.loop_alive, error=report.error,
+            num_generation_tokens=stats.num_generation_tokens if stats else 0,
+            num_prompt_tokens=stats.num_prompt_tokens if stats else 0,
+        )
 
 async def _done(future: Future) -> Any:
     """Await an ``EngineLoop`` future without blocking the event loop."""

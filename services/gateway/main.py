@@ -20,6 +20,7 @@ from gridserve.services.gateway.load_watcher import LoadWatcher
 from gridserve.services.gateway.observability import GatewayMetrics
 from gridserve.services.gateway.service import GatewayService
 from gridserve.services.gateway.servicer import GatewayServicer
+from gridserve.services.gateway.status import StatusCollector
 from gridserve.services.gateway.tokenizer import GatewayTokenizer
 from gridserve.shared.errors import EngineDeadError
 from gridserve.shared.observability.metrics import start_metrics_server
@@ -62,6 +63,8 @@ def serve(engine_addresses: list[str], host: str, port: int, grace_s: float = 10
     # DP > 1: route by the load every engine reports to the coordinator.
     watcher = server.call(lambda: LoadWatcher(coordinator, gateway_id, service.router)) if coordinator else None
     servicer = GatewayServicer(service, served_model_name)
+    servicer.status = StatusCollector(server.address, engine_addresses, coordinator, service.is_ready,
+                                      lambda i: engines[i].ready.is_set())
     server.add_service(SERVICE, lambda s: gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, s))
 
     def drain(timeout: float) -> None:
