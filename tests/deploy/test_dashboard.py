@@ -18,10 +18,10 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gridserve.services.engine.metrics import EngineMetrics
-from gridserve.services.engine.scheduler import SchedulerStats
 from gridserve.services.gateway.observability import GatewayMetrics
 from gridserve.services.worker.observability import WorkerObserver
 from gridserve.shared.config import GridserveConfig
+from gridserve.shared.load import EngineLoad
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "helm" / "gridserve" / "dashboards" / "gridserve.json"
 # Labels Prometheus adds to every scraped series (target labels), besides the histograms' le.
@@ -43,7 +43,7 @@ def exported_series() -> dict[str, set[str]]:
     """Every sample name the roles expose, with its label names (one observation each, so that
     labelled families have a child)."""
     engine = CollectorRegistry(auto_describe=False)
-    EngineMetrics(GridserveConfig(), lambda: SchedulerStats(1, 2, 0.5, 10, 5, 0), engine="0", registry=engine)
+    EngineMetrics(GridserveConfig(), lambda: EngineLoad(1, 2, 0.5, 10, 5, 0), engine="0", registry=engine)
     gateway = GatewayMetrics("model")
     gateway.success("stop")
     gateway.in_flight("0").inc()
