@@ -75,6 +75,7 @@ def serve(config: GridserveConfig, host: str, port: int, grace_s: float = 10.0, 
         for client in (reporter, waves):  # on the server's loop, before it stops
             if client is not None:
                 server.run(client.close())
+        server.run(servicer.status.close())
         if tracing is not None:
             tracing.shutdown()
 

@@ -35,7 +35,7 @@ class EngineServicer(engine_pb2_grpc.EngineCoreServicer):
         self.metrics_port = metrics_port
         self.tracing = tracing  # read the caller's traceparent from the metadata
         self._loop: Optional[EngineLoop] = None
-        self.status = EngineStatus(config.parallel.worker_addresses, lambda: self.loop.stats().result(timeout=5.0))
+        self.status = EngineStatus(config.parallel.worker_addresses, lambda: self.loop.stats())
 
     @property
     def loop(self) -> EngineLoop:
@@ -130,7 +130,7 @@ class EngineServicer(engine_pb2_grpc.EngineCoreServicer):
 
 
     async def GetStatus(self, request: engine_pb2.GetStatusRequest, context: grpc.aio.ServicerContext):
-        report = await asyncio.to_thread(self.status.report)  # asks the workers: off the event loop
+        report = await self.status.report()  # asks the workers (aio health calls), awaits the loop
         stats = report.stats
         return engine_pb2.GetStatusResponse(
             workers=[engine_pb2.WorkerStatus(rank=w.rank, address=w.address, health=w.health)
@@ -139,6 +139,7 @@ class EngineServicer(engine_pb2_grpc.EngineCoreServicer):
             num_generation_tokens=stats.num_generation_tokens if stats else 0,
             num_prompt_tokens=stats.num_prompt_tokens if stats else 0,
         )
+
 
 async def _done(future: Future) -> Any:
     """Await an ``EngineLoop`` future without blocking the event loop."""
