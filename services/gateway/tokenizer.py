@@ -51,6 +51,7 @@ class GatewayTokenizer:
         add_generation_prompt: bool = True,
         chat_template: Optional[str] = None,
         tokenize: bool = True,
+        tools: Optional[list[dict[str, Any]]] = None,
         **_: Any,
     ) -> Any:
         """Render the conversation like ``transformers`` (tokens without extra special tokens)."""
@@ -62,6 +63,7 @@ class GatewayTokenizer:
         text = env.from_string(template).render(
             messages=messages,
             add_generation_prompt=add_generation_prompt,
+            tools=tools,
             bos_token=self.bos_token or "",
             eos_token=self.eos_token or "",
         )
