@@ -12,6 +12,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, fields
 
+BLOCKING_THREADS = 8
+
 
 @dataclass(frozen=True)
 class RequestLimits:
@@ -78,3 +80,15 @@ def add_limit_arguments(parser: argparse.ArgumentParser) -> None:
         group.add_argument(flag, type=kind, default=f.default, help=f"{_HELP[f.name]} (default {f.default})")
     group.add_argument("--trust-request-chat-template", action="store_true",
                        help="let requests carry their own chat_template (refused with 400 otherwise)")
+    group.add_argument("--blocking-threads", type=int, default=BLOCKING_THREADS,
+                       help="gateway threads that tokenize and render chat templates off its event loop "
+                            f"(default {BLOCKING_THREADS})")
+
+
+def gateway_argv(args: argparse.Namespace) -> list[str]:
+    """The flags of ``add_limit_arguments`` in ``args`` as a ``gridserve gateway`` command line
+    (``gridserve serve`` hands them to its gateways)."""
+    argv = RequestLimits.from_args(args).to_argv()
+    if args.blocking_threads != BLOCKING_THREADS:
+        argv += ["--blocking-threads", str(args.blocking_threads)]
+    return argv

@@ -15,6 +15,7 @@ import grpc
 
 from gridserve.api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from gridserve.services.gateway.auth import ApiKeyInterceptor
+from gridserve.services.gateway.chat_template import ChatTemplateRenderer
 from gridserve.services.gateway.engine_client import EngineClient
 from gridserve.services.gateway.limits import RequestLimits
 from gridserve.services.gateway.load_watcher import LoadWatcher
@@ -51,9 +52,11 @@ def serve(engine_addresses: list[str], host: str, port: int, grace_s: float = 10
     model_name = served_model_name or info.model
     metrics = GatewayMetrics(model_name) if metrics_port is not None else None
     tracing = Tracing.create("gridserve-gateway", otlp_traces_endpoint)
-    service = GatewayService(GatewayTokenizer(info.tokenizer_path), engines, info.model,
+    limits = limits or RequestLimits()
+    renderer = ChatTemplateRenderer(limits.max_rendered_template_chars, limits.template_render_timeout_s)
+    service = GatewayService(GatewayTokenizer(info.tokenizer_path, renderer), engines, info.model,
                              info.max_model_len, info.vocab_size, info.max_logprobs, metrics, tracing,
-                             limits or RequestLimits(), blocking_workers)
+                             limits, blocking_workers)
     metrics_server = None
     if metrics is not None:
         # The edge's GET /metrics shows these, with every engine's metrics merged in.

@@ -21,6 +21,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    ValidationError,
     ValidationInfo,
     field_validator,
 )
@@ -494,3 +495,38 @@ class DetokenizeResponse(ResponseModel):
 
 class VersionResponse(ResponseModel):
     version: str
+
+
+# ---- the typed gRPC API: the same fields, the same checks ------------------------------------
+class GrpcSamplingFields(SamplingFields):
+    """``SamplingFields`` plus what the typed API sets directly (``max_tokens``, ``logprobs``)."""
+
+    max_tokens: Optional[Annotated[int, Field(ge=1, le=UINT32_MAX)]] = None
+    logprobs: Annotated[Optional[Count32], capped("max_logprobs", int, "logprobs")] = None
+    prompt: Annotated[Optional[str], capped("max_content_chars", what="characters")] = None
+
+
+def check_sampling_params(params: SamplingParams, limits: RequestLimits, prompt: Optional[str] = None) -> None:
+    """Validate the typed gRPC API's ``SamplingParams`` (and text prompt) with the REST models;
+    a refusal is ``InvalidArgumentError`` naming the field (INVALID_ARGUMENT)."""
+    fields: dict[str, Any] = {name: getattr(params, name) for name in GrpcSamplingFields.model_fields
+                              if hasattr(params, name) and name != "structured_outputs"}
+    fields["logit_bias"] = {str(k): v for k, v in (params.logit_bias or {}).items()}
+    fields["prompt"] = prompt
+    so = params.structured_outputs
+    if so is not None:
+        fields["structured_outputs"] = StructuredOutputs(json=so.json, json_object=so.json_object or None,
+                                                         regex=so.regex, choice=so.choice, grammar=so.grammar)
+    validate_as(GrpcSamplingFields, fields, limits, "sampling_params.")
+
+
+def validate_as(model: type[BaseModel], fields: dict[str, Any], limits: RequestLimits, prefix: str = "") -> Any:
+    """``model`` validated from Python values; a refusal is ``InvalidArgumentError`` naming the field
+    (``prefix`` + its path; a top-level ``prompt`` or ``messages`` without the prefix)."""
+    try:
+        return model.model_validate(fields, context={"limits": limits})
+    except ValidationError as exc:
+        error = exc.errors(include_url=False, include_input=False)[0]
+        path = ".".join(str(part) for part in error["loc"])
+        name = path if path.split(".")[0] in ("prompt", "messages", "chat_template") else prefix + path
+        raise InvalidArgumentError(name, str(error["msg"]).removeprefix("Value error, ")) from None

@@ -44,6 +44,8 @@ from gridserve.services.gateway.service import GatewayService, StreamChunk
 
 JSON = "application/json"
 SSE = "text/event-stream"
+REFUSED_TEMPLATE = ("a request's own chat template is refused; the server must run with "
+                    "--trust-request-chat-template")
 
 logger = logging.getLogger(__name__)
 M = TypeVar("M", bound=BaseModel)
@@ -91,8 +93,7 @@ class OpenAIRoutes:
 
     async def _chat_prompt(self, request: ChatTemplateFields) -> dict:
         if request.chat_template is not None and not self.service.limits.trust_request_chat_template:
-            raise ApiError(400, "chat_template: a request's own chat template is refused; the server "
-                                "must run with --trust-request-chat-template", "chat_template")
+            raise ApiError(400, f"chat_template: {REFUSED_TEMPLATE}", "chat_template")
         return await self.service.chat_prompt(request.template_messages(), request.chat_template,
                                               request.add_generation_prompt, request.template_tools())
 

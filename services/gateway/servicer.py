@@ -18,7 +18,13 @@ from gridserve.services.gateway.convert import (
     completion_to_pb,
     prompt_from_pb,
 )
-from gridserve.services.gateway.routes import HttpResponse, OpenAIRoutes
+from gridserve.services.gateway.protocol import (
+    ChatMessage,
+    ChatTemplateFields,
+    check_sampling_params,
+    validate_as,
+)
+from gridserve.services.gateway.routes import REFUSED_TEMPLATE, HttpResponse, OpenAIRoutes
 from gridserve.services.gateway.service import GatewayService
 from gridserve.shared.errors import InvalidArgumentError
 from gridserve.shared.observability.tracing import traceparent_from_metadata
@@ -42,7 +48,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
     async def Generate(self, request: gateway_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[gateway_pb2.GenerateResponse]:
-        params = self._params(request)
+        params = self._params(request, request.text if request.WhichOneof("prompt") == "text" else None)
         request_id = request.request_id or uuid.uuid4().hex
         async for chunk in self.service.generate(prompt_from_pb(request), params, request_id,
                                                  self._traceparent(context), _dp_rank(request)):
@@ -51,30 +57,32 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
     async def Complete(self, request: gateway_pb2.CompleteRequest,
                        context: grpc.aio.ServicerContext) -> gateway_pb2.CompleteResponse:
-        params = self._params(request)
+        params = self._params(request, request.text if request.WhichOneof("prompt") == "text" else None)
         request_id = request.request_id or uuid.uuid4().hex
         out = await self.service.complete(prompt_from_pb(request), params, request_id,
                                           self._traceparent(context), _dp_rank(request))
         return completion_to_pb(request_id, out)
 
     async def Chat(self, request: gateway_pb2.ChatRequest, context: grpc.aio.ServicerContext) -> gateway_pb2.ChatResponse:
-        if not request.messages:
-            raise InvalidArgumentError("messages", "the conversation is empty")
         params = self._params(request)
-        template = request.chat_template if request.HasField("chat_template") else None
-        if template is not None and not self.service.limits.trust_request_chat_template:
-            raise InvalidArgumentError("chat_template", "a request's own chat template is refused; the server "
-                                       "must run with --trust-request-chat-template")
-        prompt = await self.service.chat_prompt(
-            [{"role": m.role, "content": m.content} for m in request.messages], template,
-            request.add_generation_prompt if request.HasField("add_generation_prompt") else True,
-        )
+        chat = validate_as(ChatTemplateFields, {
+            "messages": [ChatMessage(role=m.role, content=m.content) for m in request.messages],
+            "chat_template": request.chat_template if request.HasField("chat_template") else None,
+            "add_generation_prompt": request.add_generation_prompt if request.HasField("add_generation_prompt") else True,
+        }, self.service.limits)
+        if chat.chat_template is not None and not self.service.limits.trust_request_chat_template:
+            raise InvalidArgumentError("chat_template", REFUSED_TEMPLATE)
+        prompt = await self.service.chat_prompt(chat.template_messages(), chat.chat_template,
+                                                chat.add_generation_prompt)
         request_id = request.request_id or uuid.uuid4().hex
         out = await self.service.complete(prompt, params, request_id, self._traceparent(context), _dp_rank(request))
         return chat_to_pb(request_id, out)
 
-    def _params(self, request) -> SamplingParams:
-        return sampling_params_from_pb(request.sampling_params)
+    def _params(self, request, text_prompt: Optional[str] = None) -> SamplingParams:
+        """The request's sampling params, through the same checks as the REST routes."""
+        params = sampling_params_from_pb(request.sampling_params)
+        check_sampling_params(params, self.service.limits, text_prompt)
+        return params
 
     def _traceparent(self, context: grpc.aio.ServicerContext) -> str:
         """The caller's W3C trace context (gRPC metadata; Envoy passes the HTTP header), tracing on."""
