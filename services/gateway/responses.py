@@ -18,7 +18,6 @@ from gridserve.services.gateway.protocol import (
     CompletionLogprobs,
     CompletionResponse,
     DeltaMessage,
-    ErrorResponse,
     ResponseModel,
     TopLogprob,
     UsageInfo,
@@ -101,11 +100,6 @@ def chat_response(model: str, out: RequestOutput, params: SamplingParams, top_n:
     completion_tokens = sum(len(c.token_ids) for c in out.outputs)
     return ChatCompletionResponse(id=f"chatcmpl-{out.request_id}", created=int(time.time()), model=model,
                                   choices=choices, usage=UsageInfo.of(len(out.prompt_token_ids), completion_tokens))
-
-
-def error_event(error: ErrorResponse) -> bytes:
-    """An error sent in band, after the stream has started (HTTP/1.1 clients see no trailers)."""
-    return sse(error)
 
 
 class CompletionEvents:

@@ -88,8 +88,8 @@ class GatewayService:
         self.engines = engines
         self.model_name = model_name
         self.max_model_len = max_model_len
-        self.limits = replace(limits or RequestLimits(), max_logprobs=min(
-            max_logprobs, (limits or RequestLimits()).max_logprobs))
+        limits = limits or RequestLimits()
+        self.limits = replace(limits, max_logprobs=min(limits.max_logprobs, max_logprobs))
         self.input_processor = InputProcessor(tokenizer, max_model_len, vocab_size, self.limits.max_logprobs)
         self.blocking = ThreadPoolExecutor(max_workers=blocking_workers, thread_name_prefix="gateway-blocking")
         self._in_flight = 0

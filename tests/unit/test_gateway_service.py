@@ -131,3 +131,10 @@ def test_a_finished_request_returns_its_tokens_and_text():
         assert (service.in_flight, engine.num_in_flight, engine.aborted) == (0, 0, [])
 
     asyncio.run(go())
+
+
+def test_seeded_samples_wrap_within_the_engines_64_bit_seed():
+    from gridserve.services.gateway.processor import child_requests
+
+    children = child_requests("r", SamplingParams(n=2, seed=2**63 - 1))
+    assert [params.seed for _, _, params in children] == [2**63 - 1, -(2**63)]
