@@ -33,6 +33,11 @@ _PLACEHOLDERS = {
     '"@GATEWAY_PORT@"': "{{ .Values.gateway.port }}",
     '"@GATEWAY_HOST@"': '"{{ include "gridserve.fullname" . }}-gateway-headless.{{ include "gridserve.svcSuffix" . }}"',
     '"@INTERVAL@"': '"{{ .Values.edge.healthCheckInterval }}"',
+    '"@MAX_BODY@"': "{{ .Values.edge.maxRequestBodyBytes | int64 }}",
+    '"@MAX_CONNECTIONS@"': "{{ .Values.edge.maxConnections | int64 }}",
+    '"@IDLE_TIMEOUT@"': '"{{ .Values.edge.streamIdleTimeout }}"',
+    # Envoy's breakers are per cluster; the chart's cluster is every replica the HPA may run.
+    '"@MAX_REQUESTS@"': "{{ mul .Values.edge.maxRequestsPerGateway .Values.gateway.autoscaling.maxReplicas }}",
 }
 
 
@@ -44,6 +49,12 @@ def kubernetes_config() -> dict[str, Any]:
     (listener,) = config["static_resources"]["listeners"]
     listener["address"]["socket_address"]["port_value"] = "@EDGE_PORT@"
     manager = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    manager["stream_idle_timeout"] = "@IDLE_TIMEOUT@"
+    for http_filter in manager["http_filters"]:
+        if http_filter["name"] == "envoy.filters.http.buffer":
+            http_filter["typed_config"]["max_request_bytes"] = "@MAX_BODY@"
+    (monitor,) = config["overload_manager"]["resource_monitors"]
+    monitor["typed_config"]["max_active_downstream_connections"] = "@MAX_CONNECTIONS@"
     manager["http_filters"].insert(0, {
         "name": "envoy.filters.http.health_check",
         "typed_config": {
@@ -54,6 +65,8 @@ def kubernetes_config() -> dict[str, Any]:
     })
     (cluster,) = config["static_resources"]["clusters"]
     cluster["type"] = "STRICT_DNS"
+    cluster["circuit_breakers"]["thresholds"] = [{key: "@MAX_REQUESTS@" for key in threshold}
+                                                for threshold in cluster["circuit_breakers"]["thresholds"]]
     cluster["load_assignment"]["endpoints"] = [{"lb_endpoints": [{"endpoint": {"address": {
         "socket_address": {"address": "@GATEWAY_HOST@", "port_value": "@GATEWAY_PORT@"}}}}]}]
     for check in cluster.get("health_checks", []):

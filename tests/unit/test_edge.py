@@ -28,7 +28,8 @@ def test_config_has_transcoder_cluster_of_all_replicas_and_health_checks():
     listener = config["static_resources"]["listeners"][0]
     assert listener["address"]["socket_address"] == {"address": "127.0.0.1", "port_value": 18000}
     manager = listener["filter_chains"][0]["filters"][0]["typed_config"]
-    transcoder = manager["http_filters"][1]["typed_config"]
+    transcoder = next(f["typed_config"] for f in manager["http_filters"]
+                      if f["name"] == "envoy.filters.http.grpc_json_transcoder")
     assert transcoder["services"] == [GATEWAY_SERVICE]
     assert transcoder["proto_descriptor"] == str(DESCRIPTOR_SET) and DESCRIPTOR_SET.exists()
     assert transcoder["convert_grpc_status"] is True

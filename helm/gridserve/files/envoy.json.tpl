@@ -1,4 +1,15 @@
 {
+  "overload_manager": {
+    "resource_monitors": [
+      {
+        "name": "envoy.resource_monitors.global_downstream_max_connections",
+        "typed_config": {
+          "@type": "type.googleapis.com/envoy.extensions.resource_monitors.downstream_connections.v3.DownstreamConnectionsConfig",
+          "max_active_downstream_connections": {{ .Values.edge.maxConnections | int64 }}
+        }
+      }
+    ]
+  },
   "static_resources": {
     "listeners": [
       {
@@ -18,7 +29,8 @@
                   "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
                   "stat_prefix": "edge",
                   "codec_type": "AUTO",
-                  "stream_idle_timeout": "0s",
+                  "stream_idle_timeout": "{{ .Values.edge.streamIdleTimeout }}",
+                  "request_headers_timeout": "10s",
                   "local_reply_config": {
                     "mappers": [
                       {
@@ -110,6 +122,13 @@
                       }
                     },
                     {
+                      "name": "envoy.filters.http.buffer",
+                      "typed_config": {
+                        "@type": "type.googleapis.com/envoy.extensions.filters.http.buffer.v3.Buffer",
+                        "max_request_bytes": {{ .Values.edge.maxRequestBodyBytes | int64 }}
+                      }
+                    },
+                    {
                       "name": "envoy.filters.http.lua",
                       "typed_config": {
                         "@type": "type.googleapis.com/envoy.extensions.filters.http.lua.v3.Lua",
@@ -188,10 +207,10 @@
         "circuit_breakers": {
           "thresholds": [
             {
-              "max_connections": 100000,
-              "max_pending_requests": 100000,
-              "max_requests": 100000,
-              "max_retries": 100000
+              "max_connections": {{ mul .Values.edge.maxRequestsPerGateway .Values.gateway.autoscaling.maxReplicas }},
+              "max_pending_requests": {{ mul .Values.edge.maxRequestsPerGateway .Values.gateway.autoscaling.maxReplicas }},
+              "max_requests": {{ mul .Values.edge.maxRequestsPerGateway .Values.gateway.autoscaling.maxReplicas }},
+              "max_retries": {{ mul .Values.edge.maxRequestsPerGateway .Values.gateway.autoscaling.maxReplicas }}
             }
           ]
         },
