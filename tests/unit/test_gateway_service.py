@@ -45,6 +45,7 @@ class _FakeEngine:
         self.queues: dict = {}
         self.added: list[str] = []
         self.aborted: list[str] = []
+        self.loop = asyncio.get_running_loop()  # as the asyncio client: built on the server's loop
 
     @property
     def num_in_flight(self) -> int:
@@ -56,16 +57,16 @@ class _FakeEngine:
     def unregister(self, request_id):
         self.queues.pop(request_id, None)
 
-    def add_request(self, request_id, token_ids, params, parent_request_id="", traceparent=""):
+    async def add_request(self, request_id, token_ids, params, parent_request_id="", traceparent=""):
         self.added.append(request_id)
 
-    def abort(self, request_ids):
+    async def abort(self, request_ids):
         self.aborted += request_ids
 
     def emit(self, request_id, token, finished=False):
         out = EngineCoreOutput(request_id=request_id, new_token_ids=[token],
                                finish_reason=FinishReason.LENGTH if finished else None)
-        self.queues[request_id].put(out)
+        self.queues[request_id].put_nowait(out)
 
 
 def _service():
