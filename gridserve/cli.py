@@ -25,6 +25,7 @@ from gridserve.roles import (
     observability_argv,
     require,
 )
+from gridserve.services.gateway.limits import RequestLimits, add_limit_arguments, gateway_argv
 from gridserve.shared.errors import ConfigError, GridserveError
 from gridserve.shared.observability.logs import configure_logging
 
@@ -61,6 +62,7 @@ def _parser() -> argparse.ArgumentParser:
                        help="seconds a response stream may stay silent before the edge resets it")
     add_engine_arguments(serve)
     add_observability_arguments(serve, metrics_port=False)
+    add_limit_arguments(serve)
 
     worker = sub.add_parser("worker", help="run one worker service")
     add_server_arguments(worker, default_port=50061)
@@ -99,6 +101,7 @@ def _parser() -> argparse.ArgumentParser:
                               "[GRIDSERVE_API_KEY]")
     gateway.add_argument("--coordinator", default=env_default("--coordinator"),
                          help="DP coordinator address host:port: route by the engines' load [GRIDSERVE_COORDINATOR]")
+    add_limit_arguments(gateway)
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
@@ -150,7 +153,8 @@ def _gateway(args: argparse.Namespace) -> int:
     engines = parse_addresses(require(args.engines, "--engines", "the engine addresses"), "engine")
     return serve(engines, args.host, args.port, args.grace_period, served_model_name=args.served_model_name,
                  metrics_port=args.metrics_port, otlp_traces_endpoint=args.otlp_traces_endpoint,
-                 api_key=args.api_key, coordinator=args.coordinator)
+                 api_key=args.api_key, coordinator=args.coordinator, limits=RequestLimits.from_args(args),
+                 blocking_workers=args.blocking_threads)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -173,7 +177,7 @@ def _serve(args: argparse.Namespace) -> int:
                         served_model_name=args.served_model_name or model, api_key=args.api_key,
                         tensor_parallel_size=args.tensor_parallel_size,
                         pipeline_parallel_size=args.pipeline_parallel_size,
-                        observability_args=observability_argv(args),
+                        observability_args=observability_argv(args), gateway_args=gateway_argv(args),
                         edge_limits=EdgeLimits(max_request_body_bytes=args.max_request_body_bytes,
                                                max_connections=args.max_edge_connections,
                                                stream_idle_timeout_s=args.stream_idle_timeout))

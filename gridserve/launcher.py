@@ -89,7 +89,8 @@ class Launcher:
                  edge_limits: Optional[EdgeLimits] = None,
                  tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
                  data_parallel_size: int = 1,
-                 observability_args: Optional[list[str]] = None, metrics: bool = True) -> None:
+                 observability_args: Optional[list[str]] = None, metrics: bool = True,
+                 gateway_args: Optional[list[str]] = None) -> None:
         self.model = model
         self.engine_args = engine_args
         self.host = host
@@ -110,6 +111,7 @@ class Launcher:
         # free --metrics-port (shown in the process table; the edge serves the gateways' at /metrics).
         self.observability_args = list(observability_args or [])
         self.metrics = metrics
+        self.gateway_args = list(gateway_args or [])  # e.g. the request limits (gridserve gateway flags)
         self._edge_dir: Optional[tempfile.TemporaryDirectory] = None
         self.processes: list[RoleProcess] = []
         self._stopping = threading.Event()
@@ -137,7 +139,7 @@ class Launcher:
                 self._wait_serving(engine)
             for i in range(self.api_server_count):
                 port = self.grpc_port if (i == 0 and self.grpc_port) else None
-                extra = ["--engines", ",".join(e.address for e in engines)]
+                extra = ["--engines", ",".join(e.address for e in engines), *self.gateway_args]
                 if coordinator is not None:
                     extra += ["--coordinator", coordinator.address]
                 if self.served_model_name:

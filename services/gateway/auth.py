@@ -3,8 +3,8 @@
 Clients send ``authorization: Bearer <key>``, as an HTTP header through the Envoy edge (the
 transcoder passes headers on as gRPC metadata) or as metadata on a native gRPC call. As with
 ``vllm serve --api-key``, the REST routes under ``/v1`` need the key and ``/health``, ``/version``,
-``/tokenize`` and ``/detokenize`` do not (nor do the web console's static files, whose page asks
-for the key); health checks and reflection stay open so probes and
+``/tokenize``, ``/detokenize`` and ``/openapi.json`` do not (nor do the web console's static files,
+whose page asks for the key); health checks and reflection stay open so probes and
 tools work. A missing or wrong key is ``UNAUTHENTICATED`` for native gRPC and an OpenAI-shaped
 HTTP 401 body for the REST routes (which return ``google.api.HttpBody``).
 """
@@ -18,13 +18,14 @@ from typing import Any, Optional
 import grpc
 from google.api import httpbody_pb2
 
-from gridserve.services.gateway.openai_api import JSON, ApiError
+from gridserve.services.gateway.api_errors import ApiError
+from gridserve.services.gateway.routes import JSON
 from gridserve.shared.rpc.metadata import HTTP_STATUS_HEADER
 
 GATEWAY = "/gridserve.gateway.v1.Gateway/"
 # Gateway methods reachable without the key (vLLM leaves these REST paths open too).
 OPEN_METHODS = frozenset(GATEWAY + m for m in ("OpenAIHealth", "OpenAIVersion", "OpenAITokenize",
-                                               "OpenAIDetokenize", "GetConsoleFile"))
+                                               "OpenAIDetokenize", "OpenAIOpenAPI", "GetConsoleFile"))
 # Routes answering google.api.HttpBody: a refusal there is an HTTP 401 with OpenAI's error body.
 REST_PREFIX = GATEWAY + "OpenAI"
 

@@ -16,6 +16,8 @@ import grpc
 
 from gridserve.api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from gridserve.services.gateway.auth import ApiKeyInterceptor
+from gridserve.services.gateway.chat_template import ChatTemplateRenderer
+from gridserve.services.gateway.limits import RequestLimits
 from gridserve.services.gateway.load_watcher import LoadWatcher
 from gridserve.services.gateway.observability import GatewayMetrics
 from gridserve.services.gateway.service import GatewayService
@@ -36,10 +38,13 @@ SERVICE = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
 def serve(engine_addresses: list[str], host: str, port: int, grace_s: float = 10.0,
           connect_timeout_s: float = 600.0, served_model_name: Optional[str] = None,
           api_key: Optional[str] = None, metrics_port: Optional[int] = None,
-          otlp_traces_endpoint: Optional[str] = None, coordinator: Optional[str] = None) -> int:
+          otlp_traces_endpoint: Optional[str] = None, coordinator: Optional[str] = None,
+          limits: Optional[RequestLimits] = None, blocking_workers: int = 8) -> int:
+    """``limits``: the per-request caps; ``blocking_workers``: the threads that tokenize and render
+    chat templates off the event loop."""
     interceptors = [ApiKeyInterceptor(api_key)] if api_key else []
-    # asyncio server: the OpenAI streams share its loop; the other RPCs run in its thread pool.
-    server = RpcServer(host, port, max_workers=512, grace_s=grace_s, interceptors=interceptors)
+    # asyncio server: every RPC is ``async`` and shares its loop.
+    server = RpcServer(host, port, max_workers=32, grace_s=grace_s, interceptors=interceptors)
     gateway_id = f"gateway-{uuid.uuid4().hex[:8]}"
     # The engine clients (and the load watcher) run on the server's loop: build them there.
     engines = server.call(lambda: [EngineClient(a, gateway_id) for a in engine_addresses])
@@ -50,8 +55,11 @@ def serve(engine_addresses: list[str], host: str, port: int, grace_s: float = 10
     model_name = served_model_name or info.model
     metrics = GatewayMetrics(model_name) if metrics_port is not None else None
     tracing = Tracing.create("gridserve-gateway", otlp_traces_endpoint)
-    service = GatewayService(GatewayTokenizer(info.tokenizer_path), engines, info.model,
-                             info.max_model_len, info.vocab_size, info.max_logprobs, metrics, tracing)
+    limits = limits or RequestLimits()
+    renderer = ChatTemplateRenderer(limits.max_rendered_template_chars, limits.template_render_timeout_s)
+    service = GatewayService(GatewayTokenizer(info.tokenizer_path, renderer), engines, info.model,
+                             info.max_model_len, info.vocab_size, info.max_logprobs, metrics, tracing,
+                             limits, blocking_workers)
     metrics_server = None
     if metrics is not None:
         # The edge's GET /metrics shows these, with every engine's metrics merged in.
@@ -68,7 +76,7 @@ def serve(engine_addresses: list[str], host: str, port: int, grace_s: float = 10
     server.add_service(SERVICE, lambda s: gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, s))
 
     def drain(timeout: float) -> None:
-        service.drain(timeout)
+        server.run(service.drain(timeout))
         server.run(_close([*engines, *([watcher] if watcher is not None else [])]))
         if tracing is not None:
             tracing.shutdown()

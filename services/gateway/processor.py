@@ -131,9 +131,14 @@ def child_requests(request_id: str, params: SamplingParams) -> list[tuple[str, i
         child = copy.copy(params)
         child.n = 1
         if params.seed is not None:
-            child.seed = params.seed + index
+            child.seed = _wrap_int64(params.seed + index)
         children.append((f"{index}_{request_id}", index, child))
     return children
+
+
+def _wrap_int64(value: int) -> int:
+    """``value`` wrapped into the signed 64-bit range of the engine's ``seed`` field."""
+    return (value + 2**63) % 2**64 - 2**63
 
 
 class _SampleState:

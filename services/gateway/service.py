@@ -6,24 +6,26 @@ followed step by step: each engine batch goes through an ``OutputProcessor`` (in
 detokenization, stop strings, logprobs) and yields a ``StreamChunk`` with what every sample added.
 Text that might still turn out to be the start of a stop string is held back until it cannot. When
 the caller goes away (client cancel, deadline, error) before the end, the engine requests are
-aborted, which frees their KV blocks.
+aborted, which frees their KV blocks. One path, on the gateway's asyncio loop, serves every RPC.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
-import queue
-import threading
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import dataclass, field
-from typing import Any, Optional
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from typing import Any, Optional, TypeVar
 
+from gridserve.services.gateway.limits import RequestLimits
 from gridserve.services.gateway.observability import GatewayMetrics, RequestObservation
 from gridserve.services.gateway.processor import (
     InputProcessor,
     OutputProcessor,
+    ProcessedPrompt,
     PromptType,
     child_requests,
 )
@@ -36,7 +38,7 @@ from gridserve.shared.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-_CANCELLED = object()
+T = TypeVar("T")
 
 
 @dataclass
@@ -72,57 +74,38 @@ class _SentState:
 
 
 class GatewayService:
-    """Validation, tokenization, engine selection and streaming for every gateway RPC."""
+    """Validation, tokenization, engine selection and streaming for every gateway RPC.
+
+    Everything runs on the gateway's asyncio loop; blocking work (tokenization, chat templates,
+    long detokenizations) goes to ``self.blocking``, a bounded thread pool of the gateway's own,
+    so a slow tokenization never stalls the streams the loop serves."""
 
     def __init__(self, tokenizer: Any, engines: list[EngineClient], model_name: str,
                  max_model_len: int, vocab_size: int, max_logprobs: int,
-                 metrics: Optional[GatewayMetrics] = None, tracing: Optional[Tracing] = None) -> None:
+                 metrics: Optional[GatewayMetrics] = None, tracing: Optional[Tracing] = None,
+                 limits: Optional[RequestLimits] = None, blocking_workers: int = 8) -> None:
         self.tokenizer = tokenizer
         self.engines = engines
         self.model_name = model_name
         self.max_model_len = max_model_len
-        self.input_processor = InputProcessor(tokenizer, max_model_len, vocab_size, max_logprobs)
+        limits = limits or RequestLimits()
+        self.limits = replace(limits, max_logprobs=min(limits.max_logprobs, max_logprobs))
+        self.input_processor = InputProcessor(tokenizer, max_model_len, vocab_size, self.limits.max_logprobs)
+        self.blocking = ThreadPoolExecutor(max_workers=blocking_workers, thread_name_prefix="gateway-blocking")
         self._in_flight = 0
-        self._idle = threading.Condition()
+        self._idle: Optional[asyncio.Event] = None
         self.draining = False
         self.router = Router(len(engines))
         self.metrics = metrics
         self.tracing = tracing
         self._engine_labels = {id(e): str(i) for i, e in enumerate(engines)}  # index in --engines
 
-    # ---- generation -----------------------------------------------------------------------------
-    def generate(
-        self,
-        prompt: PromptType,
-        params: SamplingParams,
-        request_id: str = "",
-        on_done: Callable[[Callable[[], None]], Any] = lambda fn: None,
-        traceparent: str = "",
-        data_parallel_rank: Optional[int] = None,
-    ) -> Iterator[StreamChunk]:
-        """Stream one request, blocking the calling thread between steps; ``on_done`` registers a
-        callback run when the caller goes away; ``traceparent`` (W3C) makes the request's spans
-        part of the caller's trace."""
-        outputs: queue.SimpleQueue = queue.SimpleQueue()
-        stream = _Stream(self, prompt, params, request_id, traceparent, data_parallel_rank, outputs)
-        on_done(lambda: outputs.put(_CANCELLED))
-        error = None
-        try:
-            with stream.observation.phase("generate_and_detokenize"):
-                # The engine client lives on the server's loop: this thread waits for the sends.
-                asyncio.run_coroutine_threadsafe(stream.send(), stream.engine.loop).result()
-                while not stream.finished:
-                    item = outputs.get()
-                    if item is _CANCELLED:
-                        return
-                    yield stream.on_item(item)
-        except BaseException as exc:
-            error = exc if not isinstance(exc, GeneratorExit) else None
-            raise
-        finally:
-            stream.close(error)
+    async def run_blocking(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` in the gateway's bounded pool, off the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self.blocking, functools.partial(fn, *args))
 
-    async def generate_async(
+    # ---- generation -----------------------------------------------------------------------------
+    async def generate(
         self,
         prompt: PromptType,
         params: SamplingParams,
@@ -130,40 +113,57 @@ class GatewayService:
         traceparent: str = "",
         data_parallel_rank: Optional[int] = None,
     ) -> AsyncIterator[StreamChunk]:
-        """``generate`` on an asyncio loop: the engine client hands each step's outputs to the loop,
-        so one thread serves every stream. Tokenization runs in a thread; cancelling the task (the
-        caller went away) aborts the engine requests."""
-        outputs: asyncio.Queue = asyncio.Queue()
-        stream = await asyncio.to_thread(_Stream, self, prompt, params, request_id, traceparent,
-                                         data_parallel_rank, outputs)
+        """Stream one request: the engine client hands each step's outputs to the loop, so one
+        thread serves every stream; ``traceparent`` (W3C) makes the request's spans part of the
+        caller's trace. Cancelling the task (the caller went away) aborts the engine requests."""
+        if self.draining:
+            raise EngineDeadError("the gateway is shutting down")
+        request = _Request(self, request_id, traceparent)
+        try:
+            with request.observation.phase("validate_and_tokenize"):
+                processed = await self.run_blocking(self.input_processor.process, prompt, params)
+        except BaseException as exc:
+            request.observation.end({}, 0, None if isinstance(exc, asyncio.CancelledError) else exc)
+            raise
+        # From here to the ``try`` nothing awaits: a cancellation cannot fall between the counts
+        # going up and the ``finally`` that brings them down.
+        stream = _Stream(request, processed, data_parallel_rank, asyncio.Queue())
         error = None
         try:
             with stream.observation.phase("generate_and_detokenize"):
                 await stream.send()
                 while not stream.finished:
-                    yield stream.on_item(await outputs.get())
+                    yield stream.on_item(await stream.outputs.get())
         except BaseException as exc:
             error = exc if not isinstance(exc, (GeneratorExit, asyncio.CancelledError)) else None
             raise
         finally:
             stream.close(error)
 
-    def complete(self, prompt: PromptType, params: SamplingParams, request_id: str = "",
-                 on_done: Callable[[Callable[[], None]], Any] = lambda fn: None,
-                 traceparent: str = "", data_parallel_rank: Optional[int] = None) -> RequestOutput:
+    async def complete(self, prompt: PromptType, params: SamplingParams, request_id: str = "",
+                       traceparent: str = "", data_parallel_rank: Optional[int] = None) -> RequestOutput:
+        """The whole result of one request."""
         final = None
-        for chunk in self.generate(prompt, params, request_id, on_done, traceparent, data_parallel_rank):
+        async for chunk in self.generate(prompt, params, request_id, traceparent, data_parallel_rank):
             final = chunk.final or final
         if final is None:
             raise EngineDeadError("the request ended without a result")
         return final
 
-    def chat_prompt(self, messages: list[dict[str, str]], chat_template: Optional[str],
-                    add_generation_prompt: bool) -> dict:
-        ids = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, chat_template=chat_template, tokenize=True
-        )
+    async def chat_prompt(self, messages: list[dict[str, Any]], chat_template: Optional[str],
+                          add_generation_prompt: bool, tools: Optional[list[dict]] = None) -> dict:
+        """The conversation rendered by the chat template and tokenized (in the blocking pool)."""
+        ids = await self.run_blocking(functools.partial(
+            self.tokenizer.apply_chat_template, messages, add_generation_prompt=add_generation_prompt,
+            chat_template=chat_template, tokenize=True, tools=tools))
         return {"prompt_token_ids": list(ids)}
+
+    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(await self.run_blocking(self.tokenizer.encode, text, add_special_tokens))
+
+    async def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return await self.run_blocking(functools.partial(self.tokenizer.decode, list(token_ids),
+                                                         skip_special_tokens=skip_special_tokens))
 
     # ---- engines and draining -------------------------------------------------------------------
     def _pick_engine(self, data_parallel_rank: Optional[int] = None) -> EngineClient:
@@ -175,48 +175,64 @@ class GatewayService:
     def is_ready(self) -> bool:
         return not self.draining and any(e.ready.is_set() for e in self.engines)
 
+    @property
+    def in_flight(self) -> int:
+        """Requests between tokenization and their end (the drain waits for zero)."""
+        return self._in_flight
+
     def _enter(self) -> None:
-        with self._idle:
-            self._in_flight += 1
+        self._in_flight += 1
 
     def _exit(self) -> None:
-        with self._idle:
-            self._in_flight -= 1
-            self._idle.notify_all()
+        self._in_flight -= 1
+        if self._in_flight == 0 and self._idle is not None:
+            self._idle.set()
 
-    def drain(self, timeout: float) -> None:
+    async def drain(self, timeout: float) -> None:
         """Refuse new requests and wait up to ``timeout`` s for the in-flight ones to finish."""
         self.draining = True
-        with self._idle:
-            self._idle.wait_for(lambda: self._in_flight == 0, timeout=timeout)
+        if self._in_flight:
+            self._idle = asyncio.Event()
+            try:
+                await asyncio.wait_for(self._idle.wait(), timeout)
+            except asyncio.TimeoutError:
+                logger.warning("drain: %d requests still running after %.1fs", self._in_flight, timeout)
+        self.blocking.shutdown(wait=False, cancel_futures=True)  # main closes the engine clients
 
 
-class _Stream:
-    """One request on its way through the gateway: validated and tokenized, fanned out into its
-    ``n`` engine requests on the engine the router picks, then each engine output turned into a
-    ``StreamChunk``. ``outputs`` (anything with ``put_nowait``) receives the engine's outputs."""
+class _Request:
+    """A request's ids and observation, before its prompt is processed."""
 
-    def __init__(self, service: GatewayService, prompt: PromptType, params: SamplingParams, request_id: str,
-                 traceparent: str, data_parallel_rank: Optional[int], outputs: Any) -> None:
-        if service.draining:
-            raise EngineDeadError("the gateway is shutting down")
+    def __init__(self, service: GatewayService, request_id: str, traceparent: str) -> None:
         self.service = service
-        client_id = request_id
         self.request_id = request_id or uuid.uuid4().hex
         # Engine-side ids stay unique whatever the client sends; a gateway-made id is used as is, so
         # the id the client sees is the one in every role's logs and spans.
-        self.parent_id = uuid.uuid4().hex if client_id else self.request_id
+        self.parent_id = uuid.uuid4().hex if request_id else self.request_id
         self.observation = RequestObservation(self.request_id, traceparent, service.metrics, service.tracing)
+
+
+class _Stream:
+    """One processed request on its way through the engine: fanned out into its ``n`` engine
+    requests on the engine the router picks, each engine output turned into a ``StreamChunk``.
+    Built on the loop without awaiting; ``close`` undoes everything it registers."""
+
+    def __init__(self, request: _Request, processed: ProcessedPrompt, data_parallel_rank: Optional[int],
+                 outputs: asyncio.Queue) -> None:
+        service = request.service
+        self.service = service
+        self.request_id, self.parent_id = request.request_id, request.parent_id
+        self.observation = request.observation
+        self.processed = processed
+        self.outputs = outputs
         try:
-            with self.observation.phase("validate_and_tokenize"):
-                self.processed = service.input_processor.process(prompt, params)
             self.engine = service._pick_engine(data_parallel_rank)
         except Exception as exc:
             self.observation.end({}, 0, exc)
             raise
-        self.engine_ids = child_requests(self.parent_id, self.processed.sampling_params)
+        self.engine_ids = child_requests(self.parent_id, processed.sampling_params)
         self.processor = OutputProcessor(service.tokenizer)
-        self.processor.add_request(self.parent_id, self.processed, self.engine_ids)
+        self.processor.add_request(self.parent_id, processed, self.engine_ids)
         self.samples = self.processor.parents[self.parent_id].samples
         for child_id, _, _ in self.engine_ids:
             self.engine.register(child_id, outputs)
@@ -226,10 +242,11 @@ class _Stream:
         self.observation.on_engine(service._engine_labels.get(id(self.engine), self.engine.address))
 
     async def send(self) -> None:
-        """Add the engine requests (on the engine client's loop)."""
+        """Add the engine requests (on the engine client's loop, the server's)."""
         for child_id, _, child_params in self.engine_ids:
             await self.engine.add_request(child_id, self.processed.prompt_token_ids, child_params,
-                                    parent_request_id=self.request_id, traceparent=self.observation.traceparent)
+                                          parent_request_id=self.request_id,
+                                          traceparent=self.observation.traceparent)
 
     def abort(self, request_ids: list[str]) -> None:
         """Abort engine requests without waiting (from the loop or any thread)."""

@@ -13,9 +13,9 @@ import logging
 from pathlib import Path
 from typing import Any, Optional
 
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
+from gridserve.services.gateway.chat_template import ChatTemplateRenderer
 from gridserve.shared.errors import InvalidArgumentError, ModelNotFoundError
 
 logger = logging.getLogger(__name__)
@@ -24,7 +24,10 @@ logger = logging.getLogger(__name__)
 class GatewayTokenizer:
     """Encode / decode and chat templates for one tokenizer folder."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, renderer: Optional[ChatTemplateRenderer] = None) -> None:
+        """``renderer`` bounds chat template rendering (time, size); a default one if not given."""
+        self.renderer = renderer or ChatTemplateRenderer(max_chars=4_000_000, timeout_s=2.0)
+        self.renderer.env.globals["raise_exception"] = _raise_template_error
         folder = Path(path)
         if not (folder / "tokenizer.json").is_file():
             raise ModelNotFoundError(f"no tokenizer.json in {folder} (the gateway needs a fast tokenizer)")
@@ -51,17 +54,18 @@ class GatewayTokenizer:
         add_generation_prompt: bool = True,
         chat_template: Optional[str] = None,
         tokenize: bool = True,
+        tools: Optional[list[dict[str, Any]]] = None,
         **_: Any,
     ) -> Any:
         """Render the conversation like ``transformers`` (tokens without extra special tokens)."""
         template = chat_template or self.chat_template
         if not template:
             raise InvalidArgumentError("chat_template", "the model has no chat template; pass one")
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = _raise_template_error
-        text = env.from_string(template).render(
+        text = self.renderer.render(
+            template,
             messages=messages,
             add_generation_prompt=add_generation_prompt,
+            tools=tools,
             bos_token=self.bos_token or "",
             eos_token=self.eos_token or "",
         )

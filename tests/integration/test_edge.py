@@ -293,3 +293,12 @@ def test_client_leaving_a_rest_stream_aborts_it_and_frees_its_kv_blocks(edge, mo
     line = next(x for x in engine_log.splitlines() if f"request {request_id} finished" in x)
     assert "finished (abort)" in line, line
     assert int(line.split("generated ")[1].split(",")[0]) < 500, line
+
+
+def test_openapi_json_through_the_edge_describes_the_rest_routes(edge):
+    status, headers, text = _request(_url(edge, "/openapi.json"))
+    assert status == 200 and headers["content-type"].startswith("application/json")
+    document = json.loads(text)
+    assert {"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"} <= set(document["paths"])
+    fields = document["components"]["schemas"]["CompletionRequest"]["properties"]
+    assert fields["seed"]["anyOf"][0]["maximum"] == 2**63 - 1  # ranges are data in the models

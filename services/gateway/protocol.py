@@ -1,0 +1,532 @@
+"""The OpenAI-compatible REST protocol, declared: request and response bodies as pydantic models.
+
+As in vLLM's ``protocol.py``, a body is checked by ``Model.model_validate_json`` and nothing else:
+types (strict: ``"5"`` is not a number, ``true`` is not an integer), finite numbers only, every
+integer within the protobuf field it travels in, and the server's caps (``RequestLimits``, given
+as validation context under ``"limits"``) are declared on the fields, so an error names its field
+by itself and ``/openapi.json`` is generated from the same models. Unknown fields are accepted and
+ignored, as OpenAI and vLLM do. ``to_sampling_params`` turns a request into the domain's
+``SamplingParams``; the typed gRPC API validates through ``SamplingFields`` too.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Annotated, Any, Literal, Optional, Union
+
+from pydantic import (
+    MISSING,
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
+
+from gridserve.services.gateway.limits import RequestLimits
+from gridserve.shared.errors import InvalidArgumentError
+from gridserve.shared.sampling_params import SamplingParams, StructuredOutputsParams
+
+INT32_MAX = 2**31 - 1
+UINT32_MAX = 2**32 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+DEFAULT_LIMITS = RequestLimits()
+
+
+def limits_of(info: ValidationInfo) -> RequestLimits:
+    """The caps of this validation (``context={"limits": ...}``), the defaults without one."""
+    return (info.context or {}).get("limits") or DEFAULT_LIMITS
+
+
+def capped(cap: str, measure: Callable[[Any], int] = len, what: str = "items") -> AfterValidator:
+    """A field bounded by ``RequestLimits.<cap>`` (a flag of the same name)."""
+
+    def check(value: Any, info: ValidationInfo) -> Any:
+        if value is None:
+            return value
+        limit = getattr(limits_of(info), cap)
+        size = measure(value)
+        if size > limit:
+            flag = "--" + cap.replace("_", "-")
+            raise ValueError(f"at most {limit} {what} allowed ({flag}), got {size}")
+        return value
+
+    return AfterValidator(check)
+
+
+def _longest(strings: Union[str, list[str]]) -> int:
+    return len(strings) if isinstance(strings, str) else max(map(len, strings), default=0)
+
+
+def _count(strings: Union[str, list[str]]) -> int:
+    return 1 if isinstance(strings, str) else len(strings)
+
+
+def _chars(value: Any) -> int:
+    return len(value if isinstance(value, str) else json.dumps(value))
+
+
+class OpenAIBaseModel(BaseModel):
+    """Strict types, finite numbers, unknown fields ignored."""
+
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False, populate_by_name=True)
+
+
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
+Count32 = Annotated[int, Field(ge=0, le=UINT32_MAX)]
+Probability = Annotated[float, Field(ge=0.0, le=1.0)]
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+
+
+# ---- requests --------------------------------------------------------------------------------
+class StreamOptions(OpenAIBaseModel):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class JsonSchemaFormat(OpenAIBaseModel):
+    name: Optional[str] = None
+    description: Optional[str] = None
+    json_schema: Optional[dict[str, Any]] = Field(default=None, alias="schema")
+    strict: Optional[bool] = None
+
+
+class ResponseFormat(OpenAIBaseModel):
+    """OpenAI's ``response_format``: plain text, any JSON object, or JSON matching a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaFormat] = None
+
+
+class StructuredOutputs(OpenAIBaseModel):
+    """vLLM's ``structured_outputs``: exactly one of the constraints."""
+
+    json_: Optional[Union[dict[str, Any], str]] = Field(default=None, alias="json")
+    json_object: Optional[bool] = None
+    regex: Optional[str] = None
+    choice: Optional[list[str]] = None
+    grammar: Optional[str] = None
+
+
+class SamplingFields(OpenAIBaseModel):
+    """The sampling and stopping fields every generation request shares (vLLM's names)."""
+
+    model: Optional[str] = None
+    n: Annotated[int, Field(ge=1, le=UINT32_MAX), capped("max_n", int, "samples")] = 1
+    best_of: Annotated[Optional[int], Field(ge=1, le=UINT32_MAX), capped("max_best_of", int, "samples")] = None
+    temperature: Optional[Annotated[float, Field(ge=0.0, le=1e6)]] = None
+    top_p: Optional[Annotated[float, Field(gt=0.0, le=1.0)]] = None
+    top_k: Optional[Annotated[int, Field(ge=-1, le=INT32_MAX)]] = None
+    min_p: Optional[Probability] = None
+    seed: Optional[Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]] = None
+    presence_penalty: Optional[Penalty] = None
+    frequency_penalty: Optional[Penalty] = None
+    repetition_penalty: Optional[Annotated[float, Field(gt=0.0, le=1e6)]] = None
+    min_tokens: Optional[Count32] = None
+    ignore_eos: Optional[bool] = None
+    stop: Annotated[Optional[Union[str, list[str]]], capped("max_stop_strings", _count, "stop strings"),
+                    capped("max_stop_string_chars", _longest, "characters in a stop string")] = None
+    stop_token_ids: Annotated[Optional[list[TokenId]], capped("max_stop_token_ids", what="token ids")] = None
+    bad_words: Annotated[Optional[list[str]], capped("max_stop_strings", what="bad words"),
+                         capped("max_stop_string_chars", _longest, "characters in a bad word")] = None
+    allowed_token_ids: Annotated[Optional[list[TokenId]], capped("max_stop_token_ids", what="token ids")] = None
+    logit_bias: Annotated[Optional[dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]]],
+                          capped("max_logit_bias", what="entries")] = None
+    prompt_logprobs: Annotated[Optional[Count32], capped("max_logprobs", int, "logprobs")] = None
+    include_stop_str_in_output: Optional[bool] = None
+    skip_special_tokens: Optional[bool] = None
+    spaces_between_special_tokens: Optional[bool] = None
+    truncate_prompt_tokens: Optional[Annotated[int, Field(ge=1, le=UINT32_MAX)]] = None
+    response_format: Optional[ResponseFormat] = None
+    structured_outputs: Annotated[Optional[StructuredOutputs],
+                                  capped("max_structured_output_chars",
+                                         lambda s: _chars(s.model_dump(exclude_none=True)),
+                                         "characters of constraint")] = None
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    user: Optional[str] = None
+    data_parallel_rank: Optional[Annotated[int, Field(ge=0, le=INT32_MAX)]] = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_id_keys(cls, bias: Optional[dict[str, float]]) -> Optional[dict[str, float]]:
+        for key in bias or {}:
+            if not key.lstrip("-").isdigit() or not 0 <= int(key) <= INT32_MAX:
+                raise ValueError(f"keys must be token ids (integers in [0, {INT32_MAX}]), got {key!r}")
+        return bias
+
+    @field_validator("response_format")
+    @classmethod
+    def _schema_size(cls, fmt: Optional[ResponseFormat], info: ValidationInfo) -> Optional[ResponseFormat]:
+        if fmt is not None and fmt.json_schema is not None and fmt.json_schema.json_schema is not None:
+            limit = limits_of(info).max_structured_output_chars
+            size = _chars(fmt.json_schema.json_schema)
+            if size > limit:
+                raise ValueError(f"the JSON schema has {size} characters; at most {limit} allowed "
+                                 "(--max-structured-output-chars)")
+        return fmt
+
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def to_sampling_params(self, max_tokens: Optional[int], logprobs: Optional[int]) -> SamplingParams:
+        """The domain's ``SamplingParams`` (unset fields take its defaults)."""
+        if self.best_of is not None and self.best_of != self.n:
+            raise InvalidArgumentError("best_of", "only best_of == n is supported (no ranking of samples)")
+        names = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
+                 "frequency_penalty", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
+                 "bad_words", "allowed_token_ids", "prompt_logprobs", "include_stop_str_in_output",
+                 "skip_special_tokens", "spaces_between_special_tokens", "truncate_prompt_tokens")
+        kwargs: dict[str, Any] = {k: v for k in names if (v := getattr(self, k)) is not None}
+        kwargs["stop"] = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        kwargs["max_tokens"] = max_tokens
+        kwargs["logprobs"] = logprobs
+        if self.logit_bias:
+            kwargs["logit_bias"] = {int(k): v for k, v in self.logit_bias.items()}
+        kwargs["structured_outputs"] = self._structured()
+        return SamplingParams(**kwargs)
+
+    def _structured(self) -> Optional[StructuredOutputsParams]:
+        if self.structured_outputs is not None:
+            so = self.structured_outputs
+            return StructuredOutputsParams(json=so.json_, json_object=bool(so.json_object), regex=so.regex,
+                                           choice=so.choice, grammar=so.grammar)
+        fmt = self.response_format
+        if fmt is None or fmt.type == "text":
+            return None
+        if fmt.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if fmt.json_schema is None or fmt.json_schema.json_schema is None:
+            raise InvalidArgumentError("response_format", "json_schema.schema: expected a JSON schema object")
+        return StructuredOutputsParams(json=fmt.json_schema.json_schema)
+
+
+PromptType = Union[str, list[str], list[TokenId], list[list[TokenId]]]
+
+
+def _check_prompt(prompt: PromptType, info: ValidationInfo) -> PromptType:
+    """Not empty, no empty token list, within the prompt count and length caps."""
+    prompts = _as_prompts(prompt)
+    if not prompts or any(not p for p in prompts):
+        raise ValueError("expected a string, a list of strings, token ids or a list of non-empty "
+                         "token-id lists")
+    limits = limits_of(info)
+    if len(prompts) > limits.max_prompts_per_request:
+        raise ValueError(f"at most {limits.max_prompts_per_request} prompts allowed "
+                         f"(--max-prompts-per-request), got {len(prompts)}")
+    longest = max(len(p) for p in prompts)
+    if longest > limits.max_content_chars:
+        raise ValueError(f"a prompt of {longest} characters or tokens; at most {limits.max_content_chars} "
+                         "allowed (--max-content-chars)")
+    return prompt
+
+
+def _as_prompts(prompt: PromptType) -> list[Union[str, list[int]]]:
+    if isinstance(prompt, str):
+        return [prompt]
+    if prompt and all(isinstance(t, int) for t in prompt):
+        return [list(prompt)]
+    return list(prompt)
+
+
+class CompletionRequest(SamplingFields):
+    """``POST /v1/completions``."""
+
+    prompt: Annotated[PromptType, AfterValidator(_check_prompt)]
+    max_tokens: Optional[Annotated[int, Field(ge=1, le=UINT32_MAX)]] = 16
+    logprobs: Annotated[Optional[Count32], capped("max_logprobs", int, "logprobs")] = None
+    echo: bool = False
+    suffix: Optional[str] = None
+
+    def prompts(self) -> list[Union[str, list[int]]]:
+        """One prompt (a string or token ids) per completion the request asks for."""
+        return _as_prompts(self.prompt)
+
+
+class TextPart(OpenAIBaseModel):
+    type: str
+    text: Optional[str] = None
+
+
+def _content_chars(content: Union[str, list[TextPart], None]) -> int:
+    if content is None:
+        return 0
+    if isinstance(content, str):
+        return len(content)
+    return sum(len(p.text or "") for p in content)
+
+
+class ChatMessage(OpenAIBaseModel):
+    """One message; ``content`` is a string or parts (the text parts are kept)."""
+
+    role: str
+    content: Annotated[Union[str, list[TextPart], None],
+                       capped("max_content_chars", _content_chars, "characters of content")] = None
+    name: Optional[str] = None
+    tool_call_id: Optional[str] = None
+    tool_calls: Optional[list[dict[str, Any]]] = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text or "" for p in self.content if p.type == "text")
+
+    def for_template(self) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": self.role, "content": self.text()}
+        for key in ("name", "tool_call_id", "tool_calls"):
+            if getattr(self, key) is not None:
+                message[key] = getattr(self, key)
+        return message
+
+
+class FunctionDefinition(OpenAIBaseModel):
+    name: str
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None
+
+
+class ChatTool(OpenAIBaseModel):
+    """A tool the chat template is told about (``tools`` in the template's variables)."""
+
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+Messages = Annotated[list[ChatMessage], Field(min_length=1), capped("max_messages", what="messages")]
+
+
+class ChatTemplateFields(OpenAIBaseModel):
+    """What renders a conversation into a prompt."""
+
+    messages: Messages
+    chat_template: Annotated[Optional[str], capped("max_chat_template_chars", what="characters")] = None
+    add_generation_prompt: bool = True
+    tools: Annotated[Optional[list[ChatTool]], capped("max_messages", what="tools")] = None
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        return [m.for_template() for m in self.messages]
+
+    def template_tools(self) -> Optional[list[dict[str, Any]]]:
+        return None if self.tools is None else [t.model_dump(exclude_none=True) for t in self.tools]
+
+
+class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
+    """``POST /v1/chat/completions``."""
+
+    max_tokens: Optional[Annotated[int, Field(ge=1, le=UINT32_MAX)]] = None
+    max_completion_tokens: Optional[Annotated[int, Field(ge=1, le=UINT32_MAX)]] = None
+    logprobs: bool = False
+    top_logprobs: Annotated[Optional[Count32], capped("max_logprobs", int, "logprobs")] = None
+    tool_choice: Optional[Union[Literal["none", "auto"], dict[str, Any]]] = None
+
+    def to_params(self) -> SamplingParams:
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return self.to_sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
+
+
+class TokenizeRequest(OpenAIBaseModel):
+    """``POST /tokenize`` (vLLM's): a ``prompt`` or chat ``messages``."""
+
+    model: Optional[str] = None
+    prompt: Annotated[Optional[str], capped("max_content_chars", what="characters")] = None
+    messages: Annotated[Optional[list[ChatMessage]], capped("max_messages", what="messages")] = None
+    chat_template: Annotated[Optional[str], capped("max_chat_template_chars", what="characters")] = None
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+    tools: Optional[list[ChatTool]] = None
+
+
+class DetokenizeRequest(OpenAIBaseModel):
+    """``POST /detokenize``: token ids back to text."""
+
+    model: Optional[str] = None
+    tokens: Annotated[list[Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]],
+                      capped("max_content_chars", what="tokens")]
+
+
+# ---- responses -------------------------------------------------------------------------------
+class ResponseModel(BaseModel):
+    """A response body; fields left ``MISSING`` are not written."""
+
+    def dumps(self) -> bytes:
+        return self.model_dump_json(by_alias=True).encode()
+
+
+class ErrorInfo(ResponseModel):
+    message: str
+    type: str
+    param: Optional[str] = None
+    code: int
+
+
+class ErrorResponse(ResponseModel):
+    """OpenAI's error body: ``{"error": {"message", "type", "param", "code"}}``."""
+
+    error: ErrorInfo
+
+
+class UsageInfo(ResponseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                   total_tokens=prompt_tokens + completion_tokens)
+
+
+class CompletionLogprobs(ResponseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+FinishReasonField = Optional[str]
+StopReason = Union[int, str, None]
+
+
+class CompletionChoice(ResponseModel):
+    index: int
+    text: str
+    logprobs: Optional[CompletionLogprobs] = None
+    finish_reason: FinishReasonField = None
+    stop_reason: Union[StopReason, MISSING] = MISSING
+
+
+class CompletionResponse(ResponseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Union[Optional[UsageInfo], MISSING] = MISSING
+
+
+class TopLogprob(ResponseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatLogprobToken(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(ResponseModel):
+    content: list[ChatLogprobToken]
+
+
+class ChatResponseMessage(ResponseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(ResponseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: Optional[ChatLogprobs] = None
+    finish_reason: FinishReasonField = None
+    stop_reason: StopReason = None
+
+
+class ChatCompletionResponse(ResponseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(ResponseModel):
+    role: Union[str, MISSING] = MISSING
+    content: Union[str, MISSING] = MISSING
+
+
+class ChatStreamChoice(ResponseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: Optional[ChatLogprobs] = None
+    finish_reason: FinishReasonField = None
+
+
+class ChatCompletionChunk(ResponseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: Union[Optional[UsageInfo], MISSING] = MISSING
+
+
+class ModelCard(ResponseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "gridserve"
+    root: str
+    parent: Optional[str] = None
+    max_model_len: int
+
+
+class ModelList(ResponseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class TokenizeResponse(ResponseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: Optional[list[str]] = None
+
+
+class DetokenizeResponse(ResponseModel):
+    prompt: str
+
+
+class VersionResponse(ResponseModel):
+    version: str
+
+
+# ---- the typed gRPC API: the same fields, the same checks ------------------------------------
+class GrpcSamplingFields(SamplingFields):
+    """``SamplingFields`` plus what the typed API sets directly (``max_tokens``, ``logprobs``)."""
+
+    max_tokens: Optional[Annotated[int, Field(ge=1, le=UINT32_MAX)]] = None
+    logprobs: Annotated[Optional[Count32], capped("max_logprobs", int, "logprobs")] = None
+    prompt: Annotated[Optional[str], capped("max_content_chars", what="characters")] = None
+
+
+def check_sampling_params(params: SamplingParams, limits: RequestLimits, prompt: Optional[str] = None) -> None:
+    """Validate the typed gRPC API's ``SamplingParams`` (and text prompt) with the REST models;
+    a refusal is ``InvalidArgumentError`` naming the field (INVALID_ARGUMENT)."""
+    fields: dict[str, Any] = {name: getattr(params, name) for name in GrpcSamplingFields.model_fields
+                              if hasattr(params, name) and name != "structured_outputs"}
+    fields["logit_bias"] = {str(k): v for k, v in (params.logit_bias or {}).items()}
+    fields["prompt"] = prompt
+    so = params.structured_outputs
+    if so is not None:
+        fields["structured_outputs"] = StructuredOutputs(json=so.json, json_object=so.json_object or None,
+                                                         regex=so.regex, choice=so.choice, grammar=so.grammar)
+    validate_as(GrpcSamplingFields, fields, limits, "sampling_params.")
+
+
+def validate_as(model: type[BaseModel], fields: dict[str, Any], limits: RequestLimits, prefix: str = "") -> Any:
+    """``model`` validated from Python values; a refusal is ``InvalidArgumentError`` naming the field
+    (``prefix`` + its path; a top-level ``prompt`` or ``messages`` without the prefix)."""
+    try:
+        return model.model_validate(fields, context={"limits": limits})
+    except ValidationError as exc:
+        error = exc.errors(include_url=False, include_input=False)[0]
+        path = ".".join(str(part) for part in error["loc"])
+        name = path if path.split(".")[0] in ("prompt", "messages", "chat_template") else prefix + path
+        raise InvalidArgumentError(name, str(error["msg"]).removeprefix("Value error, ")) from None

@@ -1,0 +1,249 @@
+"""The OpenAI-compatible REST routes of one gateway, each an ``async`` handler on its event loop.
+
+A handler gets the raw body (Envoy passes it through as ``google.api.HttpBody``), validates it
+with the ``protocol.py`` model of its route, calls ``GatewayService`` and answers an
+``HttpResponse``: the status, the content type and the body in chunks (a list, or an async
+iterator of SSE events). Every failure before the first byte is an OpenAI error body with its
+status; one after a stream started is sent in band, then ``[DONE]``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, Optional, TypeVar, Union
+
+from pydantic import BaseModel
+
+from gridserve.services.gateway.api_errors import ApiError, to_api_error
+from gridserve.services.gateway.openapi import openapi_document
+from gridserve.services.gateway.protocol import (
+    ChatCompletionRequest,
+    ChatTemplateFields,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+    VersionResponse,
+)
+from gridserve.services.gateway.responses import (
+    DONE,
+    ChatEvents,
+    CompletionEvents,
+    chat_response,
+    completion_response,
+)
+from gridserve.services.gateway.service import GatewayService, StreamChunk
+
+JSON = "application/json"
+SSE = "text/event-stream"
+REFUSED_TEMPLATE = ("a request's own chat template is refused; the server must run with "
+                    "--trust-request-chat-template")
+
+logger = logging.getLogger(__name__)
+M = TypeVar("M", bound=BaseModel)
+
+
+@dataclass
+class HttpResponse:
+    """What one route answers: the status, the content type and the body, in chunks."""
+
+    status: int
+    content_type: str
+    chunks: Union[Iterable[bytes], AsyncIterator[bytes]] = field(default_factory=list)
+
+
+def _answers_errors(route: Callable[..., Awaitable[HttpResponse]]) -> Callable[..., Awaitable[HttpResponse]]:
+    """Turn any exception of ``route`` into an OpenAI error response."""
+
+    @functools.wraps(route)
+    async def answered(*args: Any, **kwargs: Any) -> HttpResponse:
+        try:
+            return await route(*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - every failure becomes an OpenAI error body
+            error = to_api_error(exc)
+            return HttpResponse(error.status, JSON, [error.body()])
+
+    return answered
+
+
+class OpenAIRoutes:
+    """The OpenAI routes of one gateway (and vLLM's ``/tokenize``, ``/detokenize``)."""
+
+    def __init__(self, service: GatewayService, served_model_name: Optional[str] = None,
+                 version: str = "") -> None:
+        self.service = service
+        self.model = served_model_name or service.model_name
+        self.version = version
+        self._openapi: Optional[bytes] = None
+
+    def _parse(self, model: type[M], data: bytes) -> M:
+        parsed = model.model_validate_json(data or b"{}", context={"limits": self.service.limits})
+        requested = getattr(parsed, "model", None)
+        if requested is not None and requested != self.model:
+            raise ApiError(404, f"The model `{requested}` does not exist.", "model", "NotFoundError")
+        return parsed
+
+    async def _chat_prompt(self, request: ChatTemplateFields) -> dict:
+        if request.chat_template is not None and not self.service.limits.trust_request_chat_template:
+            raise ApiError(400, f"chat_template: {REFUSED_TEMPLATE}", "chat_template")
+        return await self.service.chat_prompt(request.template_messages(), request.chat_template,
+                                              request.add_generation_prompt, request.template_tools())
+
+    # ---- simple routes ----------------------------------------------------------------------
+    @_answers_errors
+    async def models(self) -> HttpResponse:
+        card = ModelCard(id=self.model, created=int(time.time()), root=self.service.model_name,
+                         max_model_len=self.service.max_model_len)
+        return HttpResponse(200, JSON, [ModelList(data=[card]).dumps()])
+
+    @_answers_errors
+    async def health(self) -> HttpResponse:
+        if self.service.is_ready():
+            return HttpResponse(200, JSON, [b"{}"])
+        return HttpResponse(503, JSON, [ApiError(503, "not ready", None, "ServiceUnavailableError").body()])
+
+    @_answers_errors
+    async def version_info(self) -> HttpResponse:
+        return HttpResponse(200, JSON, [VersionResponse(version=self.version).dumps()])
+
+    @_answers_errors
+    async def openapi(self) -> HttpResponse:
+        if self._openapi is None:
+            self._openapi = await self.service.run_blocking(openapi_document, self.version)
+        return HttpResponse(200, JSON, [self._openapi])
+
+    # ---- tokenizer routes (vLLM's /tokenize and /detokenize) ---------------------------------
+    @_answers_errors
+    async def tokenize(self, data: bytes) -> HttpResponse:
+        """``{"prompt": str}`` or ``{"messages": [...]}`` -> ``{"count", "max_model_len", "tokens"}``."""
+        request = self._parse(TokenizeRequest, data)
+        if request.messages is not None:
+            chat = ChatTemplateFields.model_construct(
+                messages=request.messages, chat_template=request.chat_template,
+                add_generation_prompt=request.add_generation_prompt, tools=request.tools)
+            tokens = (await self._chat_prompt(chat))["prompt_token_ids"]
+        elif request.prompt is not None:
+            tokens = await self.service.encode(request.prompt, request.add_special_tokens)
+        else:
+            raise ApiError(400, "prompt: expected a string (or give messages)", "prompt")
+        token_strs = None
+        if request.return_token_strs:
+            decode = self.service.tokenizer.decode
+            token_strs = await self.service.run_blocking(lambda: [decode([t]) for t in tokens])
+        response = TokenizeResponse(count=len(tokens), max_model_len=self.service.max_model_len, tokens=tokens,
+                                    token_strs=token_strs)
+        return HttpResponse(200, JSON, [response.dumps()])
+
+    @_answers_errors
+    async def detokenize(self, data: bytes) -> HttpResponse:
+        """``{"tokens": [int, ...]}`` -> ``{"prompt": str}``."""
+        request = self._parse(DetokenizeRequest, data)
+        vocab = self.service.input_processor.vocab_size
+        bad = [t for t in request.tokens if not 0 <= t < vocab]
+        if bad:
+            raise ApiError(400, f"tokens: token id {bad[0]} is out of range [0, {vocab})", "tokens")
+        text = await self.service.decode(request.tokens, skip_special_tokens=False)
+        return HttpResponse(200, JSON, [DetokenizeResponse(prompt=text).dumps()])
+
+    # ---- completions ------------------------------------------------------------------------
+    @_answers_errors
+    async def completions(self, data: bytes, traceparent: str = "") -> HttpResponse:
+        request = self._parse(CompletionRequest, data)
+        prompts = request.prompts()
+        params = request.to_sampling_params(request.max_tokens, request.logprobs)
+        rank = request.data_parallel_rank  # vLLM's extension: pin an engine
+        generate = functools.partial(self.service.generate, params=params, traceparent=traceparent,
+                                     data_parallel_rank=rank)
+        if request.stream:
+            streams = [generate(_prompt_arg(p)) for p in prompts]
+            first = await anext(streams[0])  # validation errors surface here, before the status is sent
+            echo = await self._echo_texts(prompts) if request.echo else None
+            events = CompletionEvents(self.model, first.request_id, params, echo, request.include_usage())
+            return HttpResponse(200, SSE, _with_inband_errors(_completion_events(events, streams, first), streams))
+        outs = await _all(self.service.complete(_prompt_arg(p), params, "", traceparent, rank) for p in prompts)
+        echo = await self._echo_texts(prompts) if request.echo else [""] * len(prompts)
+        return HttpResponse(200, JSON, [completion_response(self.model, echo, outs, params).dumps()])
+
+    async def _echo_texts(self, prompts: list[Union[str, list[int]]]) -> list[str]:
+        """Each prompt as text (token-id prompts decoded), for ``echo``."""
+        return [p if isinstance(p, str) else await self.service.decode(p, skip_special_tokens=False)
+                for p in prompts]
+
+    # ---- chat -------------------------------------------------------------------------------
+    @_answers_errors
+    async def chat_completions(self, data: bytes, traceparent: str = "") -> HttpResponse:
+        request = self._parse(ChatCompletionRequest, data)
+        params = request.to_params()
+        prompt = await self._chat_prompt(request)
+        top_n = params.logprobs or 0
+        if request.stream:
+            stream = self.service.generate(prompt, params, "", traceparent, request.data_parallel_rank)
+            first = await anext(stream)
+            events = ChatEvents(self.model, first.request_id, params, top_n, request.include_usage())
+            return HttpResponse(200, SSE, _with_inband_errors(_chat_events(events, stream, first), [stream]))
+        out = await self.service.complete(prompt, params, "", traceparent, request.data_parallel_rank)
+        return HttpResponse(200, JSON, [chat_response(self.model, out, params, top_n).dumps()])
+
+
+def _prompt_arg(prompt: Union[str, list[int]]) -> Any:
+    return prompt if isinstance(prompt, str) else {"prompt_token_ids": prompt}
+
+
+async def _all(requests: Iterable[Awaitable[Any]]) -> list[Any]:
+    """Run the requests together; when one fails, the others are cancelled (and aborted)."""
+    tasks = [asyncio.ensure_future(r) for r in requests]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        raise
+
+
+async def _completion_events(events: CompletionEvents, streams: list[AsyncIterator[StreamChunk]],
+                             first: StreamChunk) -> AsyncIterator[bytes]:
+    """Prompt after prompt, each engine step's event; then usage and ``[DONE]``."""
+    for i, stream in enumerate(streams):
+        if i == 0 and (event := events.chunk(0, first)) is not None:
+            yield event
+        async for chunk in stream:
+            if (event := events.chunk(i, chunk)) is not None:
+                yield event
+    for event in events.end():
+        yield event
+
+
+async def _chat_events(events: ChatEvents, stream: AsyncIterator[StreamChunk], first: StreamChunk,
+                       ) -> AsyncIterator[bytes]:
+    yield events.start()
+    if (event := events.chunk(first)) is not None:
+        yield event
+    async for chunk in stream:
+        if (event := events.chunk(chunk)) is not None:
+            yield event
+    for event in events.end():
+        yield event
+
+
+async def _with_inband_errors(events: AsyncIterator[bytes], streams: list[Any]) -> AsyncIterator[bytes]:
+    """An SSE stream that, when it fails after the response has started, sends the error as one
+    ``data: {"error": {...}}`` event and then ``data: [DONE]`` (an HTTP/1.1 client sees no
+    trailers, so the status alone would be lost); the request streams are closed either way."""
+    try:
+        async for event in events:
+            yield event
+    except Exception as exc:  # noqa: BLE001 - every failure is reported in-band
+        error = to_api_error(exc)
+        yield b"data: " + error.body() + b"\n\n"
+        yield DONE
+    finally:
+        for stream in streams:
+            await stream.aclose()
