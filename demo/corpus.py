@@ -21,6 +21,7 @@ Documents
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import sysconfig
@@ -56,14 +57,18 @@ def is_heldout(name: str) -> bool:
 
 def corpus_files(root: Path | None = None) -> list[Path]:
     """Every corpus file under ``root`` (the stdlib by default), sorted by relative name."""
-    root = root if root is not None else stdlib_dir()
+    return list(_listing(root if root is not None else stdlib_dir()))
+
+
+@functools.lru_cache(maxsize=4)
+def _listing(root: Path) -> tuple[Path, ...]:
     files = [
         path for path in root.rglob("*.py")
         if path.is_file() and not EXCLUDED_PARTS.intersection(path.relative_to(root).parts)
     ]
     if not files:
-        raise RuntimeError(f"no *.py files under the stdlib folder {root}")
-    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
+        raise RuntimeError(f"no *.py files under the folder {root}")
+    return tuple(sorted(files, key=lambda p: p.relative_to(root).as_posix()))
 
 
 def train_files(root: Path | None = None) -> list[Path]:
@@ -83,15 +88,17 @@ def read_text(path: Path) -> str:
     return Path(path).read_text(encoding="utf-8", errors="ignore")
 
 
-def encode_documents(tokenizer: Any, files: Sequence[Path], bos_id: int) -> list[list[int]]:
-    """Each file as one document: ``[bos_id] + tokens`` (empty files are skipped).
+def encode_documents(tokenizer: Any, files: Sequence[Path], bos_id: int | None) -> list[list[int]]:
+    """Each file as one document: ``[bos_id] + tokens`` (no BOS when ``bos_id`` is None; empty
+    files are skipped).
 
-    ``tokenizer`` is a ``tokenizers.Tokenizer`` or a transformers tokenizer (no special tokens
-    are added by either: BOS is put in here).
+    ``tokenizer`` is a ``tokenizers.Tokenizer`` or a transformers fast tokenizer (no special
+    tokens are added by either: BOS is put in here).
     """
     texts = [text for text in (read_text(p) for p in files) if text]
     backend = getattr(tokenizer, "backend_tokenizer", tokenizer)
     encodings = backend.encode_batch(texts, add_special_tokens=False)
-    docs = [[bos_id, *enc.ids] for enc in encodings]
+    bos = [] if bos_id is None else [bos_id]
+    docs = [[*bos, *enc.ids] for enc in encodings]
     logger.debug("encoded %d files into %d tokens", len(docs), sum(len(d) for d in docs))
     return docs

@@ -126,11 +126,10 @@ def load_documents(model_path: Path, files: Sequence[Path]) -> list[list[int]]:
     """Tokenize ``files`` with the model's tokenizer, one document each (BOS first if it has one)."""
     from transformers import AutoTokenizer
 
-    from gridserve.demo.corpus import read_text
+    from gridserve.demo.corpus import encode_documents
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_path))
-    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
-    return [bos + tokenizer.encode(read_text(f), add_special_tokens=False) for f in files]
+    return encode_documents(tokenizer, files, tokenizer.bos_token_id)
 
 
 def _plan(docs: list[list[int]], context_len: int, stride: int) -> list[Window]:
