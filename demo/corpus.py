@@ -97,8 +97,11 @@ def encode_documents(tokenizer: Any, files: Sequence[Path], bos_id: int | None) 
     """
     texts = [text for text in (read_text(p) for p in files) if text]
     backend = getattr(tokenizer, "backend_tokenizer", tokenizer)
-    encodings = backend.encode_batch(texts, add_special_tokens=False)
+    if hasattr(backend, "encode_batch"):
+        ids = [enc.ids for enc in backend.encode_batch(texts, add_special_tokens=False)]
+    else:  # a slow (pure Python) transformers tokenizer
+        ids = [tokenizer.encode(text, add_special_tokens=False) for text in texts]
     bos = [] if bos_id is None else [bos_id]
-    docs = [[*bos, *enc.ids] for enc in encodings]
+    docs = [[*bos, *row] for row in ids]
     logger.debug("encoded %d files into %d tokens", len(docs), sum(len(d) for d in docs))
     return docs
