@@ -97,6 +97,7 @@ def test_windows_score_every_token_once() -> None:
             assert w.end - w.start <= ctx and w.start < w.first
 
 
+@pytest.mark.slow
 def test_perplexity_matches_transformers_exp_mean_nll(tiny_model: Path) -> None:
     files = corpus.heldout_files()[:3]
     kwargs = {"context_len": 64, "stride": 32}
@@ -133,6 +134,7 @@ def test_bad_arguments_name_the_field(tiny_model: Path) -> None:
     assert err.value.field == "model"
 
 
+@pytest.mark.slow
 def test_eval_perplexity_cli(tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     from gridserve.cli import main
 
