@@ -7,7 +7,7 @@ PORT ?= 8000
 MODEL ?=
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test install lint demo-model bench bench-executor bench-serve clean images
+.PHONY: serve test install browser lint demo-model bench bench-executor bench-serve clean images
 
 # The venv is rebuilt when the project's dependency list changes.
 $(STAMP): pyproject.toml setup.py
@@ -35,7 +35,22 @@ demo-model: install
 serve: install
 	$(PY) -m gridserve.cli serve $(MODEL) --port $(PORT)
 
-test: install
+# The web console's browser tests drive Debian's Chromium (never a browser Playwright downloads):
+# installed here when missing and running as root on Debian (as CI does); elsewhere the tests skip
+# with the reason (under CI=true a missing browser fails them).
+CHROMIUM ?= /usr/bin/chromium
+browser:
+	@if [ -x $(CHROMIUM) ]; then \
+	  echo "browser: $(CHROMIUM)"; \
+	elif [ "$$(id -u)" = 0 ] && [ -f /etc/debian_version ] && command -v apt-get >/dev/null; then \
+	  echo "browser: installing Debian's chromium for the console tests"; \
+	  apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; \
+	else \
+	  echo "browser: skipped: no $(CHROMIUM), and installing it needs root on Debian (apt-get install -y chromium);" \
+	       "the browser tests will be skipped"; \
+	fi
+
+test: install browser
 	$(PY) -m gridserve.demo.recipe --arch llama --size tiny >/dev/null
 	$(PY) -m ruff check .
 	$(PY) -m pytest -q

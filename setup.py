@@ -38,5 +38,7 @@ for name, folder in ROOTS.items():
     packages.append(name)
     packages += [f"{name}.{sub}" for sub in find_packages(folder)]
 
-# Non-Python files the packages read at run time (the C++ CPU kernels are compiled on first use).
-setup(packages=packages, package_dir=ROOTS, package_data={"gridserve.kernels.cpu_ops": ["*.cpp"]})
+# Non-Python files the packages read at run time (the C++ CPU kernels are compiled on first use;
+# the gateway serves the web console's static files).
+setup(packages=packages, package_dir=ROOTS, package_data={"gridserve.kernels.cpu_ops": ["*.cpp"],
+                                                     "gridserve.services.gateway": ["static/*"]})

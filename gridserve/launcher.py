@@ -22,16 +22,23 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Optional
 
+from gridserve.edge import EdgeLimits
 from gridserve.shared.rpc.client import health_status, make_channel, wait_until_serving
 
 logger = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT_S = float(os.environ.get("GRIDSERVE_STARTUP_TIMEOUT_S", "600"))
+
+
+RESTART_BACKOFF_S = (1.0, 30.0)  # first delay, cap: doubles with each failure in a row
+CRASH_LOOP_RESTARTS = 5  # restarts in a row, each dying within CRASH_LOOP_WINDOW_S of its start
+CRASH_LOOP_WINDOW_S = 60.0
 
 
 @dataclass
@@ -41,6 +48,11 @@ class RoleProcess:
     process: subprocess.Popen
     log: Optional[IO] = None
     metrics_address: Optional[str] = None  # host:port of its Prometheus /metrics
+    argv: tuple[str, ...] = ()  # how to start it again (same port, same log)
+    env: Optional[dict[str, str]] = None
+    group: Optional[int] = None  # DP rank of an engine and its workers: restarted together
+    started_at: float = 0.0
+    quick_failures: int = 0  # deaths in a row that came soon after a (re)start
 
     @property
     def pid(self) -> int:
@@ -74,6 +86,7 @@ class Launcher:
                  log_dir: Optional[Path] = None, grace_s: float = 10.0,
                  edge_port: Optional[int] = None, served_model_name: Optional[str] = None,
                  api_key: Optional[str] = None, edge_admin_port: Optional[int] = None,
+                 edge_limits: Optional[EdgeLimits] = None,
                  tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
                  data_parallel_size: int = 1,
                  observability_args: Optional[list[str]] = None, metrics: bool = True) -> None:
@@ -92,12 +105,15 @@ class Launcher:
         self.served_model_name = served_model_name
         self.api_key = api_key
         self.edge_admin_port = edge_admin_port
+        self.edge_limits = edge_limits or EdgeLimits()
         # --otlp-traces-endpoint / --log-format for every role; with ``metrics`` each role gets a
         # free --metrics-port (shown in the process table; the edge serves the gateways' at /metrics).
         self.observability_args = list(observability_args or [])
         self.metrics = metrics
         self._edge_dir: Optional[tempfile.TemporaryDirectory] = None
         self.processes: list[RoleProcess] = []
+        self._stopping = threading.Event()
+        self._lock = threading.Lock()  # a restart and stop() never interleave
         self.exit_codes: dict[str, int] = {}  # "role-pid" -> exit status, filled by stop()
 
     # ---- start ------------------------------------------------------------------------------------
@@ -116,7 +132,7 @@ class Launcher:
                 if coordinator is not None:
                     extra += ["--data-parallel-rank", str(rank), "--data-parallel-size", str(self.data_parallel_size),
                               "--coordinator", coordinator.address]
-                engines.append(self._spawn("engine", rank, extra))
+                engines.append(self._spawn("engine", rank, extra, group=rank))
             for engine in engines:  # they load their models at the same time
                 self._wait_serving(engine)
             for i in range(self.api_server_count):
@@ -153,7 +169,8 @@ class Launcher:
             # Several workers share this machine's cores: oversubscribed OpenMP threads stall badly.
             env = {"GRIDSERVE_CPU_THREADS": str(max(1, (os.cpu_count() or 1) // total))}
         first = dp_rank * self.num_workers
-        workers = [self._spawn("worker", first + i, [], env=env) for i in range(self.num_workers)]
+        workers = [self._spawn("worker", first + i, [], env=env, group=dp_rank)
+                   for i in range(self.num_workers)]
         for worker in workers:
             self._wait_reachable(worker)
         return workers
@@ -173,7 +190,7 @@ class Launcher:
         return args
 
     def _spawn(self, role: str, index: int, extra: list[str], port: Optional[int] = None,
-               env: Optional[dict[str, str]] = None) -> RoleProcess:
+               env: Optional[dict[str, str]] = None, group: Optional[int] = None) -> RoleProcess:
         port = port or free_port(self.host)
         address = f"{self.host}:{port}"
         argv = [sys.executable, "-m", "gridserve.cli", role, "--host", self.host, "--port", str(port),
@@ -187,12 +204,10 @@ class Launcher:
         if self.log_dir is not None:
             self.log_dir.mkdir(parents=True, exist_ok=True)
             log = open(self.log_dir / f"{role}-{index}.log", "ab")  # noqa: SIM115 - closed in stop()
-        process = subprocess.Popen(_die_with_launcher(argv), stdout=log,
-                                   stderr=subprocess.STDOUT if log else None, start_new_session=True,
-                                   env={**os.environ, **env} if env else None)
-        proc = RoleProcess(role, address, process, log, metrics_address)
+        proc = RoleProcess(role, address, _popen(argv, log, env), log, metrics_address, tuple(argv), env,
+                           group, time.monotonic())
         self.processes.append(proc)
-        logger.info("started %s (pid %d) on %s", role, process.pid, address)
+        logger.info("started %s (pid %d) on %s", role, proc.pid, address)
         return proc
 
     def _spawn_edge(self, port: int) -> RoleProcess:
@@ -207,13 +222,15 @@ class Launcher:
         metrics = [p.metrics_address for p in self.processes if p.role == "gateway" and p.metrics_address]
         config = write_config(folder / "edge-0.json", envoy_config(self.host, port, self.gateway_addresses,
                                                                    admin_port=self.edge_admin_port,
-                                                                   metrics_addresses=metrics))
+                                                                   metrics_addresses=metrics,
+                                                                   limits=self.edge_limits))
         log = None
         if self.log_dir is not None:
             log = open(self.log_dir / "edge-0.log", "ab")  # noqa: SIM115 - closed in stop()
-        process = subprocess.Popen(_die_with_launcher(envoy_argv(config)), stdout=log, stderr=subprocess.STDOUT if log else None,
-                                   start_new_session=True)
-        proc = RoleProcess("edge", f"{self.host}:{port}", process, log)
+        argv = envoy_argv(config)
+        process = _popen(argv, log, None)
+        proc = RoleProcess("edge", f"{self.host}:{port}", process, log, argv=tuple(argv),
+                           started_at=time.monotonic())
         self.processes.append(proc)
         logger.info("started edge (envoy, pid %d) on %s", process.pid, proc.address)
         return proc
@@ -281,17 +298,67 @@ class Launcher:
                      f"{self.tensor_parallel_size} = {n}")
         return "\n".join(lines)
 
-    def wait(self) -> Optional[RoleProcess]:
-        """Block until a role exits; return it (None if the launcher is stopping)."""
-        while self.processes:
-            for proc in self.processes:
-                if proc.process.poll() is not None:
-                    return proc
-            time.sleep(0.2)
+    def supervise(self, poll_s: float = 0.2) -> Optional[RoleProcess]:
+        """Keep the deployment running until ``stop()``: restart each role that dies, as a Kubernetes
+        restart policy would, and return only when one keeps failing at start (the role returned).
+
+        A gateway, the coordinator or the edge is restarted alone (gateways reconnect to engines,
+        engines and gateways to the coordinator, the edge health-checks the gateways back in). An
+        engine and its workers are one group: the engine initializes its workers and a worker of a
+        parallel group cannot rejoin a running one, so the death of either restarts the whole group
+        (its in-flight requests fail; other engines keep serving). Delays double from
+        ``RESTART_BACKOFF_S[0]`` to its cap while deaths follow quickly after starts; after
+        ``CRASH_LOOP_RESTARTS`` such deaths in a row the deployment gives up.
+        """
+        while self.processes and not self._stopping.is_set():
+            dead = next((p for p in self.processes if p.process.poll() is not None), None)
+            if dead is None:
+                time.sleep(poll_s)
+                continue
+            quick = time.monotonic() - dead.started_at < CRASH_LOOP_WINDOW_S
+            dead.quick_failures = dead.quick_failures + 1 if quick else 1
+            logger.error("%s (pid %d) exited with %s%s", dead.role, dead.pid, dead.process.returncode,
+                         self._log_hint(dead))
+            if dead.quick_failures > CRASH_LOOP_RESTARTS:
+                logger.error("%s keeps failing at start (%d times in a row): giving up", dead.role,
+                             dead.quick_failures - 1)
+                return dead
+            delay = min(RESTART_BACKOFF_S[0] * 2 ** (dead.quick_failures - 1), RESTART_BACKOFF_S[1])
+            group = [p for p in self.processes if dead.group is not None and p.group == dead.group]
+            with self._lock:
+                if not self._stopping.is_set():
+                    self._restart(group or [dead], delay, dead.quick_failures)
         return None
+
+    def _restart(self, procs: list[RoleProcess], delay: float, failures: int) -> None:
+        """Stop what is left of ``procs``, wait ``delay``, start them again (workers first)."""
+        for proc in procs:
+            if proc.process.poll() is None:
+                _signal_group(proc, signal.SIGKILL)
+                proc.process.wait()
+            _signal_group(proc, signal.SIGKILL)
+        logger.warning("restarting %s in %.1f s", ", ".join(f"{p.role} {p.address}" for p in procs), delay)
+        if self._stopping.wait(delay):
+            return
+        for proc in sorted(procs, key=lambda p: p.role != "worker"):
+            if proc.role == "engine":  # its workers must answer before it initializes them
+                for worker in (p for p in procs if p.role == "worker"):
+                    try:
+                        self._wait_reachable(worker)
+                    except (RuntimeError, TimeoutError) as exc:
+                        logger.warning("%s", exc)  # its death is handled on the next round
+            proc.process = _popen(list(proc.argv), proc.log, proc.env)
+            proc.started_at = time.monotonic()
+            proc.quick_failures = failures
+            logger.info("restarted %s (pid %d) on %s", proc.role, proc.pid, proc.address)
 
     def stop(self) -> None:
         """SIGTERM in reverse start order, grace period, then SIGKILL; wait for every child."""
+        self._stopping.set()  # a supervising thread restarts nothing from now on
+        with self._lock:
+            self._stop()
+
+    def _stop(self) -> None:
         for proc in reversed(self.processes):
             if proc.process.poll() is None:
                 _signal_group(proc, signal.SIGTERM)
@@ -309,6 +376,11 @@ class Launcher:
         if self._edge_dir is not None:
             self._edge_dir.cleanup()
             self._edge_dir = None
+
+
+def _popen(argv: list[str], log: Optional[IO], env: Optional[dict[str, str]]) -> subprocess.Popen:
+    return subprocess.Popen(_die_with_launcher(argv), stdout=log, stderr=subprocess.STDOUT if log else None,
+                            start_new_session=True, env={**os.environ, **env} if env else None)
 
 
 def _signal_group(proc: RoleProcess, sig: int) -> None:

@@ -75,7 +75,7 @@ def generate() -> None:
         for name in GENERATED:
             shutil.rmtree(API_DIR / name, ignore_errors=True)
             shutil.copytree(Path(tmp) / "gridserve" / name, API_DIR / name)
-    for path in API_DIR.rglob("*.py*"):
+    for path in (p for p in API_DIR.rglob("*") if p.suffix in (".py", ".pyi")):
         path.write_text(_IMPORT.sub(r"\1 gridserve.api.\2.", path.read_text()))
     for name in GENERATED:
         for folder in (API_DIR / name, *(API_DIR / name).glob("v*")):

@@ -3,8 +3,8 @@
 The edge of ``gridserve serve`` and the chart's edge are one config: this script takes
 ``gridserve.edge.envoy_config()`` and changes only what differs on Kubernetes:
 
-- the gateways are one STRICT_DNS endpoint, their headless Service (every ready replica's IP),
-  instead of a static list of addresses;
+- the gateways (both clusters: health-checked, and the status / console one) are one STRICT_DNS
+  endpoint, their headless Service (every ready replica's IP), instead of a static list of addresses;
 - the listener binds 0.0.0.0 on ``edge.port``; the transcoder reads the descriptor set that the
   edge pod's init container copies from the gateway image;
 - a ``health_check`` filter answers the kubelet's probes of the edge itself on /edge/healthz.
@@ -33,6 +33,11 @@ _PLACEHOLDERS = {
     '"@GATEWAY_PORT@"': "{{ .Values.gateway.port }}",
     '"@GATEWAY_HOST@"': '"{{ include "gridserve.fullname" . }}-gateway-headless.{{ include "gridserve.svcSuffix" . }}"',
     '"@INTERVAL@"': '"{{ .Values.edge.healthCheckInterval }}"',
+    '"@MAX_BODY@"': "{{ .Values.edge.maxRequestBodyBytes | int64 }}",
+    '"@MAX_CONNECTIONS@"': "{{ .Values.edge.maxConnections | int64 }}",
+    '"@IDLE_TIMEOUT@"': '"{{ .Values.edge.streamIdleTimeout }}"',
+    # Envoy's breakers are per cluster; the chart's cluster is every replica the HPA may run.
+    '"@MAX_REQUESTS@"': "{{ mul .Values.edge.maxRequestsPerGateway .Values.gateway.autoscaling.maxReplicas }}",
 }
 
 
@@ -44,6 +49,12 @@ def kubernetes_config() -> dict[str, Any]:
     (listener,) = config["static_resources"]["listeners"]
     listener["address"]["socket_address"]["port_value"] = "@EDGE_PORT@"
     manager = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    manager["stream_idle_timeout"] = "@IDLE_TIMEOUT@"
+    for http_filter in manager["http_filters"]:
+        if http_filter["name"] == "envoy.filters.http.buffer":
+            http_filter["typed_config"]["max_request_bytes"] = "@MAX_BODY@"
+    (monitor,) = config["overload_manager"]["resource_monitors"]
+    monitor["typed_config"]["max_active_downstream_connections"] = "@MAX_CONNECTIONS@"
     manager["http_filters"].insert(0, {
         "name": "envoy.filters.http.health_check",
         "typed_config": {
@@ -52,14 +63,16 @@ def kubernetes_config() -> dict[str, Any]:
             "headers": [{"name": ":path", "string_match": {"exact": HEALTH_PATH}}],
         },
     })
-    (cluster,) = config["static_resources"]["clusters"]
-    cluster["type"] = "STRICT_DNS"
-    cluster["load_assignment"]["endpoints"] = [{"lb_endpoints": [{"endpoint": {"address": {
-        "socket_address": {"address": "@GATEWAY_HOST@", "port_value": "@GATEWAY_PORT@"}}}}]}]
-    for check in cluster.get("health_checks", []):
-        check["interval"] = check["no_traffic_interval"] = "@INTERVAL@"
-    if "outlier_detection" in cluster:
-        cluster["outlier_detection"]["interval"] = "@INTERVAL@"
+    for cluster in config["static_resources"]["clusters"]:  # the gateways, with and without health checks
+        cluster["type"] = "STRICT_DNS"
+        cluster["circuit_breakers"]["thresholds"] = [{key: "@MAX_REQUESTS@" for key in threshold}
+                                                    for threshold in cluster["circuit_breakers"]["thresholds"]]
+        cluster["load_assignment"]["endpoints"] = [{"lb_endpoints": [{"endpoint": {"address": {
+            "socket_address": {"address": "@GATEWAY_HOST@", "port_value": "@GATEWAY_PORT@"}}}}]}]
+        for check in cluster.get("health_checks", []):
+            check["interval"] = check["no_traffic_interval"] = "@INTERVAL@"
+        if "outlier_detection" in cluster:
+            cluster["outlier_detection"]["interval"] = "@INTERVAL@"
     return config
 
 

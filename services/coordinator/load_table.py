@@ -1,74 +1,72 @@
 """``LoadTable``: the coordinator's view of every engine's load, versioned so watchers wake on change.
 
 Engines report (waiting, running, KV-cache usage) whenever it changes; an engine whose report stream
-ends leaves the table. Watchers block in ``wait_for_change`` until the version moves past theirs or
+ends leaves the table. Watchers await ``wait_for_change`` until the version moves past theirs or
 the publish interval passes (then they republish the same snapshot, so a gateway notices a silent
-coordinator). ``bump`` wakes them for a change kept elsewhere (the MoE wave state).
+coordinator). ``bump`` wakes them for a change kept elsewhere (the MoE wave state). Everything but
+``snapshot`` runs on the coordinator's event loop; ``snapshot`` may also be read from the metrics
+thread (it copies the table in one step).
 """
 
 from __future__ import annotations
 
-import threading
-import time
+import asyncio
 from dataclasses import dataclass
+
+from gridserve.shared.load import EngineLoad
 
 
 @dataclass(frozen=True)
-class EngineLoad:
-    """One engine's load at one moment."""
+class Entry:
+    """One engine's row: where it is, its latest load, and when that arrived."""
 
     dp_rank: int
     address: str
-    num_waiting: int
-    num_running: int
-    kv_cache_usage: float
+    load: EngineLoad
     reported_at: float = 0.0  # time.monotonic() of the report (the coordinator's clock)
 
 
 class LoadTable:
-    """Thread-safe table of the latest report of each engine (keyed by DP rank)."""
+    """The latest report of each engine (keyed by DP rank)."""
 
     def __init__(self) -> None:
-        self._loads: dict[int, EngineLoad] = {}
+        self._entries: dict[int, Entry] = {}
         self._version = 0
-        self._changed = threading.Condition()
+        self._changed = asyncio.Event()  # set (and replaced) on every new version
 
-    def update(self, load: EngineLoad) -> None:
-        with self._changed:
-            old = self._loads.get(load.dp_rank)
-            self._loads[load.dp_rank] = load
-            if old is None or _key(old) != _key(load):
-                self._version += 1
-                self._changed.notify_all()
+    def update(self, entry: Entry) -> None:
+        old = self._entries.get(entry.dp_rank)
+        self._entries[entry.dp_rank] = entry
+        if old is None or _key(old) != _key(entry):
+            self._bump()
 
     def remove(self, dp_rank: int) -> None:
-        with self._changed:
-            if self._loads.pop(dp_rank, None) is not None:
-                self._version += 1
-                self._changed.notify_all()
+        if self._entries.pop(dp_rank, None) is not None:
+            self._bump()
 
     def bump(self) -> None:
         """Wake every watcher (something they publish besides the loads changed)."""
-        with self._changed:
-            self._version += 1
-            self._changed.notify_all()
+        self._bump()
 
-    def snapshot(self) -> tuple[int, list[EngineLoad]]:
-        """(version, loads sorted by DP rank)."""
-        with self._changed:
-            return self._version, [self._loads[r] for r in sorted(self._loads)]
+    def snapshot(self) -> tuple[int, list[Entry]]:
+        """(version, entries sorted by DP rank)."""
+        version, entries = self._version, dict(self._entries)
+        return version, [entries[r] for r in sorted(entries)]
 
-    def wait_for_change(self, version: int, timeout: float) -> tuple[int, list[EngineLoad]]:
+    async def wait_for_change(self, version: int, timeout: float) -> tuple[int, list[Entry]]:
         """The snapshot once the version differs from ``version``, or after ``timeout`` seconds."""
-        deadline = time.monotonic() + timeout
-        with self._changed:
-            while self._version == version:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                self._changed.wait(left)
-            return self._version, [self._loads[r] for r in sorted(self._loads)]
+        if self._version == version:
+            try:
+                await asyncio.wait_for(self._changed.wait(), timeout)
+            except asyncio.TimeoutError:
+                pass
+        return self.snapshot()
+
+    def _bump(self) -> None:
+        self._version += 1
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
 
 
-def _key(load: EngineLoad) -> tuple:
-    return load.address, load.num_waiting, load.num_running, round(load.kv_cache_usage, 3)
+def _key(entry: Entry) -> tuple:
+    return entry.address, entry.load.routing_key()

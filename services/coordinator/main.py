@@ -35,14 +35,14 @@ class _LoadAge:
         age = GaugeMetricFamily("gridserve:coordinator_load_age_seconds",
                                 "Seconds since the engine's last load report", labels=["engine"])
         now = time.monotonic()
-        for load in self.table.snapshot()[1]:
-            age.add_metric([str(load.dp_rank)], now - load.reported_at)
+        for entry in self.table.snapshot()[1]:
+            age.add_metric([str(entry.dp_rank)], now - entry.reported_at)
         yield age
 
 
 def serve(host: str, port: int, grace_s: float = 5.0, metrics_port: Optional[int] = None,
           data_parallel_size: int = 1) -> int:
-    server = RpcServer(host, port, max_workers=256, grace_s=grace_s)
+    server = RpcServer(host, port, grace_s=grace_s)  # every handler is async: one loop
     table = LoadTable()
     servicer = CoordinatorServicer(table, Waves(data_parallel_size, on_change=table.bump))
     registry = CollectorRegistry(auto_describe=False)

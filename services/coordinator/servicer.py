@@ -1,5 +1,6 @@
-"""The coordinator's gRPC servicer: ``ReportLoad`` (engines, client stream) and ``WatchLoad``
-(gateways, server stream); protobuf <-> ``LoadTable`` only."""
+"""The coordinator's gRPC servicer: ``ReportLoad`` (engines, client stream), ``WatchLoad``
+(gateways and MoE engines, server stream) and the wave calls; protobuf <-> ``LoadTable`` /
+``Waves`` only. Every handler is ``async``: the whole coordinator is one event loop."""
 
 from __future__ import annotations
 
@@ -7,13 +8,14 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator
 
 import grpc
 
 from gridserve.api.coordinator.v1 import coordinator_pb2, coordinator_pb2_grpc
-from gridserve.services.coordinator.load_table import EngineLoad, LoadTable
+from gridserve.services.coordinator.load_table import Entry, LoadTable
 from gridserve.services.coordinator.waves import WaveError, Waves
+from gridserve.shared.load import EngineLoad
 
 logger = logging.getLogger(__name__)
 
@@ -21,62 +23,61 @@ logger = logging.getLogger(__name__)
 PUBLISH_INTERVAL_S = float(os.environ.get("GRIDSERVE_COORDINATOR_PUBLISH_INTERVAL_S", "1.0"))
 
 
-def load_to_pb(load: EngineLoad) -> coordinator_pb2.EngineLoad:
-    return coordinator_pb2.EngineLoad(dp_rank=load.dp_rank, address=load.address, num_waiting=load.num_waiting,
+def entry_to_pb(entry: Entry) -> coordinator_pb2.EngineLoad:
+    load = entry.load
+    return coordinator_pb2.EngineLoad(dp_rank=entry.dp_rank, address=entry.address, num_waiting=load.num_waiting,
                                       num_running=load.num_running, kv_cache_usage=load.kv_cache_usage)
+
+
+def entry_from_pb(msg: coordinator_pb2.EngineLoad, reported_at: float) -> Entry:
+    load = EngineLoad(msg.num_waiting, msg.num_running, msg.kv_cache_usage)
+    return Entry(msg.dp_rank, msg.address, load, reported_at)
 
 
 class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     def __init__(self, table: LoadTable, waves: Waves) -> None:
         self.table = table
         self.waves = waves
-        self.stopping = threading.Event()
+        self.stopping = threading.Event()  # set by the drain (another thread): watch streams end
 
-    def ReportLoad(self, request_iterator: Iterator[coordinator_pb2.ReportLoadRequest],
-                   context: grpc.ServicerContext) -> coordinator_pb2.ReportLoadResponse:
+    async def ReportLoad(self, request_iterator: AsyncIterator[coordinator_pb2.ReportLoadRequest],
+                         context: grpc.aio.ServicerContext) -> coordinator_pb2.ReportLoadResponse:
         rank = None
         try:
-            for request in _until_closed(request_iterator):
-                load = request.load
+            async for request in request_iterator:
                 if rank is None:
-                    logger.info("engine %d (%s) reports its load", load.dp_rank, load.address)
-                rank = load.dp_rank
-                self.table.update(EngineLoad(load.dp_rank, load.address, load.num_waiting, load.num_running,
-                                             load.kv_cache_usage, time.monotonic()))
+                    logger.info("engine %d (%s) reports its load", request.load.dp_rank, request.load.address)
+                rank = request.load.dp_rank
+                self.table.update(entry_from_pb(request.load, time.monotonic()))
+        except grpc.RpcError:
+            pass  # the engine went away: a cancelled stream, not an error
         finally:
             if rank is not None:
                 logger.info("engine %d stopped reporting: removed", rank)
                 self.table.remove(rank)
         return coordinator_pb2.ReportLoadResponse()
 
-    def WatchLoad(self, request: coordinator_pb2.WatchLoadRequest,
-                  context: grpc.ServicerContext) -> Iterator[coordinator_pb2.WatchLoadResponse]:
-        logger.info("gateway %s watches the load", request.gateway_id or "?")
+    async def WatchLoad(self, request: coordinator_pb2.WatchLoadRequest,
+                        context: grpc.aio.ServicerContext) -> AsyncIterator[coordinator_pb2.WatchLoadResponse]:
+        logger.info("%s watches the load", request.subscriber_id or "?")
         version = -1
-        while context.is_active() and not self.stopping.is_set():
-            version, loads = self.table.wait_for_change(version, PUBLISH_INTERVAL_S)
+        while not self.stopping.is_set():
+            version, entries = await self.table.wait_for_change(version, PUBLISH_INTERVAL_S)
             wave, running = self.waves.state()
-            yield coordinator_pb2.WatchLoadResponse(engines=[load_to_pb(x) for x in loads], wave=wave,
+            yield coordinator_pb2.WatchLoadResponse(engines=[entry_to_pb(x) for x in entries], wave=wave,
                                                     wave_running=running)
 
-    def StartWave(self, request: coordinator_pb2.StartWaveRequest,
-                  context: grpc.ServicerContext) -> coordinator_pb2.StartWaveResponse:
+    async def StartWave(self, request: coordinator_pb2.StartWaveRequest,
+                        context: grpc.aio.ServicerContext) -> coordinator_pb2.StartWaveResponse:
         wave = self.waves.start()
         logger.debug("engine %d starts wave %d", request.dp_rank, wave)
         return coordinator_pb2.StartWaveResponse(wave=wave)
 
-    def SyncStep(self, request: coordinator_pb2.SyncStepRequest,
-                 context: grpc.ServicerContext) -> coordinator_pb2.SyncStepResponse:
+    async def SyncStep(self, request: coordinator_pb2.SyncStepRequest,
+                       context: grpc.aio.ServicerContext) -> coordinator_pb2.SyncStepResponse:
         try:
-            any_unfinished = self.waves.sync(request.dp_rank, request.wave, request.step, request.unfinished)
+            any_unfinished = await self.waves.sync(request.dp_rank, request.wave, request.step,
+                                                   request.unfinished)
         except WaveError as exc:
-            context.abort(grpc.StatusCode.ABORTED, str(exc))
+            await context.abort(grpc.StatusCode.ABORTED, str(exc))
         return coordinator_pb2.SyncStepResponse(any_unfinished=any_unfinished)
-
-
-def _until_closed(requests: Iterator) -> Iterator:
-    """The client's stream until it ends or the engine goes away (a cancelled stream, not an error)."""
-    try:
-        yield from requests
-    except grpc.RpcError:
-        return

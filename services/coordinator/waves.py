@@ -7,13 +7,13 @@ receives a request (``start``); during it every engine calls ``sync`` after each
 waits for all ``dp_size`` engines and returns whether any still has unfinished requests. The
 first step where none has ends the wave: the wave number (waves completed) advances and the
 engines stop until the next ``start``. A barrier that does not fill within ``timeout_s`` (an engine
-died) fails the calls instead of hanging them, and ends the wave.
+died) fails the calls instead of hanging them, and ends the wave. Runs on the coordinator's event
+loop: each barrier is an ``asyncio.Future`` its engines await.
 """
 
 from __future__ import annotations
 
-import threading
-import time
+import asyncio
 from collections.abc import Callable
 
 
@@ -28,64 +28,58 @@ class Waves:
         self.timeout_s = timeout_s
         self.wave = 0  # waves completed
         self.running = False
-        self._cond = threading.Condition()
         self._arrived: dict[tuple[int, int], dict[int, bool]] = {}
-        self._results: dict[tuple[int, int], bool] = {}
+        self._barriers: dict[tuple[int, int], asyncio.Future] = {}
 
     def state(self) -> tuple[int, bool]:
-        with self._cond:
-            return self.wave, self.running
+        return self.wave, self.running
 
     def start(self) -> int:
         """Start a wave unless one is running; return the running wave's number."""
-        with self._cond:
-            if not self.running:
-                self.running = True
-                self._changed()
-            return self.wave
+        if not self.running:
+            self.running = True
+            self.on_change()
+        return self.wave
 
-    def sync(self, rank: int, wave: int, step: int, unfinished: bool) -> bool:
+    async def sync(self, rank: int, wave: int, step: int, unfinished: bool) -> bool:
         """Wait until every engine reached ``step`` of ``wave``; True if any has unfinished work."""
         key = (wave, step)
-        deadline = time.monotonic() + self.timeout_s
-        with self._cond:
-            if wave != self.wave or not self.running:
-                if key in self._results:  # the others already finished this barrier
-                    return self._results[key]
-                raise WaveError(f"wave {wave} is not running (current {self.wave}, running={self.running})")
-            arrived = self._arrived.setdefault(key, {})
-            arrived[rank] = unfinished
-            if len(arrived) == self.dp_size:
-                self._complete(key, any(arrived.values()))
-            while key not in self._results:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    self._abandon(key)
-                    raise WaveError(f"step {step} of wave {wave}: only ranks {sorted(arrived)} of "
-                                    f"{self.dp_size} arrived within {self.timeout_s:.0f} s")
-                self._cond.wait(left)
-            return self._results[key]
+        barrier = self._barriers.get(key)
+        if wave != self.wave or not self.running:
+            if barrier is not None and barrier.done():  # the others already finished this barrier
+                return barrier.result()
+            raise WaveError(f"wave {wave} is not running (current {self.wave}, running={self.running})")
+        if barrier is None:
+            barrier = self._barriers[key] = asyncio.get_running_loop().create_future()
+        arrived = self._arrived.setdefault(key, {})
+        arrived[rank] = unfinished
+        if len(arrived) == self.dp_size:
+            self._complete(key, any(arrived.values()))
+        try:
+            return await asyncio.wait_for(asyncio.shield(barrier), self.timeout_s)
+        except asyncio.TimeoutError:
+            self._abandon(key)
+            raise WaveError(f"step {step} of wave {wave}: only ranks {sorted(arrived)} of "
+                            f"{self.dp_size} arrived within {self.timeout_s:.0f} s") from None
 
     def _complete(self, key: tuple[int, int], any_unfinished: bool) -> None:
-        self._results[key] = any_unfinished
+        self._barriers[key].set_result(any_unfinished)
         del self._arrived[key]
         # Forget barriers two waves back (late readers of the last ones may still come).
-        for old in [k for k in self._results if k[0] < key[0] - 1]:
-            del self._results[old]
+        for old in [k for k in self._barriers if k[0] < key[0] - 1]:
+            del self._barriers[old]
         if not any_unfinished:
-            self.running = False
-            self.wave += 1
-            self._changed()
-        self._cond.notify_all()
+            self._end_wave()
 
     def _abandon(self, key: tuple[int, int]) -> None:
         self._arrived.pop(key, None)
-        self._results[key] = False
+        barrier = self._barriers[key]
+        if not barrier.done():
+            barrier.set_result(False)
         if self.running and key[0] == self.wave:
-            self.running = False
-            self.wave += 1
-            self._changed()
-        self._cond.notify_all()
+            self._end_wave()
 
-    def _changed(self) -> None:
+    def _end_wave(self) -> None:
+        self.running = False
+        self.wave += 1
         self.on_change()

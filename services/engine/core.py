@@ -15,9 +15,10 @@ from typing import Optional
 from gridserve.services.engine.executor import Executor
 from gridserve.services.engine.kv_cache_manager import KVCacheManager, num_blocks_for_memory
 from gridserve.services.engine.request import Request
-from gridserve.services.engine.scheduler import Scheduler, SchedulerStats
+from gridserve.services.engine.scheduler import Scheduler
 from gridserve.shared.config import GridserveConfig
 from gridserve.shared.errors import ConfigError
+from gridserve.shared.load import EngineLoad
 from gridserve.shared.outputs import EngineCoreOutput
 from gridserve.shared.scheduler_output import SchedulerOutput
 
@@ -90,7 +91,7 @@ class EngineCore:
         """One empty step through the executor (an idle engine's part of an MoE wave)."""
         self.executor.execute_model(SchedulerOutput())
 
-    def stats(self) -> SchedulerStats:
+    def stats(self) -> EngineLoad:
         return self.scheduler.stats()
 
     def reset_prefix_cache(self) -> bool:

@@ -24,7 +24,6 @@ import hashlib
 import logging
 import struct
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from gridserve.services.engine.block_pool import BlockPool, KVCacheBlock
 from gridserve.services.engine.request import Request
@@ -68,18 +67,6 @@ def num_blocks_for_memory(kv_cache_memory_bytes: int, bytes_per_token: int, bloc
     return num_blocks
 
 
-@dataclass
-class PrefixCacheStats:
-    """Cumulative prefix-cache counters, in tokens."""
-
-    queries: int = 0
-    hits: int = 0
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hits / self.queries if self.queries else 0.0
-
-
 class KVCacheManager:
     """Allocates blocks to requests and serves prefix-cache hits, on top of a ``BlockPool``."""
 
@@ -112,9 +99,6 @@ class KVCacheManager:
     @property
     def usage(self) -> float:
         return self.block_pool.usage
-
-    def make_stats(self) -> PrefixCacheStats:
-        return PrefixCacheStats(queries=self.prefix_cache_queries, hits=self.prefix_cache_hits)
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, ())]

@@ -1,46 +1,44 @@
 """``EngineLoop``: the engine's busy loop in its own thread, and the routing of its outputs.
 
-Every touch of the ``EngineCore`` happens on the loop thread: RPC handlers hand it work through an
-inbox and wait for the answer. Each iteration drains the inbox (adds, aborts, control calls), runs
-one ``EngineCore.step()`` when there is work, and hands each gateway one batch with the step's
-outputs of its requests. When a step fails (a worker died) the engine is dead: every gateway's
-stream ends with ``EngineDeadError``, later calls fail, and ``on_health(False)`` is called.
+Every touch of the ``EngineCore`` happens on the loop thread: the engine's asyncio servicer hands it
+work through an inbox and awaits the answer (each call returns a ``concurrent.futures.Future``, so
+it never blocks the event loop). Each iteration drains the inbox (adds, aborts, control calls), runs
+one ``EngineCore.step()`` when there is work, and hands each gateway's ``OutputSink`` one batch with
+the step's outputs of its requests (the sink hands it to the event loop). When a step fails (a
+worker died) the engine is dead: every gateway's stream ends with ``EngineDeadError``, later calls
+fail, and ``on_health(False)`` is called.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Protocol
 
 from gridserve.services.engine.core import EngineCore
 from gridserve.services.engine.observability import EngineObserver
 from gridserve.services.engine.request import Request
-from gridserve.services.engine.scheduler import SchedulerStats
 from gridserve.services.engine.waves import WaveClient
 from gridserve.shared.errors import EngineDeadError, FailedPreconditionError, InvalidArgumentError
+from gridserve.shared.load import EngineLoad
 from gridserve.shared.outputs import EngineCoreOutput, FinishReason
 
 logger = logging.getLogger(__name__)
 
-_END = object()  # ends a gateway's output stream cleanly
+END = object()  # ends a gateway's output stream cleanly
 
 
-@dataclass
-class EngineLoad:
-    num_waiting: int
-    num_running: int
-    kv_cache_usage: float
-    kv_free_blocks: int
-    kv_total_blocks: int
-    num_preemptions: int
-    sleeping: bool
+class OutputSink(Protocol):
+    """Where one gateway's batches go; ``put`` is called on the loop thread and must not block.
+    Items: a list of ``EngineCoreOutput`` (one step), an ``EngineDeadError``, or ``END``."""
+
+    def put(self, item: Any) -> None: ...
 
 
 class EngineLoop:
@@ -61,81 +59,72 @@ class EngineLoop:
         self.draining = False
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._routes: dict[str, str] = {}  # request id -> gateway id
-        self._sinks: dict[str, queue.SimpleQueue] = {}  # gateway id -> batches of outputs
+        self._sinks: dict[str, OutputSink] = {}  # gateway id -> its open output stream
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
-    # ---- called from RPC handlers ----------------------------------------------------------------
-    def call(self, fn: Callable[[], Any], timeout: float = 60.0) -> Any:
-        """Run ``fn`` on the loop thread between steps and return its result."""
-        if self.error is not None:
-            raise self.error
+    # ---- called from any thread (the servicer's event loop, metrics, drain) -----------------------
+    def submit(self, fn: Callable[[], Any]) -> Future:
+        """Run ``fn`` on the loop thread between steps; its result (or error) arrives in the future."""
         future: Future = Future()
-        self._inbox.put((fn, future))
-        return future.result(timeout=timeout)
+        if self.error is not None:
+            future.set_exception(self.error)
+        else:
+            self._inbox.put((fn, future))
+        return future
 
-    def add_request(self, request: Request, gateway_id: str) -> None:
+    def add_request(self, request: Request, gateway_id: str) -> Future:
         if self.draining:
             raise EngineDeadError("the engine is shutting down")
-        self.call(lambda: self._add(request, gateway_id))
+        return self.submit(lambda: self._add(request, gateway_id))
 
-    def abort(self, request_ids: list[str]) -> list[str]:
-        return self.call(lambda: self._abort(request_ids))
+    def abort(self, request_ids: list[str]) -> Future:
+        """The future's result: the ids that were still in the engine."""
+        return self.submit(lambda: self._abort(request_ids))
 
-    def outputs(self, gateway_id: str, is_active: Callable[[], bool]) -> Iterator[list[EngineCoreOutput]]:
-        """The gateway's batches, one per step (the first one empty: the stream is open)."""
-        sink: queue.SimpleQueue = queue.SimpleQueue()
-        self.call(lambda: self._sinks.__setitem__(gateway_id, sink))
-        yield []
-        try:
-            while is_active():
-                try:
-                    item = sink.get(timeout=0.5)
-                except queue.Empty:
-                    continue
-                if item is _END:
-                    return
-                if isinstance(item, Exception):
-                    raise item
-                yield item
-        finally:
-            if self.error is None and not self._stop.is_set():
-                self.call(lambda: self._drop_gateway(gateway_id, sink))
+    def open_stream(self, gateway_id: str, sink: OutputSink) -> Future:
+        """Route ``gateway_id``'s outputs to ``sink`` from now on (a reconnect replaces the old one)."""
+        return self.submit(lambda: self._sinks.__setitem__(gateway_id, sink))
 
-    def stats(self, timeout: float = 60.0) -> SchedulerStats:
+    def close_stream(self, gateway_id: str, sink: OutputSink) -> None:
+        """The gateway's stream ended: abort its requests, unless it already opened a new one."""
+        if self.error is None and not self._stop.is_set():
+            self.submit(lambda: self._drop_gateway(gateway_id, sink))
+
+    def stats(self) -> Future:
         """One snapshot of the scheduler, taken between steps: the load report and the metrics."""
-        return self.call(self.core.stats, timeout=timeout)
+        return self.submit(self.core.stats)
 
-    def load(self) -> EngineLoad:
-        return self.call(self._load)
+    def load(self) -> Future:
+        return self.submit(self._load)
 
-    def sleep(self, level: int) -> None:
+    def sleep(self, level: int) -> Future:
         def go() -> None:
             if self.core.has_unfinished_requests():
                 raise FailedPreconditionError("cannot sleep with requests in flight")
             self.core.sleep(level)
             self.sleeping = True
 
-        self.call(go, timeout=900)
+        return self.submit(go)
 
-    def wake_up(self, tags: Optional[list[str]]) -> None:
+    def wake_up(self, tags: Optional[list[str]]) -> Future:
         def go() -> None:
             self.core.wake_up(tags)
             self.sleeping = False
 
-        self.call(go, timeout=900)
+        return self.submit(go)
 
     def drain(self, timeout: float) -> None:
         """Stop taking requests, let in-flight ones finish for ``timeout`` s, abort the rest, stop."""
         self.draining = True
         deadline = time.monotonic() + timeout
         while self.error is None and time.monotonic() < deadline:
-            if not self.call(self.core.has_unfinished_requests):
+            if not self.submit(self.core.has_unfinished_requests).result(timeout):
                 break
             time.sleep(0.05)
         if self.error is None:
-            self.call(lambda: self._abort(list(self._routes)))
+            self.submit(lambda: self._abort(list(self._routes))).result(timeout)
         self.stop()
 
     def stop(self) -> None:
@@ -197,9 +186,7 @@ class EngineLoop:
             logger.exception("observability of a step failed")
 
     def _load(self) -> EngineLoad:
-        stats = self.core.stats()
-        return EngineLoad(stats.num_waiting, stats.num_running, stats.kv_cache_usage, stats.kv_free_blocks,
-                          stats.kv_total_blocks, stats.num_preemptions, self.sleeping)
+        return dataclasses.replace(self.core.stats(), sleeping=self.sleeping)
 
     def _offer_load(self) -> None:
         if self.on_load is not None and self.error is None:
@@ -259,7 +246,7 @@ class EngineLoop:
             if sink is not None:
                 sink.put(batch)
 
-    def _drop_gateway(self, gateway_id: str, sink: queue.SimpleQueue) -> None:
+    def _drop_gateway(self, gateway_id: str, sink: OutputSink) -> None:
         if self._sinks.get(gateway_id) is not sink:
             return  # the gateway reconnected with a new stream
         del self._sinks[gateway_id]
@@ -282,4 +269,4 @@ class EngineLoop:
 
     def _close_sinks(self) -> None:
         for sink in self._sinks.values():
-            sink.put(_END)
+            sink.put(END)

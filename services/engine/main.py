@@ -20,10 +20,10 @@ from gridserve.services.engine.load_reporter import LoadReporter
 from gridserve.services.engine.loop import EngineLoop
 from gridserve.services.engine.metrics import EngineMetrics
 from gridserve.services.engine.observability import EngineObserver
-from gridserve.services.engine.scheduler import SchedulerStats
 from gridserve.services.engine.servicer import EngineServicer
 from gridserve.services.engine.waves import WaveClient, is_moe
 from gridserve.shared.config import GridserveConfig
+from gridserve.shared.load import EngineLoad
 from gridserve.shared.observability.metrics import start_metrics_server
 from gridserve.shared.observability.tracing import Tracing
 from gridserve.shared.rpc.server import RpcServer
@@ -41,7 +41,7 @@ def serve(config: GridserveConfig, host: str, port: int, grace_s: float = 10.0, 
     registry = CollectorRegistry(auto_describe=False)
     metrics_server = start_metrics_server(registry, host, metrics_port)
     tracing = Tracing.create("gridserve-engine", otlp_traces_endpoint)
-    server = RpcServer(host, port, max_workers=64, grace_s=grace_s)
+    server = RpcServer(host, port, grace_s=grace_s)  # every handler is async: no pool work
     servicer = EngineServicer(config, metrics_port=metrics_server.port if metrics_server else 0,
                               tracing=tracing is not None)
     server.add_service(SERVICE, lambda s: engine_pb2_grpc.add_EngineCoreServicer_to_server(servicer, s))
@@ -56,11 +56,14 @@ def serve(config: GridserveConfig, host: str, port: int, grace_s: float = 10.0, 
     observer.instrument(core.executor)
     waves = None
     if coordinator and data_parallel_size > 1 and is_moe(config.model.hf_config):
-        waves = WaveClient(coordinator, data_parallel_rank)  # MoE: step in lockstep with the other engines
+        # MoE: step in lockstep with the other engines (the client runs on the server's loop).
+        waves = server.call(lambda: WaveClient(coordinator, data_parallel_rank))
     if waves is not None and metrics_server is not None:
         registry.register(_WaveMetrics(waves, str(data_parallel_rank)))
     # DP: the engine loop offers its load after every change; the reporter streams it to the coordinator.
-    reporter = LoadReporter(coordinator, data_parallel_rank, server.address) if coordinator else None
+    reporter = None
+    if coordinator:
+        reporter = server.call(lambda: LoadReporter(coordinator, data_parallel_rank, server.address))
     loop = EngineLoop(core, on_health=server.set_serving, observer=observer, waves=waves,
                       on_load=reporter.offer if reporter is not None else None)
     core.executor.on_failure = loop.fail
@@ -69,6 +72,9 @@ def serve(config: GridserveConfig, host: str, port: int, grace_s: float = 10.0, 
     def drain(timeout: float) -> None:
         loop.drain(timeout)
         core.shutdown()
+        for client in (reporter, waves):  # on the server's loop, before it stops
+            if client is not None:
+                server.run(client.close())
         if tracing is not None:
             tracing.shutdown()
 
@@ -76,10 +82,6 @@ def serve(config: GridserveConfig, host: str, port: int, grace_s: float = 10.0, 
     server.set_serving(True)
     logger.info("engine ready on %s: %d KV blocks", server.address, config.cache.num_blocks or 0)
     server.wait()
-    if reporter is not None:
-        reporter.close()
-    if waves is not None:
-        waves.close()
     if metrics_server is not None:
         metrics_server.stop()
     return 0
@@ -101,9 +103,9 @@ class _WaveMetrics:
             yield family
 
 
-def _snapshot(servicer: EngineServicer) -> Optional[SchedulerStats]:
+def _snapshot(servicer: EngineServicer) -> Optional[EngineLoad]:
     """The scheduler's stats for a scrape; None while the engine starts, sleeps a step away, or is dead."""
     try:
-        return servicer.loop.stats(timeout=SCRAPE_TIMEOUT_S)
+        return servicer.loop.stats().result(timeout=SCRAPE_TIMEOUT_S)
     except Exception:  # noqa: BLE001 - a scrape must not fail because the engine is busy or dead
         return None

@@ -1,6 +1,6 @@
 """The engine's Prometheus metrics, with vLLM's names.
 
-Gauges and counters are read at scrape time from one ``SchedulerStats`` snapshot (the same one the
+Gauges and counters are read at scrape time from one ``EngineLoad`` snapshot (the same one the
 ``GetLoad`` load report is built from), so the busy loop pays nothing for them. Histograms get
 their observations once per step from the step's ``StepStats``: one observation per scheduled step
 (``vllm:iteration_tokens_total``) and a few per finished request (queue, prefill, decode, token
@@ -17,8 +17,9 @@ from typing import Optional
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from gridserve.services.engine.scheduler import SchedulerStats, StepStats
+from gridserve.services.engine.scheduler import StepStats
 from gridserve.shared.config import GridserveConfig
+from gridserve.shared.load import EngineLoad
 from gridserve.shared.observability.metrics import (
     REQUEST_LATENCY_BUCKETS,
     STEP_BUCKETS,
@@ -29,9 +30,9 @@ LABELS = ("model_name", "engine")
 
 
 class _SnapshotCollector:
-    """Gauges and counters from one ``SchedulerStats`` snapshot taken at scrape time."""
+    """Gauges and counters from one ``EngineLoad`` snapshot taken at scrape time."""
 
-    def __init__(self, snapshot: Callable[[], Optional[SchedulerStats]], labels: dict[str, str],
+    def __init__(self, snapshot: Callable[[], Optional[EngineLoad]], labels: dict[str, str],
                  cache_info: dict[str, str]) -> None:
         self.snapshot = snapshot
         self.labels = labels
@@ -71,7 +72,7 @@ class _SnapshotCollector:
 class EngineMetrics:
     """The engine's registry: snapshot gauges / counters and per-step histograms."""
 
-    def __init__(self, config: GridserveConfig, snapshot: Callable[[], Optional[SchedulerStats]],
+    def __init__(self, config: GridserveConfig, snapshot: Callable[[], Optional[EngineLoad]],
                  engine: str = "0", registry: Optional[CollectorRegistry] = None) -> None:
         self.registry = registry or CollectorRegistry(auto_describe=False)
         labels = {"model_name": config.model.model, "engine": engine}

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from gridserve.services.engine.kv_cache_manager import KVCacheManager
 from gridserve.services.engine.request import Request, RequestStatus
 from gridserve.shared.config import GridserveConfig
+from gridserve.shared.load import EngineLoad
 from gridserve.shared.outputs import EngineCoreOutput
 from gridserve.shared.scheduler_output import (
     CachedRequestData,
@@ -29,23 +30,6 @@ from gridserve.shared.scheduler_output import (
 )
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class SchedulerStats:
-    """A snapshot of the scheduler's load and cumulative counters: the one source of the engine's
-    load report (``GetLoad``) and of its Prometheus metrics."""
-
-    num_waiting: int
-    num_running: int
-    kv_cache_usage: float
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    num_preemptions: int
-    kv_free_blocks: int = 0
-    kv_total_blocks: int = 0
-    num_prompt_tokens: int = 0  # prompt tokens of requests that produced their first token
-    num_generation_tokens: int = 0
 
 
 @dataclass
@@ -296,8 +280,10 @@ class Scheduler:
         self._worker_tokens.pop(request.request_id, None)
         del self.requests[request.request_id]
 
-    def stats(self) -> SchedulerStats:
-        return SchedulerStats(
+    def stats(self) -> EngineLoad:
+        """A snapshot of the load and cumulative counters: the one source of the engine's load
+        report (``GetLoad``, the coordinator) and of its Prometheus metrics."""
+        return EngineLoad(
             num_waiting=len(self.waiting),
             num_running=len(self.running),
             kv_cache_usage=self.kv.usage,

@@ -1,16 +1,24 @@
-"""The engine's gRPC servicer: ``EngineCore`` data plane and control plane, proto <-> domain only."""
+"""The engine's gRPC servicer: ``EngineCore`` data plane and control plane, proto <-> domain only.
+
+Every handler is ``async`` and runs on the server's event loop; it hands the work to the
+``EngineLoop`` thread and awaits the answer. Each gateway's ``StreamOutputs`` is an async generator
+fed by a ``_LoopSink``: the engine thread puts one batch per step, the loop converts and sends it.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import Iterator
-from typing import Optional
+from collections.abc import AsyncIterator
+from concurrent.futures import Future
+from typing import Any, Optional
 
 import grpc
 
 from gridserve.api.engine.v1 import engine_pb2, engine_pb2_grpc
-from gridserve.services.engine.loop import EngineLoop
+from gridserve.services.engine.loop import END, EngineLoop
 from gridserve.services.engine.request import Request
+from gridserve.services.engine.status import EngineStatus
 from gridserve.shared.config import GridserveConfig
 from gridserve.shared.errors import EngineDeadError, InvalidArgumentError
 from gridserve.shared.observability.tracing import traceparent_from_metadata
@@ -27,6 +35,7 @@ class EngineServicer(engine_pb2_grpc.EngineCoreServicer):
         self.metrics_port = metrics_port
         self.tracing = tracing  # read the caller's traceparent from the metadata
         self._loop: Optional[EngineLoop] = None
+        self.status = EngineStatus(config.parallel.worker_addresses, lambda: self.loop.stats().result(timeout=5.0))
 
     @property
     def loop(self) -> EngineLoop:
@@ -38,7 +47,7 @@ class EngineServicer(engine_pb2_grpc.EngineCoreServicer):
     def loop(self, loop: EngineLoop) -> None:
         self._loop = loop
 
-    def AddRequest(self, request: engine_pb2.AddRequestRequest, context: grpc.ServicerContext):
+    async def AddRequest(self, request: engine_pb2.AddRequestRequest, context: grpc.aio.ServicerContext):
         if not request.request_id:
             raise InvalidArgumentError("request_id", "must not be empty")
         if not request.prompt_token_ids:
@@ -53,22 +62,35 @@ class EngineServicer(engine_pb2_grpc.EngineCoreServicer):
         )
         if self.tracing:
             domain.traceparent = traceparent_from_metadata(context.invocation_metadata())
-        self.loop.add_request(domain, request.gateway_id)
+        await _done(self.loop.add_request(domain, request.gateway_id))
         return engine_pb2.AddRequestResponse()
 
-    def AbortRequests(self, request: engine_pb2.AbortRequestsRequest, context: grpc.ServicerContext):
-        aborted = self.loop.abort(list(request.request_ids))
+    async def AbortRequests(self, request: engine_pb2.AbortRequestsRequest, context: grpc.aio.ServicerContext):
+        aborted = await _done(self.loop.abort(list(request.request_ids)))
         return engine_pb2.AbortRequestsResponse(aborted_request_ids=aborted)
 
-    def StreamOutputs(
-        self, request: engine_pb2.StreamOutputsRequest, context: grpc.ServicerContext
-    ) -> Iterator[engine_pb2.StreamOutputsResponse]:
+    async def StreamOutputs(
+        self, request: engine_pb2.StreamOutputsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[engine_pb2.StreamOutputsResponse]:
+        """The gateway's outputs, one message per engine step (the first one empty: the stream is open)."""
         if not request.gateway_id:
             raise InvalidArgumentError("gateway_id", "must not be empty")
-        for batch in self.loop.outputs(request.gateway_id, context.is_active):
-            yield engine_pb2.StreamOutputsResponse(outputs=[engine_output_to_pb(o) for o in batch])
+        loop = self.loop
+        sink = _LoopSink(asyncio.get_running_loop())
+        await _done(loop.open_stream(request.gateway_id, sink))
+        try:
+            yield engine_pb2.StreamOutputsResponse()
+            while True:
+                item = await sink.queue.get()
+                if item is END:
+                    return
+                if isinstance(item, Exception):
+                    raise item
+                yield engine_pb2.StreamOutputsResponse(outputs=[engine_output_to_pb(o) for o in item])
+        finally:
+            loop.close_stream(request.gateway_id, sink)
 
-    def GetInfo(self, request: engine_pb2.GetInfoRequest, context: grpc.ServicerContext):
+    async def GetInfo(self, request: engine_pb2.GetInfoRequest, context: grpc.aio.ServicerContext):
         model, cache = self.config.model, self.config.cache
         return engine_pb2.GetInfoResponse(
             model=model.model,
@@ -83,19 +105,52 @@ class EngineServicer(engine_pb2_grpc.EngineCoreServicer):
             metrics_port=self.metrics_port,
         )
 
-    def GetLoad(self, request: engine_pb2.GetLoadRequest, context: grpc.ServicerContext):
-        load = self.loop.load()
-        return engine_pb2.GetLoadResponse(**vars(load))
+    async def GetLoad(self, request: engine_pb2.GetLoadRequest, context: grpc.aio.ServicerContext):
+        load = await _done(self.loop.load())
+        return engine_pb2.GetLoadResponse(
+            num_waiting=load.num_waiting, num_running=load.num_running, kv_cache_usage=load.kv_cache_usage,
+            kv_free_blocks=load.kv_free_blocks, kv_total_blocks=load.kv_total_blocks,
+            num_preemptions=load.num_preemptions, sleeping=load.sleeping,
+        )
 
-    def Sleep(self, request: engine_pb2.SleepRequest, context: grpc.ServicerContext):
+    async def Sleep(self, request: engine_pb2.SleepRequest, context: grpc.aio.ServicerContext):
         if request.level not in (0, 1, 2):
             raise InvalidArgumentError("level", f"must be 1 or 2, got {request.level}")
-        self.loop.sleep(request.level or 1)
+        await _done(self.loop.sleep(request.level or 1))
         return engine_pb2.SleepResponse()
 
-    def WakeUp(self, request: engine_pb2.WakeUpRequest, context: grpc.ServicerContext):
-        self.loop.wake_up(list(request.tags) or None)
+    async def WakeUp(self, request: engine_pb2.WakeUpRequest, context: grpc.aio.ServicerContext):
+        await _done(self.loop.wake_up(list(request.tags) or None))
         return engine_pb2.WakeUpResponse()
 
-    def ResetPrefixCache(self, request: engine_pb2.ResetPrefixCacheRequest, context: grpc.ServicerContext):
-        return engine_pb2.ResetPrefixCacheResponse(reset=self.loop.call(self.loop.core.reset_prefix_cache))
+    async def ResetPrefixCache(self, request: engine_pb2.ResetPrefixCacheRequest,
+                               context: grpc.aio.ServicerContext):
+        reset = await _done(self.loop.submit(self.loop.core.reset_prefix_cache))
+        return engine_pb2.ResetPrefixCacheResponse(reset=reset)
+
+
+    async def GetStatus(self, request: engine_pb2.GetStatusRequest, context: grpc.aio.ServicerContext):
+        report = await asyncio.to_thread(self.status.report)  # asks the workers: off the event loop
+        stats = report.stats
+        return engine_pb2.GetStatusResponse(
+            workers=[engine_pb2.WorkerStatus(rank=w.rank, address=w.address, health=w.health)
+                     for w in report.workers],
+            loop_alive=report.loop_alive, error=report.error,
+            num_generation_tokens=stats.num_generation_tokens if stats else 0,
+            num_prompt_tokens=stats.num_prompt_tokens if stats else 0,
+        )
+
+async def _done(future: Future) -> Any:
+    """Await an ``EngineLoop`` future without blocking the event loop."""
+    return await asyncio.wrap_future(future)
+
+
+class _LoopSink:
+    """A gateway's batches, put by the engine thread, read by its stream on the event loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self.queue: asyncio.Queue = asyncio.Queue()
+
+    def put(self, item: Any) -> None:
+        self._loop.call_soon_threadsafe(self.queue.put_nowait, item)

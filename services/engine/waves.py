@@ -8,14 +8,18 @@ receives a request asks the coordinator to start a wave (``StartWave``); the oth
 wave in the coordinator's snapshots (``WatchLoad``) and join it at step 0. Dense models skip all
 of this (the engine creates no ``WaveClient``).
 
-Every method but ``_on_snapshot`` (the subscription's thread) runs on the engine's loop thread.
+The client is created on the server's event loop, where its subscription and calls run; ``poll``,
+``on_request`` and ``after_step`` are called from the engine's loop thread, which waits for the
+coordinator's answer (a barrier is exactly that wait).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
-from typing import Optional
+from collections.abc import Awaitable, Callable
+from typing import Optional, TypeVar
 
 import grpc
 
@@ -24,6 +28,9 @@ from gridserve.shared.rpc.client import DEFAULT_DEADLINE_S
 from gridserve.shared.rpc.coordinator_client import LoadSubscription
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+SYNC_STEP_TIMEOUT_S = 60.0
 
 
 def is_moe(hf_config: dict) -> bool:
@@ -42,13 +49,10 @@ class WaveClient:
         self.waves_completed = 0
         self._seen = (0, False)  # the coordinator's latest (wave, running)
         self._seen_lock = threading.Lock()
+        self._loop = asyncio.get_running_loop()
         self._subscription = LoadSubscription(coordinator, f"engine-{dp_rank}", self._on_snapshot,
                                               name="wave-watcher")
         self._stub = self._subscription.stub
-
-    @property
-    def in_wave(self) -> bool:
-        return self.wave is not None
 
     def poll(self) -> bool:
         """Join a wave another engine started, if one runs that this engine has not done; True if in one."""
@@ -63,8 +67,9 @@ class WaveClient:
         """A request arrived: outside a wave, start one (or join the one running)."""
         if self.wave is not None:
             return
-        response = self._stub.StartWave(coordinator_pb2.StartWaveRequest(dp_rank=self.dp_rank),
-                                        timeout=DEFAULT_DEADLINE_S)
+        request = coordinator_pb2.StartWaveRequest(dp_rank=self.dp_rank)
+        response = self._wait(lambda: self._stub.StartWave(request, timeout=DEFAULT_DEADLINE_S),
+                              DEFAULT_DEADLINE_S)
         self._join(response.wave)
 
     def after_step(self, unfinished: bool, dummy: bool) -> None:
@@ -75,7 +80,9 @@ class WaveClient:
         request = coordinator_pb2.SyncStepRequest(dp_rank=self.dp_rank, wave=self.wave, step=self.step,
                                                   unfinished=unfinished)
         try:
-            any_unfinished = self._stub.SyncStep(request, timeout=60).any_unfinished
+            response = self._wait(lambda: self._stub.SyncStep(request, timeout=SYNC_STEP_TIMEOUT_S),
+                                  SYNC_STEP_TIMEOUT_S)
+            any_unfinished = response.any_unfinished
         except grpc.RpcError as exc:
             logger.error("wave %d step %d: %s; leaving the wave", self.wave, self.step, exc.details())
             any_unfinished = False
@@ -86,6 +93,10 @@ class WaveClient:
             self.waves_completed += 1
             self.wave = None
 
+    def _wait(self, call: Callable[[], Awaitable[T]], timeout: float) -> T:
+        """Make the unary ``call`` on the event loop and wait for its answer (engine thread)."""
+        return asyncio.run_coroutine_threadsafe(_awaited(call), self._loop).result(timeout + 5.0)
+
     def _join(self, wave: int) -> None:
         logger.debug("joining wave %d", wave)
         self.wave, self.step = wave, 0
@@ -95,5 +106,9 @@ class WaveClient:
         with self._seen_lock:
             self._seen = (snapshot.wave, snapshot.wave_running)
 
-    def close(self) -> None:
-        self._subscription.close()
+    async def close(self) -> None:
+        await self._subscription.close()
+
+
+async def _awaited(call: Callable[[], Awaitable[T]]) -> T:
+    return await call()

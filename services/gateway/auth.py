@@ -3,7 +3,8 @@
 Clients send ``authorization: Bearer <key>``, as an HTTP header through the Envoy edge (the
 transcoder passes headers on as gRPC metadata) or as metadata on a native gRPC call. As with
 ``vllm serve --api-key``, the REST routes under ``/v1`` need the key and ``/health``, ``/version``,
-``/tokenize`` and ``/detokenize`` do not; health checks and reflection stay open so probes and
+``/tokenize`` and ``/detokenize`` do not (nor do the web console's static files, whose page asks
+for the key); health checks and reflection stay open so probes and
 tools work. A missing or wrong key is ``UNAUTHENTICATED`` for native gRPC and an OpenAI-shaped
 HTTP 401 body for the REST routes (which return ``google.api.HttpBody``).
 """
@@ -23,7 +24,7 @@ from gridserve.shared.rpc.metadata import HTTP_STATUS_HEADER
 GATEWAY = "/gridserve.gateway.v1.Gateway/"
 # Gateway methods reachable without the key (vLLM leaves these REST paths open too).
 OPEN_METHODS = frozenset(GATEWAY + m for m in ("OpenAIHealth", "OpenAIVersion", "OpenAITokenize",
-                                               "OpenAIDetokenize"))
+                                               "OpenAIDetokenize", "GetConsoleFile"))
 # Routes answering google.api.HttpBody: a refusal there is an HTTP 401 with OpenAI's error body.
 REST_PREFIX = GATEWAY + "OpenAI"
 
@@ -35,7 +36,7 @@ def _bearer(metadata: Optional[tuple]) -> Optional[str]:
     return None
 
 
-class ApiKeyInterceptor(grpc.ServerInterceptor):
+class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
     """Refuses every ``Gateway`` call that does not carry the configured key."""
 
     def __init__(self, api_key: str) -> None:
@@ -50,26 +51,14 @@ class ApiKeyInterceptor(grpc.ServerInterceptor):
         given = _bearer(details.invocation_metadata)
         return given is not None and hmac.compare_digest(given.encode(), self._key)
 
-    def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails) -> Any:
-        return self.decide(continuation(details), details)
-
-    def decide(self, handler: Optional[grpc.RpcMethodHandler], details: grpc.HandlerCallDetails) -> Any:
-        """``handler`` itself, or one that refuses the call."""
+    async def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails) -> Any:
+        """The method's handler itself, or one that refuses the call."""
+        handler = await continuation(details)
         if handler is None or self._allowed(details):
             return handler
         if details.method.startswith(REST_PREFIX):
             return _http_401(handler)
         return _unauthenticated(handler)
-
-
-class AioApiKeyInterceptor(grpc.aio.ServerInterceptor):
-    """``ApiKeyInterceptor`` for the gateway's ``grpc.aio`` server (the refusals run in its pool)."""
-
-    def __init__(self, api_key: str) -> None:
-        self._check = ApiKeyInterceptor(api_key)
-
-    async def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails) -> Any:
-        return self._check.decide(await continuation(details), details)
 
 
 _MESSAGE = "Unauthorized: a valid API key is required (header `Authorization: Bearer <key>`)"
@@ -81,12 +70,12 @@ def _error_body() -> httpbody_pb2.HttpBody:
 
 
 def _http_401(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-    def answer(request: Any, context: grpc.ServicerContext) -> httpbody_pb2.HttpBody:
-        context.send_initial_metadata(((HTTP_STATUS_HEADER, "401"),))
+    async def answer(request: Any, context: grpc.aio.ServicerContext) -> httpbody_pb2.HttpBody:
+        await context.send_initial_metadata(((HTTP_STATUS_HEADER, "401"),))
         return _error_body()
 
-    def answer_stream(request: Any, context: grpc.ServicerContext):
-        yield answer(request, context)
+    async def answer_stream(request: Any, context: grpc.aio.ServicerContext):
+        yield await answer(request, context)
 
     serializers = {"request_deserializer": handler.request_deserializer,
                    "response_serializer": handler.response_serializer}
@@ -96,11 +85,11 @@ def _http_401(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
 
 
 def _unauthenticated(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-    def refuse(request: Any, context: grpc.ServicerContext) -> None:
-        context.abort(grpc.StatusCode.UNAUTHENTICATED, _MESSAGE)
+    async def refuse(request: Any, context: grpc.aio.ServicerContext) -> None:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, _MESSAGE)
 
-    def refuse_stream(request: Any, context: grpc.ServicerContext):
-        refuse(request, context)
+    async def refuse_stream(request: Any, context: grpc.aio.ServicerContext):
+        await refuse(request, context)
         yield  # pragma: no cover - abort raises
 
     serializers = {"request_deserializer": handler.request_deserializer,

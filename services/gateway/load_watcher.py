@@ -4,23 +4,25 @@ Each engine's entry goes to the ``Router`` by DP rank (the gateway's ``--engines
 order, so the engines' own bind addresses never need to match the names gateways reach them by); an
 engine missing from a snapshot (it stopped reporting), or every engine while the coordinator is
 unreachable, is forgotten, so the router falls back to this gateway's own in-flight counts for it.
-``wave`` is the coordinator's current request wave (MoE lockstep).
+``wave`` is the coordinator's current request wave (MoE lockstep). Create it on the gateway's
+event loop, where the subscription runs.
 """
 
 from __future__ import annotations
 
 from gridserve.api.coordinator.v1 import coordinator_pb2
-from gridserve.services.gateway.router import ReportedLoad, Router
+from gridserve.services.gateway.router import Router
+from gridserve.shared.load import EngineLoad
 from gridserve.shared.rpc.coordinator_client import LoadSubscription
 
 
 class LoadWatcher:
-    def __init__(self, address: str, gateway_id: str, router: Router) -> None:
+    def __init__(self, address: str, subscriber_id: str, router: Router) -> None:
         self.address = address
         self.router = router
         self.wave = 0
         self.snapshots = 0
-        self._subscription = LoadSubscription(address, gateway_id, self._apply, on_lost=self._forget_all,
+        self._subscription = LoadSubscription(address, subscriber_id, self._apply, on_lost=self._forget_all,
                                               name="load-watcher")
 
     def _apply(self, snapshot: coordinator_pb2.WatchLoadResponse) -> None:
@@ -30,7 +32,7 @@ class LoadWatcher:
             if rank >= self.router.num_engines:
                 continue
             seen.add(rank)
-            self.router.on_report(rank, ReportedLoad(load.num_waiting, load.num_running, load.kv_cache_usage))
+            self.router.on_report(rank, EngineLoad(load.num_waiting, load.num_running, load.kv_cache_usage))
         for rank in set(range(self.router.num_engines)) - seen:
             self.router.on_report(rank, None)
         self.wave = snapshot.wave
@@ -40,5 +42,5 @@ class LoadWatcher:
         for rank in range(self.router.num_engines):
             self.router.on_report(rank, None)
 
-    def close(self) -> None:
-        self._subscription.close()
+    async def close(self) -> None:
+        await self._subscription.close()

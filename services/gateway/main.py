@@ -7,6 +7,7 @@ NOT_SERVING while draining on SIGTERM (in-flight requests get ``grace_s`` to fin
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import uuid
 from typing import Optional
@@ -14,17 +15,18 @@ from typing import Optional
 import grpc
 
 from gridserve.api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
-from gridserve.services.gateway.auth import AioApiKeyInterceptor
-from gridserve.services.gateway.engine_client import EngineClient
+from gridserve.services.gateway.auth import ApiKeyInterceptor
 from gridserve.services.gateway.load_watcher import LoadWatcher
 from gridserve.services.gateway.observability import GatewayMetrics
 from gridserve.services.gateway.service import GatewayService
 from gridserve.services.gateway.servicer import GatewayServicer
+from gridserve.services.gateway.status import StatusCollector
 from gridserve.services.gateway.tokenizer import GatewayTokenizer
 from gridserve.shared.errors import EngineDeadError
 from gridserve.shared.observability.metrics import start_metrics_server
 from gridserve.shared.observability.tracing import Tracing
-from gridserve.shared.rpc.server import AioRpcServer
+from gridserve.shared.rpc.engine_client import EngineClient
+from gridserve.shared.rpc.server import RpcServer
 
 logger = logging.getLogger(__name__)
 
@@ -35,13 +37,14 @@ def serve(engine_addresses: list[str], host: str, port: int, grace_s: float = 10
           connect_timeout_s: float = 600.0, served_model_name: Optional[str] = None,
           api_key: Optional[str] = None, metrics_port: Optional[int] = None,
           otlp_traces_endpoint: Optional[str] = None, coordinator: Optional[str] = None) -> int:
-    interceptors = [AioApiKeyInterceptor(api_key)] if api_key else []
+    interceptors = [ApiKeyInterceptor(api_key)] if api_key else []
     # asyncio server: the OpenAI streams share its loop; the other RPCs run in its thread pool.
-    server = AioRpcServer(host, port, max_workers=512, grace_s=grace_s, interceptors=interceptors)
+    server = RpcServer(host, port, max_workers=512, grace_s=grace_s, interceptors=interceptors)
     gateway_id = f"gateway-{uuid.uuid4().hex[:8]}"
-    engines = [EngineClient(a, gateway_id, on_state=lambda: None) for a in engine_addresses]
+    # The engine clients (and the load watcher) run on the server's loop: build them there.
+    engines = server.call(lambda: [EngineClient(a, gateway_id) for a in engine_addresses])
     try:
-        info = engines[0].info(timeout=connect_timeout_s)
+        info = server.run(engines[0].info(timeout=connect_timeout_s))
     except grpc.RpcError as exc:
         raise EngineDeadError(f"cannot reach the engine at {engine_addresses[0]}: {exc.code().name}") from None
     model_name = served_model_name or info.model
@@ -58,11 +61,15 @@ def serve(engine_addresses: list[str], host: str, port: int, grace_s: float = 10
     for engine in engines:
         engine.on_state = lambda: server.set_serving(service.is_ready())
     # DP > 1: route by the load every engine reports to the coordinator.
-    watcher = LoadWatcher(coordinator, gateway_id, service.router) if coordinator else None
+    watcher = server.call(lambda: LoadWatcher(coordinator, gateway_id, service.router)) if coordinator else None
     servicer = GatewayServicer(service, served_model_name)
+    servicer.status = StatusCollector(server.address, engine_addresses, coordinator, service.is_ready,
+                                      lambda i: engines[i].ready.is_set())
     server.add_service(SERVICE, lambda s: gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, s))
+
     def drain(timeout: float) -> None:
         service.drain(timeout)
+        server.run(_close([*engines, *([watcher] if watcher is not None else [])]))
         if tracing is not None:
             tracing.shutdown()
 
@@ -73,8 +80,11 @@ def serve(engine_addresses: list[str], host: str, port: int, grace_s: float = 10
     logger.info("gateway %s on %s for %s%s", gateway_id, server.address, info.model,
                 " (API key required)" if api_key else "")
     server.wait()
-    if watcher is not None:
-        watcher.close()
     if metrics_server is not None:
         metrics_server.stop()
     return 0
+
+
+async def _close(clients: list) -> None:
+    """Close the engine clients and the load watcher on the server's loop, before it stops."""
+    await asyncio.gather(*(client.close() for client in clients), return_exceptions=True)

@@ -13,24 +13,17 @@ from __future__ import annotations
 
 import itertools
 import threading
-from dataclasses import dataclass
 from typing import Optional
 
 from gridserve.shared.errors import EngineDeadError, InvalidArgumentError
+from gridserve.shared.load import EngineLoad
 
 WAITING_WEIGHT = 4.0
 # A completely full KV cache counts like this many extra queued requests (linear above one half).
 KV_PENALTY = 16.0
 
 
-@dataclass(frozen=True)
-class ReportedLoad:
-    num_waiting: int
-    num_running: int
-    kv_cache_usage: float
-
-
-def engine_score(load: Optional[ReportedLoad], sent_since_report: int, in_flight: int) -> float:
+def engine_score(load: Optional[EngineLoad], sent_since_report: int, in_flight: int) -> float:
     """Lower is better. Of the requests sent since the report only those still in flight count
     (short ones may have come and gone between two reports); without any report, ``in_flight``."""
     if load is None:
@@ -49,11 +42,11 @@ class Router:
         self.num_engines = num_engines
         self._lock = threading.Lock()
         self._rotation = itertools.count()
-        self._reported: list[Optional[ReportedLoad]] = [None] * num_engines
+        self._reported: list[Optional[EngineLoad]] = [None] * num_engines
         self._sent = [0] * num_engines  # requests sent since the engine's last report
         self.routed = [0] * num_engines  # requests routed to each engine, ever (for tests and metrics)
 
-    def on_report(self, rank: int, load: Optional[ReportedLoad]) -> None:
+    def on_report(self, rank: int, load: Optional[EngineLoad]) -> None:
         """A coordinator snapshot's entry for engine ``rank`` (None: the engine left the table)."""
         with self._lock:
             self._reported[rank] = load

@@ -20,7 +20,6 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from gridserve.services.gateway.engine_client import EngineClient
 from gridserve.services.gateway.observability import GatewayMetrics, RequestObservation
 from gridserve.services.gateway.processor import (
     InputProcessor,
@@ -32,6 +31,7 @@ from gridserve.services.gateway.router import Router
 from gridserve.shared.errors import EngineDeadError
 from gridserve.shared.observability.tracing import Tracing
 from gridserve.shared.outputs import Logprob, RequestOutput
+from gridserve.shared.rpc.engine_client import EngineClient
 from gridserve.shared.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -109,7 +109,8 @@ class GatewayService:
         error = None
         try:
             with stream.observation.phase("generate_and_detokenize"):
-                stream.send()
+                # The engine client lives on the server's loop: this thread waits for the sends.
+                asyncio.run_coroutine_threadsafe(stream.send(), stream.engine.loop).result()
                 while not stream.finished:
                     item = outputs.get()
                     if item is _CANCELLED:
@@ -130,18 +131,15 @@ class GatewayService:
         data_parallel_rank: Optional[int] = None,
     ) -> AsyncIterator[StreamChunk]:
         """``generate`` on an asyncio loop: the engine client hands each step's outputs to the loop,
-        so one thread serves every stream. Tokenization and the engine calls run in threads;
-        cancelling the task (the caller went away) aborts the engine requests."""
-        loop = asyncio.get_running_loop()
-        outputs = _LoopQueue(loop)
+        so one thread serves every stream. Tokenization runs in a thread; cancelling the task (the
+        caller went away) aborts the engine requests."""
+        outputs: asyncio.Queue = asyncio.Queue()
         stream = await asyncio.to_thread(_Stream, self, prompt, params, request_id, traceparent,
                                          data_parallel_rank, outputs)
-        engine = stream.engine
-        stream.abort = lambda ids: loop.run_in_executor(None, engine.abort, ids)  # never block the loop
         error = None
         try:
             with stream.observation.phase("generate_and_detokenize"):
-                await asyncio.to_thread(stream.send)
+                await stream.send()
                 while not stream.finished:
                     yield stream.on_item(await outputs.get())
         except BaseException as exc:
@@ -191,28 +189,12 @@ class GatewayService:
         self.draining = True
         with self._idle:
             self._idle.wait_for(lambda: self._in_flight == 0, timeout=timeout)
-        for engine in self.engines:
-            engine.close()
-
-
-class _LoopQueue:
-    """A queue an engine client thread fills and an asyncio task reads (``put`` is thread-safe)."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
-        self._queue: asyncio.Queue = asyncio.Queue()
-
-    def put(self, item: Any) -> None:
-        self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
-
-    async def get(self) -> Any:
-        return await self._queue.get()
 
 
 class _Stream:
     """One request on its way through the gateway: validated and tokenized, fanned out into its
     ``n`` engine requests on the engine the router picks, then each engine output turned into a
-    ``StreamChunk``. ``outputs`` (anything with ``put``) receives the engine's outputs."""
+    ``StreamChunk``. ``outputs`` (anything with ``put_nowait``) receives the engine's outputs."""
 
     def __init__(self, service: GatewayService, prompt: PromptType, params: SamplingParams, request_id: str,
                  traceparent: str, data_parallel_rank: Optional[int], outputs: Any) -> None:
@@ -240,15 +222,18 @@ class _Stream:
             self.engine.register(child_id, outputs)
         self.sent = {child_id: _SentState() for child_id, _, _ in self.engine_ids}
         self.finished = False
-        self.abort: Callable[[list[str]], Any] = self.engine.abort
         service._enter()
         self.observation.on_engine(service._engine_labels.get(id(self.engine), self.engine.address))
 
-    def send(self) -> None:
-        """Add the engine requests (blocking unary calls)."""
+    async def send(self) -> None:
+        """Add the engine requests (on the engine client's loop)."""
         for child_id, _, child_params in self.engine_ids:
-            self.engine.add_request(child_id, self.processed.prompt_token_ids, child_params,
+            await self.engine.add_request(child_id, self.processed.prompt_token_ids, child_params,
                                     parent_request_id=self.request_id, traceparent=self.observation.traceparent)
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Abort engine requests without waiting (from the loop or any thread)."""
+        asyncio.run_coroutine_threadsafe(self.engine.abort(request_ids), self.engine.loop)
 
     def on_item(self, item: Any) -> StreamChunk:
         """The chunk one engine output adds (an exception from the engine client is raised)."""

@@ -12,6 +12,7 @@ from google.api import httpbody_pb2
 
 from gridserve import __version__
 from gridserve.api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from gridserve.services.gateway.console import Console
 from gridserve.services.gateway.convert import (
     chat_to_pb,
     chunk_to_pb,
@@ -20,6 +21,7 @@ from gridserve.services.gateway.convert import (
 )
 from gridserve.services.gateway.openai_api import HttpResponse, OpenAIApi
 from gridserve.services.gateway.service import GatewayService
+from gridserve.services.gateway.status import StatusCollector, snapshot_to_pb
 from gridserve.shared.errors import InvalidArgumentError
 from gridserve.shared.observability.tracing import traceparent_from_metadata
 from gridserve.shared.rpc.convert import sampling_params_from_pb
@@ -36,6 +38,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     def __init__(self, service: GatewayService, served_model_name: Optional[str] = None) -> None:
         self.service = service
         self.openai = OpenAIApi(service, served_model_name, __version__)
+        self.console = Console()
+        self.status: Optional[StatusCollector] = None  # set by main once the server's address is known
 
     def Generate(
         self, request: gateway_pb2.GenerateRequest, context: grpc.ServicerContext
@@ -91,7 +95,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     def OpenAIListModels(self, request: httpbody_pb2.HttpBody, context: grpc.ServicerContext):
         return _unary(self.openai.models(), context)
 
-    # The two streaming routes run on the server's asyncio loop (AioRpcServer): one thread serves
+    # The two streaming routes run on the server's asyncio loop (RpcServer): one thread serves
     # every open stream; the rest of the methods run in its thread pool.
     async def OpenAICompletions(self, request: httpbody_pb2.HttpBody, context: grpc.aio.ServicerContext):
         response = await self.openai.completions_async(request.data, _on_done(context), self._traceparent(context))
@@ -115,6 +119,15 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
     def OpenAIVersion(self, request: httpbody_pb2.HttpBody, context: grpc.ServicerContext):
         return _unary(self.openai.version_info(), context)
+
+    async def GetStatus(self, request: gateway_pb2.GetStatusRequest, context: grpc.aio.ServicerContext):
+        return snapshot_to_pb(await self.status.snapshot())
+
+    async def GetConsoleFile(self, request: gateway_pb2.GetConsoleFileRequest, context: grpc.aio.ServicerContext):
+        page = self.console.get(request.name)
+        if page.status != 200:
+            await context.send_initial_metadata(((HTTP_STATUS_HEADER, str(page.status)),))
+        return httpbody_pb2.HttpBody(content_type=page.content_type, data=page.body)
 
 
 def _dp_rank(request) -> Optional[int]:

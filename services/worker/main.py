@@ -30,7 +30,7 @@ def serve(host: str, port: int, *, metrics_port: Optional[int] = None,
     registry = CollectorRegistry(auto_describe=False) if metrics_port is not None else None
     metrics_server = start_metrics_server(registry, host, metrics_port) if registry is not None else None
     observer = WorkerObserver(registry, Tracing.create("gridserve-worker", otlp_traces_endpoint))
-    server = RpcServer(host, port, max_workers=8)
+    server = RpcServer(host, port)  # the stream is async; worker methods run in the servicer's thread
     servicer = WorkerServicer(on_ready=server.set_serving, on_orphaned=_exit, observer=observer)
     server.add_service(SERVICE, lambda s: worker_pb2_grpc.add_WorkerServicer_to_server(servicer, s))
     server.install_signal_handlers()

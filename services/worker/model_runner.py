@@ -21,6 +21,7 @@ from gridserve.services.worker.sampler import (
     Penalties,
     Sampler,
     SamplingMetadata,
+    counter_uniform,
     gather_logprobs,
     trim_logprobs,
 )
@@ -42,7 +43,6 @@ class RequestState:
     params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
-    generator: Optional[torch.Generator] = None
     stop_ids: list[int] = field(default_factory=list)
 
     @property
@@ -194,9 +194,6 @@ class ModelRunner:
                 self.structured_output.remove(req_id)
         for new in sched.scheduled_new_reqs:
             params = new.sampling_params
-            generator = None
-            if params.seed is not None:
-                generator = torch.Generator(device=self.device).manual_seed(params.seed)
             stop_ids = list(params.stop_token_ids)
             if not params.ignore_eos and self.eos_token_id is not None:
                 stop_ids.append(self.eos_token_id)
@@ -207,11 +204,8 @@ class ModelRunner:
                 params=params,
                 block_ids=list(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
-                generator=generator,
                 stop_ids=stop_ids,
             )
-            if generator is not None and new.output_token_ids:
-                _advance(generator, len(new.output_token_ids), self.config.model.vocab_size, self.device)
             self.requests[new.req_id] = state
             if params.structured_outputs is not None and self.is_driver:
                 self._structured_output_manager().add_request(
@@ -284,7 +278,7 @@ class ModelRunner:
             all_greedy=not random_rows,
             need_top_k_top_p=any(params[i].top_p < 1.0 or top_k[i] < vocab_size for i in random_rows),
             need_min_p=any(params[i].min_p > 0 for i in random_rows),
-            generators={i: s.generator for i, s in enumerate(states) if s.generator is not None},
+            uniforms=self._uniforms(states) if random_rows else None,
             banned_token_ids=_banned_token_ids(states),
             max_num_logprobs=max(requested) if requested else None,
             num_logprobs=num_logprobs,
@@ -294,6 +288,15 @@ class ModelRunner:
             },
             penalties=self._penalties(states, vocab_size),
         )
+
+    def _uniforms(self, states: list[RequestState]) -> torch.Tensor:
+        """Each row's draw for this step: a function of (seed, output index) for seeded requests,
+        torch's global generator for the others (greedy rows draw too; their value is unused)."""
+        draws = torch.rand(len(states), dtype=torch.float64).clamp_(min=2.0**-53)
+        for i, s in enumerate(states):
+            if s.params.seed is not None:
+                draws[i] = counter_uniform(s.params.seed, s.num_output_tokens)
+        return draws.to(self.device)
 
     def _penalties(self, states: list[RequestState], vocab_size: int) -> Optional[Penalties]:
         rows = [i for i, s in enumerate(states) if s.params.has_penalties]
@@ -350,10 +353,3 @@ def _banned_token_ids(states: list[RequestState]) -> dict[int, list[int]]:
         if ids:
             banned[i] = ids
     return banned
-
-
-def _advance(generator: torch.Generator, steps: int, vocab_size: int, device: torch.device) -> None:
-    """Replay the draws a resumed (preempted) seeded request already made, so it continues identically."""
-    scratch = torch.empty(vocab_size, device=device)
-    for _ in range(steps):
-        scratch.exponential_(generator=generator)

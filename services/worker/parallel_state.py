@@ -140,8 +140,3 @@ def init_distributed(layout: RankLayout, init_address: str, device: torch.device
     set_parallel_state(state)
     return state
 
-
-def destroy_distributed() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    set_parallel_state(ParallelState.single())

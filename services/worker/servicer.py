@@ -3,13 +3,18 @@
 Each request names one method of the allow-list by its payload; the servicer converts the payload
 to domain objects, calls the ``Worker`` method and converts the result back. The first call must
 be ``init_device``: it carries the engine's configuration and creates the ``Worker``.
+
+The stream is an async generator on the server's event loop; every worker method (the forward
+pass above all) runs in the servicer's one ``worker`` thread, so torch and its process groups are
+always driven from the same thread and the loop stays free for health checks and keepalives.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
 
 import grpc
@@ -38,24 +43,28 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.on_ready = on_ready
         self.on_orphaned = on_orphaned
         self._shut_down = False
-        self._lock = threading.Lock()  # one engine stream drives the worker at a time
+        self._driven = False  # one engine stream drives the worker at a time (checked on the loop)
         self._loaded = False
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="worker")
 
-    def CollectiveRPC(
-        self, request_iterator: Iterator[worker_pb2.CollectiveRPCRequest], context: grpc.ServicerContext
-    ) -> Iterator[worker_pb2.CollectiveRPCResponse]:
-        if not self._lock.acquire(blocking=False):
+    async def CollectiveRPC(
+        self, request_iterator: AsyncIterator[worker_pb2.CollectiveRPCRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[worker_pb2.CollectiveRPCResponse]:
+        if self._driven:
             raise FailedPreconditionError("another engine already drives this worker")
-        context.add_callback(self._stream_ended)
+        self._driven = True
+        context.add_done_callback(lambda _call: self._stream_ended())
+        loop = asyncio.get_running_loop()
         try:
-            for request in request_iterator:
-                yield self._call(request)
+            async for request in request_iterator:
+                yield await loop.run_in_executor(self._thread, self._call, request)
         except grpc.RpcError:
-            if context.is_active():
+            if not context.done():
                 raise
             logger.info("engine stream closed")  # the engine went away (shutdown or failure)
         finally:
-            self._lock.release()
+            self._driven = False
 
     def _stream_ended(self) -> None:
         """A worker of a parallel group belongs to one engine session: when its stream ends (the

@@ -1,4 +1,9 @@
-"""Client helpers: channels, deadlines, and waiting for a server's health to say SERVING."""
+"""Client helpers: channels, deadlines, and waiting for a server's health to say SERVING.
+
+The roles talk to each other on ``grpc.aio`` channels (``aio_channel``, made on the event loop that
+uses it). ``make_channel`` and the health helpers are blocking, for callers that are not a role:
+the launcher, the CLI, benchmarks and tests.
+"""
 
 from __future__ import annotations
 
@@ -46,7 +51,13 @@ def parse_addresses(value: str, what: str) -> list[str]:
     return addresses
 
 
+def aio_channel(address: str) -> grpc.aio.Channel:
+    """A role's channel to another role; create it on the event loop that will use it."""
+    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+
+
 def make_channel(address: str) -> grpc.Channel:
+    """A blocking channel for tools (launcher, CLI, tests); roles use ``aio_channel``."""
     return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
 
 

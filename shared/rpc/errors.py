@@ -3,8 +3,9 @@
 ``InvalidArgumentError`` -> INVALID_ARGUMENT (the message names the field), ``EngineDeadError``
 -> UNAVAILABLE, ``ModelNotFoundError`` -> NOT_FOUND, ``FailedPreconditionError`` ->
 FAILED_PRECONDITION; anything else -> INTERNAL (logged with its traceback). An ``RpcError`` from an
-upstream call keeps its code. Works for unary and streaming handlers alike, sync or asyncio
-(``AioErrorInterceptor`` for a ``grpc.aio`` server, where sync handlers run in its thread pool).
+upstream call keeps its code. A ``grpc.aio`` server interceptor (``RpcServer`` is the only server):
+it wraps unary and streaming handlers alike, ``async def`` ones on the loop and plain ones, which
+that server runs in its thread pool.
 """
 
 from __future__ import annotations
@@ -53,25 +54,20 @@ def _logged_status(exc: Exception, method: str) -> tuple[grpc.StatusCode, str]:
     return code, message
 
 
-def _abort(context: grpc.ServicerContext, exc: Exception, method: str) -> None:
+def _abort_in_pool(context: grpc.ServicerContext, exc: Exception, method: str) -> None:
+    """A plain handler's failure (it ran in the server's thread pool)."""
     context.abort(*_logged_status(exc, method))
 
 
-async def _abort_async(context: grpc.aio.ServicerContext, exc: Exception, method: str) -> None:
+async def _abort_on_loop(context: grpc.aio.ServicerContext, exc: Exception, method: str) -> None:
+    """An ``async def`` handler's failure."""
     if isinstance(exc, grpc.aio.AbortError):
         raise exc  # the handler aborted on purpose
     await context.abort(*_logged_status(exc, method))
 
 
-class ErrorInterceptor(grpc.ServerInterceptor):
+class ErrorInterceptor(grpc.aio.ServerInterceptor):
     """Wraps every handler so a raised exception becomes the matching status code."""
-
-    def intercept_service(self, continuation: Callable, handler_call_details: Any):
-        return wrap_handler(continuation(handler_call_details), handler_call_details.method)
-
-
-class AioErrorInterceptor(grpc.aio.ServerInterceptor):
-    """``ErrorInterceptor`` for a ``grpc.aio`` server."""
 
     async def intercept_service(self, continuation: Callable, handler_call_details: Any):
         return wrap_handler(await continuation(handler_call_details), handler_call_details.method)
@@ -96,7 +92,7 @@ def _wrap_unary(behavior: Callable, method: str) -> Callable:
             try:
                 return await behavior(request, context)
             except Exception as exc:  # noqa: BLE001 - every error becomes a status code
-                await _abort_async(context, exc, method)
+                await _abort_on_loop(context, exc, method)
 
         return wrapped_async
 
@@ -104,7 +100,7 @@ def _wrap_unary(behavior: Callable, method: str) -> Callable:
         try:
             return behavior(request, context)
         except Exception as exc:  # noqa: BLE001 - every error becomes a status code
-            _abort(context, exc, method)
+            _abort_in_pool(context, exc, method)
 
     return wrapped
 
@@ -116,7 +112,7 @@ def _wrap_stream(behavior: Callable, method: str) -> Callable:
                 async for response in behavior(request, context):
                     yield response
             except Exception as exc:  # noqa: BLE001 - every error becomes a status code
-                await _abort_async(context, exc, method)
+                await _abort_on_loop(context, exc, method)
 
         return wrapped_async
 
@@ -124,6 +120,6 @@ def _wrap_stream(behavior: Callable, method: str) -> Callable:
         try:
             yield from behavior(request, context)
         except Exception as exc:  # noqa: BLE001 - every error becomes a status code
-            _abort(context, exc, method)
+            _abort_in_pool(context, exc, method)
 
     return wrapped

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -27,12 +29,19 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
                                "edge": {"enabled": False}, "metrics": {"enabled": False}},
     "monitoring-keda-dp2": {"dataParallelSize": 2, "metrics": {"serviceMonitor": {"enabled": True}},
                             "keda": {"enabled": True}},
+    "pod-monitors-and-dashboard": {"metrics": {"serviceMonitor": {"enabled": True},
+                                               "podMonitors": {"engine": {"enabled": True},
+                                                               "worker": {"enabled": True}},
+                                               "dashboard": {"enabled": True,
+                                                             "annotations": {"grafana_folder": "LLM"}}}},
     "engine-options": {"engine": {"maxModelLen": 4096, "kvCacheMemoryBytes": 8589934592, "seed": 7,
                                   "enablePrefixCaching": False}},
     "example-one-node-8gpu": EXAMPLE_8_GPU,
 }
-# Kinds from CRDs, whose schemas kubernetes-validate does not ship (checked by hand below).
-CRD_KINDS = {"ScaledObject", "ServiceMonitor"}
+# Kinds from CRDs, whose schemas kubernetes-validate does not ship (checked by hand below; the
+# monitors against the vendored subset of their CRD schemas in crds/).
+CRD_KINDS = {"ScaledObject", "ServiceMonitor", "PodMonitor"}
+MONITOR_SCHEMAS = json.loads((Path(__file__).with_name("crds") / "monitoring.coreos.com_v1.json").read_text())
 ROLE_PORTS = {"gateway": 50050, "engine": 50051, "coordinator": 50040, "worker": 50061}
 
 
@@ -345,6 +354,46 @@ def test_monitoring_objects_target_the_release(render_chart) -> None:
     assert "replicas" not in gateway["spec"], "the autoscaler owns the replica count"
 
 
+@pytest.mark.parametrize("name", sorted(VALUE_SETS))
+def test_monitors_match_the_prometheus_operator_crd_schemas(render_chart, name: str) -> None:
+    jsonschema = pytest.importorskip("jsonschema")
+    for document in render_chart(VALUE_SETS[name]).documents:
+        if document["kind"] in ("ServiceMonitor", "PodMonitor"):
+            jsonschema.validate(document, MONITOR_SCHEMAS[document["kind"]])
+
+
+def test_pod_monitors_scrape_engines_and_workers_and_the_service_monitor_the_rest(render_chart) -> None:
+    rendered = render_chart(VALUE_SETS["pod-monitors-and-dashboard"])
+    monitors = {m["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"]: m
+                for m in rendered.of_kind("PodMonitor")}
+    assert set(monitors) == {"engine", "worker"}
+    for role, monitor in monitors.items():
+        (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+        assert endpoint["port"] == "metrics" and endpoint["path"] == "/metrics"
+        ports = {p["name"] for w in rendered.by_role(role) for p in main_container(w)["ports"]}
+        assert "metrics" in ports, role
+    (service_monitor,) = rendered.of_kind("ServiceMonitor")
+    (expression,) = service_monitor["spec"]["selector"]["matchExpressions"]
+    assert expression == {"key": "app.kubernetes.io/component", "operator": "NotIn", "values": ["engine", "worker"]}
+
+
+@pytest.mark.parametrize("values", [{}, {"metrics": {"podMonitors": {"engine": {"enabled": True}},
+                                                     "enabled": False}}])
+def test_monitors_and_dashboard_are_off_unless_asked_for(render_chart, values) -> None:
+    rendered = render_chart(values)
+    assert not rendered.of_kind("PodMonitor") and not rendered.of_kind("ServiceMonitor")
+    assert [c["metadata"]["name"] for c in rendered.of_kind("ConfigMap")] == [f"{FULL}-edge"]
+
+
+def test_the_dashboard_configmap_carries_the_dashboard_for_grafanas_sidecar(render_chart) -> None:
+    rendered = render_chart(VALUE_SETS["pod-monitors-and-dashboard"])
+    config_map = rendered.named("ConfigMap", f"{FULL}-dashboard")
+    assert config_map["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert config_map["metadata"]["annotations"] == {"grafana_folder": "LLM"}
+    dashboard = json.loads(config_map["data"]["gridserve.json"])
+    assert dashboard == json.loads((CHART / "dashboards" / "gridserve.json").read_text())
+
+
 def test_gateways_have_a_disruption_budget_and_a_headless_service(render_chart) -> None:
     rendered = render_chart(VALUE_SETS["tp2-dp3-a2"])
     (pdb,) = rendered.of_kind("PodDisruptionBudget")
@@ -354,6 +403,8 @@ def test_gateways_have_a_disruption_budget_and_a_headless_service(render_chart) 
     headless = rendered.named("Service", f"{FULL}-gateway-headless")
     assert headless["spec"]["clusterIP"] == "None"
     assert headless["spec"]["selector"] == gateway["spec"]["selector"]["matchLabels"]
+    # The edge health-checks each replica itself; its status / console route reaches unready ones.
+    assert headless["spec"]["publishNotReadyAddresses"] is True
 
 
 @pytest.mark.parametrize(("values", "message"), [

@@ -91,8 +91,9 @@ def test_chart_filters_are_those_of_gridserve_edge(render_chart) -> None:
 
 def test_gateways_are_found_through_their_headless_service(render_chart) -> None:
     rendered = render_chart({"gateway": {"port": 6000}})
-    (cluster,) = envoy_config(rendered)["static_resources"]["clusters"]
-    (reference,) = edge.envoy_config("0.0.0.0", 8080, ["gateway:6000"])["static_resources"]["clusters"]
+    cluster, operator = envoy_config(rendered)["static_resources"]["clusters"]
+    reference, _ = edge.envoy_config("0.0.0.0", 8080, ["gateway:6000"])["static_resources"]["clusters"]
+    assert operator["load_assignment"]["endpoints"] == cluster["load_assignment"]["endpoints"]
     assert cluster["type"] == "STRICT_DNS"
     (endpoint,) = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"]
     address = endpoint["endpoint"]["address"]["socket_address"]
@@ -100,8 +101,13 @@ def test_gateways_are_found_through_their_headless_service(render_chart) -> None
                        "port_value": 6000}
     headless = rendered.named("Service", f"{RELEASE}-gridserve-gateway-headless")
     assert headless["spec"]["clusterIP"] == "None"
-    for key in reference.keys() - {"type", "load_assignment", "health_checks", "outlier_detection"}:
+    for key in reference.keys() - {"type", "load_assignment", "health_checks", "outlier_detection",
+                                   "circuit_breakers"}:
         assert cluster[key] == reference[key], key
+    # The chart sizes the breaker for its most replicas: maxRequestsPerGateway x autoscaling.maxReplicas.
+    (breaker,) = cluster["circuit_breakers"]["thresholds"]
+    (reference_breaker,) = reference["circuit_breakers"]["thresholds"]
+    assert breaker.keys() == reference_breaker.keys() and len(set(breaker.values())) == 1
     (check,) = cluster["health_checks"]
     (reference_check,) = reference["health_checks"]
     assert check.keys() == reference_check.keys() and check["grpc_health_check"] == {}

@@ -1,10 +1,10 @@
 """The DP coordinator over real gRPC on loopback: engines' LoadReporters stream load in, a
-gateway's LoadWatcher hands it to its Router; an engine that stops reporting leaves the table."""
+gateway's LoadWatcher hands it to its Router; an engine that stops reporting leaves the table.
+The clients run on an event loop of their own, as they do on a role's server loop."""
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 import pytest
 
@@ -14,15 +14,10 @@ from gridserve.services.coordinator.servicer import CoordinatorServicer
 from gridserve.services.coordinator.waves import Waves
 from gridserve.services.engine.load_reporter import LoadReporter
 from gridserve.services.gateway.load_watcher import LoadWatcher
-from gridserve.services.gateway.router import ReportedLoad, Router
+from gridserve.services.gateway.router import Router
+from gridserve.shared.load import EngineLoad
+from gridserve.shared.rpc.loop_thread import LoopThread
 from gridserve.shared.rpc.server import RpcServer
-
-
-@dataclass
-class _Load:
-    num_waiting: int
-    num_running: int
-    kv_cache_usage: float
 
 
 def _wait(predicate, timeout: float = 10.0) -> None:
@@ -51,18 +46,20 @@ def coordinator():
 def test_reports_reach_the_gateways_router_promptly_and_a_silent_engine_leaves(coordinator):
     server, servicer = coordinator
     router = Router(2)
-    watcher = LoadWatcher(server.address, "gw-test", router)
-    reporters = [LoadReporter(server.address, r, f"127.0.0.1:{9000 + r}", interval_s=5.0) for r in range(2)]
+    clients = LoopThread("test-clients")
+    watcher = clients.call(lambda: LoadWatcher(server.address, "gw-test", router))
+    reporters = clients.call(lambda: [LoadReporter(server.address, r, f"127.0.0.1:{9000 + r}", interval_s=5.0)
+                                      for r in range(2)])
     try:
         for reporter in reporters:
-            reporter.offer(_Load(0, 0, 0.0))  # as the engine loop does when it starts
+            reporter.offer(EngineLoad(0, 0, 0.0))  # as the engine loop does when it starts
         _wait(lambda: router._reported[0] is not None and router._reported[1] is not None)
         assert reporters[0].reports == 1
-        reporters[0].offer(_Load(0, 0, 0.0))  # no change: nothing sent before the interval
-        reporters[0].offer(_Load(7, 30, 0.75))
+        reporters[0].offer(EngineLoad(0, 0, 0.0))  # no change: nothing sent before the interval
+        reporters[0].offer(EngineLoad(7, 30, 0.75))
         # A change is published at once (well before the 1 s periodic snapshot and the 5 s report interval).
         start = time.monotonic()
-        _wait(lambda: router._reported[0] == ReportedLoad(7, 30, 0.75))
+        _wait(lambda: router._reported[0] == EngineLoad(7, 30, 0.75))
         assert time.monotonic() - start < 1.0
         assert router.choose([True, True], [0, 0]) == 1  # the loaded engine is avoided
         assert reporters[0].reports == 2
@@ -73,6 +70,6 @@ def test_reports_reach_the_gateways_router_promptly_and_a_silent_engine_leaves(c
         assert [x.dp_rank for x in servicer.table.snapshot()[1]] == [1]
         assert watcher.snapshots >= 2
     finally:
-        for reporter in reporters:
-            reporter.close()
-        watcher.close()
+        for client in [*reporters, watcher]:
+            clients.run(client.close())
+        clients.stop()

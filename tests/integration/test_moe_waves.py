@@ -7,6 +7,7 @@ both engines at once all finish (no barrier deadlock).
 
 from __future__ import annotations
 
+import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
@@ -40,8 +41,19 @@ def _wave(launcher) -> tuple[int, bool]:
     coordinator = next(p for p in launcher.processes if p.role == "coordinator")
     with grpc.insecure_channel(coordinator.address) as channel:
         stub = coordinator_pb2_grpc.CoordinatorStub(channel)
-        first = next(iter(stub.WatchLoad(coordinator_pb2.WatchLoadRequest(gateway_id="test"), timeout=10)))
+        first = next(iter(stub.WatchLoad(coordinator_pb2.WatchLoadRequest(subscriber_id="test"), timeout=10)))
     return first.wave, first.wave_running
+
+
+def _wave_after(launcher, before: int, within_s: float = 15.0) -> tuple[int, bool]:
+    """The coordinator's wave once the wave that was running has ended: the last token reaches the
+    client at the step that finishes its request, the barrier that ends the wave comes a step later."""
+    deadline = time.monotonic() + within_s
+    wave, running = _wave(launcher)
+    while (wave <= before or running) and time.monotonic() < deadline:
+        time.sleep(0.1)
+        wave, running = _wave(launcher)
+    return wave, running
 
 
 def _generate(launcher, prompt: list[int], max_tokens: int, rank: int) -> list[int]:
@@ -58,7 +70,7 @@ def test_one_request_runs_while_the_idle_engine_steps_in_lockstep(moe):
     assert len(_generate(moe, [5, 17, 300, 42], 12, rank=0)) == 12
     dummy = [_counter(e, "gridserve:wave_dummy_steps") - b for e, b in zip(engines, dummy_before)]
     assert dummy[0] == 0 and dummy[1] >= 10, dummy  # engine 1 had nothing to do but kept pace
-    wave, running = _wave(moe)
+    wave, running = _wave_after(moe, wave_before)
     assert wave > wave_before and not running
     waves = [_counter(e, "gridserve:waves_completed") for e in engines]
     assert waves[0] == waves[1] == wave  # both took part in every wave
@@ -70,5 +82,5 @@ def test_requests_at_both_engines_at_once_all_finish(moe):
         futures = [pool.submit(_generate, moe, [7 + i, 40, 41], 6 + i % 5, i % 2) for i in range(8)]
         lengths = [f.result(timeout=120) for f in futures]
     assert [len(x) for x in lengths] == [6 + i % 5 for i in range(8)]
-    wave, running = _wave(moe)
+    wave, running = _wave_after(moe, wave_before)
     assert wave > wave_before and not running

@@ -17,8 +17,9 @@ from gridserve.services.engine.kv_cache_manager import KVCacheManager
 from gridserve.services.engine.metrics import EngineMetrics
 from gridserve.services.engine.observability import EngineObserver
 from gridserve.services.engine.request import Request, RequestStatus
-from gridserve.services.engine.scheduler import Scheduler, SchedulerStats, StepStats
+from gridserve.services.engine.scheduler import Scheduler, StepStats
 from gridserve.shared.config import GridserveConfig, ModelConfig, SchedulerConfig
+from gridserve.shared.load import EngineLoad
 from gridserve.shared.observability.logs import JsonFormatter
 from gridserve.shared.observability.metrics import (
     fetch_families,
@@ -57,10 +58,10 @@ def _samples(registry) -> dict[str, list]:
     return out
 
 
-def _stats(**kw) -> SchedulerStats:
+def _stats(**kw) -> EngineLoad:
     base = dict(num_waiting=2, num_running=3, kv_cache_usage=0.25, prefix_cache_queries=100,
                 prefix_cache_hits=32, num_preemptions=1, num_prompt_tokens=80, num_generation_tokens=40)
-    return SchedulerStats(**{**base, **kw})
+    return EngineLoad(**{**base, **kw})
 
 
 def test_engine_gauges_and_counters_come_from_one_scheduler_snapshot_with_vllm_names():

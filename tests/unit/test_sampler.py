@@ -11,6 +11,8 @@ from gridserve.services.worker.sampler import (  # noqa: E402
     Sampler,
     SamplingMetadata,
     apply_penalties,
+    counter_uniform,
+    inverse_cdf_sample,
 )
 
 LOGITS = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0])
@@ -29,7 +31,8 @@ def _meta(rows: int, *, temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, **extra)
         all_greedy=temperature == 0,
         need_top_k_top_p=top_p < 1 or bool(top_k),
         need_min_p=min_p > 0,
-        generators={},
+        uniforms=extra.pop("uniforms", torch.rand(rows, dtype=torch.float64,
+                                                   generator=torch.Generator().manual_seed(1234))),
         banned_token_ids=extra.pop("banned", {}),
         max_num_logprobs=None,
         num_logprobs=[None] * rows,
@@ -118,3 +121,37 @@ def test_penalties_follow_vllm_formulas():
         1.0,
     ]
     assert out[0].tolist() == pytest.approx(reference)
+
+
+def test_counter_uniform_is_a_pure_function_of_seed_and_index():
+    draws = [counter_uniform(7, i) for i in range(20000)]
+    assert draws[:50] == [counter_uniform(7, i) for i in range(50)]  # same inputs, same value
+    assert all(0.0 < u < 1.0 for u in draws)
+    assert len(set(draws)) == len(draws)
+    assert counter_uniform(8, 0) != counter_uniform(7, 0) and counter_uniform(2**64 + 7, 3) == counter_uniform(7, 3)
+    # uniform: mean 1/2, variance 1/12, and each tenth of (0, 1) holds ~10%
+    mean = sum(draws) / len(draws)
+    assert abs(mean - 0.5) < 0.01
+    assert abs(sum((u - mean) ** 2 for u in draws) / len(draws) - 1 / 12) < 0.005
+    deciles = torch.histc(torch.tensor(draws), bins=10, min=0.0, max=1.0) / len(draws)
+    assert float((deciles - 0.1).abs().max()) < 0.01
+
+
+def test_inverse_cdf_never_picks_a_zero_probability_token_even_at_the_edges():
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.0]] * 4)
+    u = torch.tensor([2.0**-53, 0.49, 0.51, 1 - 2.0**-53], dtype=torch.float64)
+    assert inverse_cdf_sample(probs, u).tolist() == [1, 1, 3, 3]
+
+
+def test_seeded_rows_draw_the_same_token_in_any_batch():
+    # the same logits row, seeded, placed among different neighbours: the same token each time
+    row = torch.randn(1, 50, generator=torch.Generator().manual_seed(3))
+    u = torch.tensor([counter_uniform(11, 4)], dtype=torch.float64)
+    alone, _ = Sampler()(row.clone(), _meta(1, uniforms=u))
+    for batch in (3, 17):
+        logits = torch.randn(batch, 50)
+        logits[batch // 2] = row
+        uniforms = torch.rand(batch, dtype=torch.float64)
+        uniforms[batch // 2] = u
+        sampled, _ = Sampler()(logits, _meta(batch, uniforms=uniforms))
+        assert sampled[batch // 2] == alone[0]

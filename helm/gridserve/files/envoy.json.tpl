@@ -1,4 +1,15 @@
 {
+  "overload_manager": {
+    "resource_monitors": [
+      {
+        "name": "envoy.resource_monitors.global_downstream_max_connections",
+        "typed_config": {
+          "@type": "type.googleapis.com/envoy.extensions.resource_monitors.downstream_connections.v3.DownstreamConnectionsConfig",
+          "max_active_downstream_connections": {{ .Values.edge.maxConnections | int64 }}
+        }
+      }
+    ]
+  },
   "static_resources": {
     "listeners": [
       {
@@ -18,7 +29,8 @@
                   "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
                   "stat_prefix": "edge",
                   "codec_type": "AUTO",
-                  "stream_idle_timeout": "0s",
+                  "stream_idle_timeout": "{{ .Values.edge.streamIdleTimeout }}",
+                  "request_headers_timeout": "10s",
                   "local_reply_config": {
                     "mappers": [
                       {
@@ -38,6 +50,30 @@
                             "error": {
                               "message": "%LOCAL_REPLY_BODY%",
                               "type": "ServiceUnavailableError",
+                              "param": null,
+                              "code": "%RESPONSE_CODE%"
+                            }
+                          },
+                          "content_type": "application/json"
+                        }
+                      },
+                      {
+                        "filter": {
+                          "status_code_filter": {
+                            "comparison": {
+                              "op": "EQ",
+                              "value": {
+                                "default_value": 404,
+                                "runtime_key": "edge.local_reply.not_found"
+                              }
+                            }
+                          }
+                        },
+                        "body_format_override": {
+                          "json_format": {
+                            "error": {
+                              "message": "%LOCAL_REPLY_BODY%",
+                              "type": "NotFoundError",
                               "param": null,
                               "code": "%RESPONSE_CODE%"
                             }
@@ -69,7 +105,52 @@
                         "routes": [
                           {
                             "match": {
-                              "prefix": "/"
+                              "path": "/gridserve.gateway.v1.Gateway/GetStatus"
+                            },
+                            "route": {
+                              "cluster": "gateways_any_state",
+                              "timeout": "10s",
+                              "retry_policy": {
+                                "retry_on": "connect-failure,refused-stream,reset,unavailable",
+                                "num_retries": 2,
+                                "retry_host_predicate": [
+                                  {
+                                    "name": "envoy.retry_host_predicates.previous_hosts",
+                                    "typed_config": {
+                                      "@type": "type.googleapis.com/envoy.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate"
+                                    }
+                                  }
+                                ],
+                                "host_selection_retry_max_attempts": 3
+                              }
+                            }
+                          },
+                          {
+                            "match": {
+                              "path": "/gridserve.gateway.v1.Gateway/GetConsoleFile"
+                            },
+                            "route": {
+                              "cluster": "gateways_any_state",
+                              "timeout": "10s",
+                              "retry_policy": {
+                                "retry_on": "connect-failure,refused-stream,reset,unavailable",
+                                "num_retries": 2,
+                                "retry_host_predicate": [
+                                  {
+                                    "name": "envoy.retry_host_predicates.previous_hosts",
+                                    "typed_config": {
+                                      "@type": "type.googleapis.com/envoy.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate"
+                                    }
+                                  }
+                                ],
+                                "host_selection_retry_max_attempts": 3
+                              }
+                            }
+                          },
+                          {
+                            "match": {
+                              "prefix": "/",
+                              "grpc": {}
                             },
                             "route": {
                               "cluster": "gateways",
@@ -86,6 +167,17 @@
                                   }
                                 ],
                                 "host_selection_retry_max_attempts": 3
+                              }
+                            }
+                          },
+                          {
+                            "match": {
+                              "prefix": "/"
+                            },
+                            "direct_response": {
+                              "status": 404,
+                              "body": {
+                                "inline_string": "no such route"
                               }
                             }
                           }
@@ -110,6 +202,13 @@
                       }
                     },
                     {
+                      "name": "envoy.filters.http.buffer",
+                      "typed_config": {
+                        "@type": "type.googleapis.com/envoy.extensions.filters.http.buffer.v3.Buffer",
+                        "max_request_bytes": {{ .Values.edge.maxRequestBodyBytes | int64 }}
+                      }
+                    },
+                    {
                       "name": "envoy.filters.http.lua",
                       "typed_config": {
                         "@type": "type.googleapis.com/envoy.extensions.filters.http.lua.v3.Lua",
@@ -130,7 +229,8 @@
                         "print_options": {
                           "preserve_proto_field_names": true,
                           "always_print_primitive_fields": true
-                        }
+                        },
+                        "ignore_unknown_query_parameters": true
                       }
                     },
                     {
@@ -188,10 +288,10 @@
         "circuit_breakers": {
           "thresholds": [
             {
-              "max_connections": 100000,
-              "max_pending_requests": 100000,
-              "max_requests": 100000,
-              "max_retries": 100000
+              "max_connections": {{ mul .Values.edge.maxRequestsPerGateway .Values.gateway.autoscaling.maxReplicas }},
+              "max_pending_requests": {{ mul .Values.edge.maxRequestsPerGateway .Values.gateway.autoscaling.maxReplicas }},
+              "max_requests": {{ mul .Values.edge.maxRequestsPerGateway .Values.gateway.autoscaling.maxReplicas }},
+              "max_retries": {{ mul .Values.edge.maxRequestsPerGateway .Values.gateway.autoscaling.maxReplicas }}
             }
           ]
         },
@@ -215,6 +315,49 @@
             "grpc_health_check": {}
           }
         ]
+      },
+      {
+        "name": "gateways_any_state",
+        "type": "STRICT_DNS",
+        "connect_timeout": "1s",
+        "lb_policy": "ROUND_ROBIN",
+        "typed_extension_protocol_options": {
+          "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+            "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+            "explicit_http_config": {
+              "http2_protocol_options": {}
+            }
+          }
+        },
+        "load_assignment": {
+          "cluster_name": "gateways_any_state",
+          "endpoints": [
+            {
+              "lb_endpoints": [
+                {
+                  "endpoint": {
+                    "address": {
+                      "socket_address": {
+                        "address": "{{ include "gridserve.fullname" . }}-gateway-headless.{{ include "gridserve.svcSuffix" . }}",
+                        "port_value": {{ .Values.gateway.port }}
+                      }
+                    }
+                  }
+                }
+              ]
+            }
+          ]
+        },
+        "circuit_breakers": {
+          "thresholds": [
+            {
+              "max_connections": {{ mul .Values.edge.maxRequestsPerGateway .Values.gateway.autoscaling.maxReplicas }},
+              "max_pending_requests": {{ mul .Values.edge.maxRequestsPerGateway .Values.gateway.autoscaling.maxReplicas }},
+              "max_requests": {{ mul .Values.edge.maxRequestsPerGateway .Values.gateway.autoscaling.maxReplicas }},
+              "max_retries": {{ mul .Values.edge.maxRequestsPerGateway .Values.gateway.autoscaling.maxReplicas }}
+            }
+          ]
+        }
       }
     ]
   }

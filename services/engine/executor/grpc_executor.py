@@ -7,10 +7,15 @@ to every worker but waits only for the output rank (TP rank 0 of the last pipeli
 that dies, errs or stops answering fails the whole group: every call fails with ``EngineDeadError``,
 the surviving workers' streams are closed (a worker of a parallel group then exits), and
 ``on_failure`` is called (the engine service uses it to report NOT_SERVING even while idle).
+
+The streams run on the executor's own event loop (a ``LoopThread``): the engine's busy loop is a
+plain thread that hands each call to it and waits on ``concurrent.futures`` futures. Its own loop,
+not the engine server's, so a step's round trip never queues behind the gateways' output streams.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import socket
@@ -25,6 +30,7 @@ from gridserve.services.engine.executor.base import Executor, chain_first, check
 from gridserve.services.engine.executor.worker_stream import WorkerStream
 from gridserve.shared.errors import ConfigError, EngineDeadError
 from gridserve.shared.parallel import output_rank
+from gridserve.shared.rpc.loop_thread import LoopThread
 from gridserve.shared.rpc.worker_convert import config_to_pb, scheduler_output_to_pb
 from gridserve.shared.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
@@ -58,8 +64,15 @@ class GrpcExecutor(Executor):
             self.init_address = parallel.distributed_init_address or _local_rendezvous(addresses)
         self._group_failed = threading.Event()
         self.workers: list[WorkerStream] = []
-        for address in addresses:
-            self.workers.append(WorkerStream(address, CONNECT_TIMEOUT_S, self._on_worker_failure))
+        self._runner = LoopThread("worker-rpc")
+        try:
+            for address in addresses:
+                self.workers.append(self._runner.run(
+                    WorkerStream.connect(address, CONNECT_TIMEOUT_S, self._on_worker_failure)))
+        except BaseException:
+            self._close_workers()
+            self._runner.stop()
+            raise
         self.collective_rpc("init_device")
         self.collective_rpc("load_model")
 
@@ -81,8 +94,11 @@ class GrpcExecutor(Executor):
             self.on_failure(dead)
 
     def _close_workers(self) -> None:
-        for worker in self.workers:
-            worker.close()
+        """End every worker's stream (from any thread but the executor's loop)."""
+        async def close_all() -> None:
+            await asyncio.gather(*(worker.close() for worker in self.workers), return_exceptions=True)
+
+        self._runner.run(close_all())
 
     def execute_model(
         self, scheduler_output: SchedulerOutput, non_block: bool = False
@@ -162,8 +178,8 @@ class GrpcExecutor(Executor):
             self.collective_rpc("shutdown", timeout=5.0)
         except Exception as exc:  # noqa: BLE001 - the workers may already be gone
             logger.info("worker shutdown: %s", exc)
-        for worker in self.workers:
-            worker.close()
+        self._close_workers()
+        self._runner.stop()
 
 
 def _local_rank(addresses: list[str], rank: int) -> int:

@@ -1,0 +1,31 @@
+"""``EngineLoad``: one engine's load at one moment, the one type from the scheduler to the router.
+
+The scheduler takes it as a snapshot between steps (``Scheduler.stats``); the engine's metrics read
+its counters, ``GetLoad`` answers with it, the ``LoadReporter`` streams its routing part
+(``routing_key``) to the DP coordinator, whose snapshots hand it on to every gateway's ``Router``.
+Fields a hop does not carry keep their defaults there (the coordinator's snapshots carry waiting,
+running and KV-cache usage only).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    num_waiting: int  # requests waiting to be scheduled
+    num_running: int  # requests running
+    kv_cache_usage: float  # fraction of KV blocks in use, in [0, 1]
+    kv_free_blocks: int = 0
+    kv_total_blocks: int = 0
+    num_preemptions: int = 0  # counters since start, below
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_prompt_tokens: int = 0  # prompt tokens of requests that produced their first token
+    num_generation_tokens: int = 0
+    sleeping: bool = False
+
+    def routing_key(self) -> tuple[int, int, float]:
+        """What routing looks at; a new report is worth sending (and publishing) when it changes."""
+        return self.num_waiting, self.num_running, round(self.kv_cache_usage, 3)

@@ -1,0 +1,137 @@
+"""``EngineClient``: one gateway's connection to one engine, on ``grpc.aio``.
+
+A ``ReconnectingStream`` keeps the engine's ``StreamOutputs`` open on the gateway's event loop and
+hands each request's outputs to the sink its caller registered (``put_nowait``: an ``asyncio.Queue``
+read on the loop, or a ``queue.SimpleQueue`` read by a thread). When the stream fails, every
+registered request gets ``EngineDeadError`` (UNAVAILABLE for the client) and the engine counts as
+not ready until the stream is open again. Every unary call has a deadline. Create it on the loop
+it runs on; ``register`` / ``unregister`` / ``ready`` / ``num_in_flight`` are safe from any thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any, Optional, Protocol
+
+import grpc
+
+from gridserve.api.engine.v1 import engine_pb2, engine_pb2_grpc
+from gridserve.shared.errors import EngineDeadError
+from gridserve.shared.observability.tracing import TRACEPARENT
+from gridserve.shared.rpc.client import DEFAULT_DEADLINE_S, aio_channel
+from gridserve.shared.rpc.convert import engine_output_from_pb, sampling_params_to_pb
+from gridserve.shared.rpc.reconnect import ReconnectingStream
+from gridserve.shared.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+ABORT_DEADLINE_S = 5.0
+INFO_DEADLINE_S = 2.0
+
+
+class OutputSink(Protocol):
+    """Where one engine request's outputs go (``EngineCoreOutput``, or an ``EngineDeadError``)."""
+
+    def put_nowait(self, item: Any) -> None: ...
+
+
+class EngineClient:
+    """Data-plane client of one engine, shared by all of a gateway's requests."""
+
+    def __init__(self, address: str, gateway_id: str, on_state: Callable[[], None] = lambda: None) -> None:
+        self.address = address
+        self.gateway_id = gateway_id
+        self.on_state = on_state  # the stream opened or broke (runs on the loop)
+        self.loop = asyncio.get_running_loop()
+        self.channel = aio_channel(address)
+        self.stub = engine_pb2_grpc.EngineCoreStub(self.channel)
+        self.ready = threading.Event()
+        self._sinks: dict[str, OutputSink] = {}  # one dict operation at a time: safe across threads
+        self._metrics_port: Optional[int] = None
+        self._stream = ReconnectingStream(f"engine-{address}", self._session, self._lost)
+
+    async def info(self, timeout: float = DEFAULT_DEADLINE_S) -> engine_pb2.GetInfoResponse:
+        return await self.stub.GetInfo(engine_pb2.GetInfoRequest(), timeout=timeout, wait_for_ready=True)
+
+    def register(self, request_id: str, outputs: OutputSink) -> None:
+        """Deliver ``request_id``'s ``EngineCoreOutput``s (or an exception) to ``outputs``."""
+        self._sinks[request_id] = outputs
+
+    def unregister(self, request_id: str) -> None:
+        self._sinks.pop(request_id, None)
+
+    @property
+    def num_in_flight(self) -> int:
+        """This gateway's engine requests on this engine now (registered, not yet finished)."""
+        return len(self._sinks)
+
+    async def add_request(self, request_id: str, token_ids: list[int], params: SamplingParams,
+                          parent_request_id: str = "", traceparent: str = "") -> None:
+        """``parent_request_id``: the id the client sees; ``traceparent``: the gateway span (W3C),
+        sent as gRPC metadata."""
+        if not self.ready.is_set():
+            raise EngineDeadError(f"engine {self.address} is not reachable")
+        await self.stub.AddRequest(
+            engine_pb2.AddRequestRequest(
+                request_id=request_id,
+                gateway_id=self.gateway_id,
+                prompt_token_ids=token_ids,
+                sampling_params=sampling_params_to_pb(params),
+                parent_request_id=parent_request_id or None,
+            ),
+            timeout=DEFAULT_DEADLINE_S,
+            metadata=((TRACEPARENT, traceparent),) if traceparent else None,
+        )
+
+    async def abort(self, request_ids: list[str]) -> None:
+        """Best effort: a failure is logged (the engine may be gone)."""
+        try:
+            await self.stub.AbortRequests(engine_pb2.AbortRequestsRequest(request_ids=request_ids),
+                                          timeout=ABORT_DEADLINE_S)
+        except grpc.RpcError as exc:
+            logger.info("abort %s on %s failed: %s", request_ids, self.address, exc.code().name)
+
+    def metrics_url(self) -> Optional[str]:
+        """The engine's ``/metrics`` URL (from ``GetInfo`` when the stream opened), or None."""
+        if not self._metrics_port:
+            return None
+        host = self.address.rpartition(":")[0]
+        return f"http://{host}:{self._metrics_port}/metrics"
+
+    async def close(self) -> None:
+        await self._stream.close()
+        await self.channel.close()
+
+    async def _session(self) -> None:
+        call = self.stub.StreamOutputs(engine_pb2.StreamOutputsRequest(gateway_id=self.gateway_id),
+                                       wait_for_ready=True)
+        async for batch in call:
+            if not self.ready.is_set():
+                await self._opened()
+            for msg in batch.outputs:
+                outputs = self._sinks.get(msg.request_id)
+                if outputs is not None:
+                    outputs.put_nowait(engine_output_from_pb(msg))
+
+    async def _opened(self) -> None:
+        if self._metrics_port is None:
+            try:
+                self._metrics_port = (await self.info(timeout=INFO_DEADLINE_S)).metrics_port
+            except grpc.RpcError as exc:
+                logger.info("engine %s: no GetInfo (%s)", self.address, exc.code().name)
+        self.ready.set()
+        self.on_state()
+
+    def _lost(self, reason: str) -> None:
+        error = EngineDeadError(f"engine {self.address}: {reason}")
+        if self.ready.is_set():
+            logger.warning("%s", error)
+        else:
+            logger.debug("%s", error)
+        self.ready.clear()
+        self.on_state()
+        for outputs in list(self._sinks.values()):
+            outputs.put_nowait(error)
