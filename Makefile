@@ -27,9 +27,11 @@ $(PROTO_STAMP): $(STAMP) $(PROTOS)
 
 install: $(STAMP) $(PROTO_STAMP)
 
+# The trained demo model (`make serve`'s default): a few minutes on 2 CPU cores the first time, then cached.
 demo-model: install
-	$(PY) -m gridserve.demo.recipe --arch llama --size small
+	$(PY) -m gridserve.demo.train
 
+# Without MODEL, `gridserve serve` serves the demo model (trained first if it is not cached yet).
 serve: install
 	$(PY) -m gridserve.cli serve $(MODEL) --port $(PORT)
 

@@ -3,6 +3,7 @@
 ``serve``   every role as local processes (worker, engine, gateway) on loopback
 ``worker``  one worker service            ``engine``  one engine core service
 ``gateway`` one gateway (public gRPC API) ``bench``   benchmarks
+``eval``    model quality (``eval perplexity``)
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ def _parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="start worker, engine and gateway as local processes")
     serve.add_argument("model", nargs="?", default=env_default("--model"),
-                       help="HF folder or hub id (default: the recipe's llama 'small' demo model)")
+                       help="HF folder or hub id (default: the trained demo model, built on first use)")
     serve.add_argument("--host", default="127.0.0.1", help="address the public gateway binds")
     serve.add_argument("--port", type=int, default=8000,
                        help="REST/OpenAI (and gRPC) port of the Envoy edge in front of the gateways")
@@ -107,6 +108,13 @@ def _parser() -> argparse.ArgumentParser:
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     for name, (module, help_text, add_arguments, _run) in BENCHMARKS.items():
         getattr(_bench_module(module), add_arguments)(bench_sub.add_parser(name, help=help_text))
+
+    evaluate = sub.add_parser("eval", help="model quality")
+    eval_sub = evaluate.add_subparsers(dest="eval_command", required=True)
+    from gridserve.demo import perplexity
+
+    perplexity.add_arguments(eval_sub.add_parser(
+        "perplexity", help="held-out perplexity with the offline engine (default: the demo model's files)"))
     return parser
 
 
@@ -167,9 +175,9 @@ def _serve(args: argparse.Namespace) -> int:
         raise ConfigError("parallel.data_parallel_size", f"must be a positive integer, got {args.data_parallel_size}")
     model = args.model
     if not model:
-        from gridserve.demo.recipe import ensure_checkpoint
+        from gridserve.demo.train import ensure_demo_model
 
-        model = str(ensure_checkpoint("llama", "small"))
+        model = str(ensure_demo_model())
     launcher = Launcher(model, engine_argv(args), host=args.host, grpc_port=args.grpc_port,
                         api_server_count=args.api_server_count or args.data_parallel_size,
                         data_parallel_size=args.data_parallel_size, grace_s=args.grace_period,
@@ -243,8 +251,14 @@ def _bench(args: argparse.Namespace) -> int:
     return getattr(_bench_module(module), run)(args)
 
 
+def _eval(args: argparse.Namespace) -> int:
+    from gridserve.demo import perplexity
+
+    return perplexity.run(args)
+
+
 _COMMANDS = {"serve": _serve, "worker": _worker, "engine": _engine, "gateway": _gateway,
-             "coordinator": _coordinator, "bench": _bench}
+             "coordinator": _coordinator, "bench": _bench, "eval": _eval}
 
 
 if __name__ == "__main__":
