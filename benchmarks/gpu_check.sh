@@ -3,7 +3,7 @@
 #   1. the Triton kernels compiled for the GPU (no interpreter) against the torch reference,
 #   2. the offline LLM on CUDA token-exact with transformers on CUDA (same checkpoints),
 #   3. paged-attention decode bandwidth as a share of the copy bandwidth and the HBM peak.
-# Results and logs go to $OUT (default benchmarks/results/gpu). Packages the machine lacks can be
+# SWEEP=1 also times alternative launch plans. Results and logs go to $OUT (default benchmarks/results/gpu). Packages the machine lacks can be
 # given as wheels in .whl/ (installed into /tmp/site first); nothing is fetched.
 set -u
 cd "$(dirname "$0")/.."
@@ -26,5 +26,5 @@ timeout 300 $PY -m pytest -q -p no:cacheprovider tests/gpu -rA 2>&1 | tee "$OUT/
 echo "pytest exit: ${PIPESTATUS[0]}" | tee -a "$OUT/pytest_gpu.log"
 
 echo "== 3: paged-attention bandwidth"
-timeout 200 $PY -m gridserve.benchmarks.gpu_attention_bandwidth --sweep-plans --output-json "$OUT/gpu_attention_bandwidth.json" 2>&1 \
+timeout 200 $PY -m gridserve.benchmarks.gpu_attention_bandwidth ${SWEEP:+--sweep-plans} --output-json "$OUT/gpu_attention_bandwidth.json" 2>&1 \
   | tee "$OUT/bandwidth.log" | tail -40
