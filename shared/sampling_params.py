@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
@@ -41,6 +42,9 @@ class StructuredOutputsParams:
         if self.json_object:
             return "json_object"
         return next(name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None)
+
+
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 
 
 @dataclass
@@ -95,6 +99,12 @@ class SamplingParams:
 
         if not isinstance(self.n, int) or self.n < 1:
             raise bad("n", f"must be at least 1, got {self.n}")
+        # NaN passes every range check below (all comparisons with it are false): refuse it first.
+        for name in _FLOAT_FIELDS:
+            if not math.isfinite(getattr(self, name)):
+                raise bad(name, f"must be a finite number, got {getattr(self, name)}")
+        if self.logit_bias and not all(math.isfinite(v) for v in self.logit_bias.values()):
+            raise bad("logit_bias", "values must be finite numbers")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not -2.0 <= value <= 2.0:
