@@ -116,6 +116,7 @@ def _worker_process() -> Iterator[str]:
 
 def _run_engine(executor: str, model: str, prompts: list[list[int]], args: argparse.Namespace,
                 workers: Optional[list[str]] = None) -> ExecutorResult:
+    from gridserve.llm_engine import in_process_executor
     from gridserve.services.engine.core import EngineCore
     from gridserve.services.engine.request import Request
     from gridserve.shared.config import GridserveConfig
@@ -126,7 +127,7 @@ def _run_engine(executor: str, model: str, prompts: list[list[int]], args: argpa
         model=model, kv_cache_memory_bytes=args.kv_cache_memory_bytes, distributed_executor_backend=executor,
         worker_addresses=workers or [],
     ).finalize()
-    core = EngineCore(config)
+    core = EngineCore(config, in_process_executor(config))
     try:
         params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
 

@@ -11,6 +11,7 @@ import logging
 from typing import Any, Optional
 
 from gridserve.services.engine.core import EngineCore
+from gridserve.services.engine.executor import Executor
 from gridserve.services.engine.request import Request
 from gridserve.services.gateway.processor import (
     InputProcessor,
@@ -25,13 +26,24 @@ from gridserve.shared.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 
+def in_process_executor(config: GridserveConfig) -> Optional[Executor]:
+    """The ``uni`` backend with the worker role's ``Worker`` (imported here: this module assembles
+    both roles); None for other backends, which ``EngineCore`` builds itself."""
+    if config.parallel.executor_backend != "uni":
+        return None
+    from gridserve.services.engine.executor.uniproc import UniProcExecutor
+    from gridserve.services.worker.worker import Worker
+
+    return UniProcExecutor(config, Worker)
+
+
 class LLMEngine:
     """Adds requests, steps the engine core, and returns finished ``RequestOutput``s."""
 
     def __init__(self, config: GridserveConfig, tokenizer: Any) -> None:
         self.config = config
         self.tokenizer = tokenizer
-        self.core = EngineCore(config)
+        self.core = EngineCore(config, in_process_executor(config))
         self.input_processor = InputProcessor(
             tokenizer, config.max_model_len, config.model.vocab_size, config.model.max_logprobs
         )

@@ -50,9 +50,9 @@ RULES = [
     Rule("gridserve.shared", ("torch", "triton", "gridserve.kernels"), transitive=True),
 ]
 
-# The one sanctioned crossing: the in-process executor backend builds a worker (imported lazily,
-# only when `distributed_executor_backend="uni"`: offline LLM and tests).
-ALLOWED = {("gridserve.services.engine.executor.uniproc", "gridserve.services.worker.worker")}
+# Crossings allowed despite the rules: none (the in-process executor is handed its worker class by
+# gridserve.llm_engine, which assembles both roles).
+ALLOWED: set[tuple[str, str]] = set()
 
 _STRING_MODULE = re.compile(r"^(gridserve(?:\.\w+)+)(?::\w+)?$")
 

@@ -3,8 +3,9 @@
 An executor runs a named worker method on every worker (``collective_rpc``) and returns each
 worker's answer, or a future of them with ``non_block=True`` so the engine can schedule the next
 step while this one runs. Only the output rank's ``execute_model`` result matters to the engine.
-Implementations are chosen by ``Executor.get_class`` and imported lazily, so the engine (torch-free)
-never imports a worker unless it runs one in-process.
+Remote backends are chosen by ``Executor.get_class`` and imported lazily; the in-process one
+(``uniproc``) needs the worker class, which only code that assembles both roles may import, so that
+code builds it and hands it to ``EngineCore`` (the engine, torch-free, never imports a worker).
 """
 
 from __future__ import annotations
@@ -40,7 +41,6 @@ def check_worker_method(method: str) -> None:
 
 
 _BACKENDS = {
-    "uni": "gridserve.services.engine.executor.uniproc:UniProcExecutor",
     "grpc": "gridserve.services.engine.executor.grpc_executor:GrpcExecutor",
 }
 
@@ -56,6 +56,10 @@ class Executor(ABC):
     @staticmethod
     def get_class(config: GridserveConfig) -> type[Executor]:
         backend = config.parallel.executor_backend
+        if backend == "uni":
+            raise ConfigError("parallel.executor_backend",
+                              "the in-process executor runs a worker in this process: it is built by "
+                              "gridserve.llm_engine.in_process_executor and passed to EngineCore")
         target = _BACKENDS.get(backend)
         if target is None:
             raise ConfigError("parallel.executor_backend", f"unknown executor {backend!r}")

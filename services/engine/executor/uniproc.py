@@ -1,30 +1,39 @@
 """``UniProcExecutor``: one worker in the engine's own process (offline ``LLM`` and tests).
 
-It lives outside ``services/`` because it assembles two roles (engine and worker) in one process.
+The executor family stays together here, but the engine never imports a worker: whoever assembles
+both roles in one process (``gridserve.llm_engine.in_process_executor``) hands this executor the
+worker class, as services meet only through contracts and ``shared/``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, Optional, Union
 
 from gridserve.services.engine.executor import Executor, check_worker_method
+from gridserve.shared.config import GridserveConfig
 from gridserve.shared.errors import ConfigError
 
 
 class UniProcExecutor(Executor):
-    """Calls the worker's methods directly; ``non_block`` returns an already-completed future."""
+    """Calls the worker's methods directly; ``non_block`` returns an already-completed future.
+
+    ``worker_factory`` builds the worker from the config (the worker role's ``Worker``).
+    """
+
+    def __init__(self, config: GridserveConfig, worker_factory: Callable[[GridserveConfig], Any]) -> None:
+        self.worker_factory = worker_factory
+        super().__init__(config)
 
     def _init_executor(self) -> None:
-        from gridserve.services.worker.worker import Worker
-
         if self.config.parallel.world_size > 1:
             raise ConfigError(
                 "parallel.executor_backend",
                 "the in-process executor runs one worker; tensor / pipeline parallelism needs 'grpc'",
             )
 
-        self.worker = Worker(self.config)
+        self.worker = self.worker_factory(self.config)
         self.worker.init_device()
         self.worker.load_model()
 
