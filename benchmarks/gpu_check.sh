@@ -3,23 +3,12 @@
 #   1. the Triton kernels compiled for the GPU (no interpreter) against the torch reference,
 #   2. the offline LLM on CUDA token-exact with transformers on CUDA (same checkpoints),
 #   3. paged-attention decode bandwidth as a share of the copy bandwidth and the HBM peak.
-# SWEEP=1 also times alternative launch plans. Results and logs go to $OUT (default benchmarks/results/gpu). Packages the machine lacks can be
-# given as wheels in .whl/ (installed into /tmp/site first); nothing is fetched.
+# SWEEP=1 also times alternative launch plans. Set-up (OUT, PY, wheels from .whl/, protos) in gpu_env.sh.
 set -u
 cd "$(dirname "$0")/.."
-OUT=${OUT:-benchmarks/results/gpu}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TRITON_INTERPRET=0
-PY=${PYTHON:-python3}
-if ls .whl/*.whl >/dev/null 2>&1; then
-  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site:$PWD
-else
-  export PYTHONPATH=$PWD
-fi
+. benchmarks/gpu_env.sh
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/device.txt"
 $PY -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/device.txt"
-$PY -m gridserve.protos_build >/dev/null 2>&1 || echo "protos_build failed" | tee -a "$OUT/device.txt"
 
 echo "== 1+2: Triton on CUDA and LLM vs transformers on CUDA"
 timeout 300 $PY -m pytest -q -p no:cacheprovider tests/gpu -rA 2>&1 | tee "$OUT/pytest_gpu.log" | tail -40

@@ -6,17 +6,7 @@
 #      caches and offline throughput per mode (a quiet CPU, unlike the shared dev machines).
 set -u
 cd "$(dirname "$0")/.."
-OUT=${OUT:-benchmarks/results/gpu}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TRITON_INTERPRET=0
-PY=${PYTHON:-python3}
-if ls .whl/*.whl >/dev/null 2>&1; then
-  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site:$PWD
-else
-  export PYTHONPATH=$PWD
-fi
-$PY -m gridserve.protos_build >/dev/null 2>&1 || echo "protos_build failed"
+. benchmarks/gpu_env.sh
 echo "== 1: CUDA"
 timeout 170 $PY -m pytest -q -p no:cacheprovider tests/gpu/test_quantization_cuda.py -rA -s 2>&1 | tee "$OUT/quant_gpu.log" | tail -30
 echo "== 2: CPU, 2 pinned cores"

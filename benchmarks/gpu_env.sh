@@ -1,0 +1,15 @@
+# Sourced by the GPU check scripts (gpu_check.sh, gpu_quant_check.sh), from the repository root:
+# $OUT (created), $PY, offline Hugging Face, no Triton interpreter, the source tree on PYTHONPATH
+# and, when .whl/ holds wheels the GPU machine lacks, those installed into /tmp/site first (nothing
+# is fetched); the generated protobuf code built for this tree.
+OUT=${OUT:-benchmarks/results/gpu}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TRITON_INTERPRET=0
+PY=${PYTHON:-python3}
+if ls .whl/*.whl >/dev/null 2>&1; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+$PY -m gridserve.protos_build >/dev/null 2>&1 || echo "protos_build failed"
