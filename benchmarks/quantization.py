@@ -19,6 +19,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from gridserve.benchmarks.throughput import add_workload_arguments
+
 logger = logging.getLogger(__name__)
 
 MODES: dict[str, dict[str, Any]] = {
@@ -195,12 +197,7 @@ def add_speed_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--modes", default=",".join(SPEED_MODES), help="comma-separated modes; fp32 first"
     )
-    parser.add_argument("--num-prompts", type=int, default=64)
-    parser.add_argument("--input-len-min", type=int, default=32)
-    parser.add_argument("--input-len-max", type=int, default=256)
-    parser.add_argument("--output-len-min", type=int, default=16)
-    parser.add_argument("--output-len-max", type=int, default=128)
-    parser.add_argument("--seed", type=int, default=0)
+    add_workload_arguments(parser)
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument(
         "--output-json", default=str(Path(__file__).parent / "results" / "quantization_speed.json")

@@ -408,16 +408,21 @@ def run_hf_single(hf_model: Any, tokenizer: Any, workload: Workload) -> SystemRe
 # CLI
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of ``gridserve bench throughput``."""
-    parser.add_argument("--model", default=None,
-                        help="HF folder (default: the recipe's llama 'base' checkpoint, built if missing)")
+def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
+    """The offline workload's shape (``Workload``): requests, prompt and output lengths, seed."""
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--input-len-min", type=int, default=32)
     parser.add_argument("--input-len-max", type=int, default=256)
     parser.add_argument("--output-len-min", type=int, default=16)
     parser.add_argument("--output-len-max", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``gridserve bench throughput``."""
+    parser.add_argument("--model", default=None,
+                        help="HF folder (default: the recipe's llama 'base' checkpoint, built if missing)")
+    add_workload_arguments(parser)
     parser.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     parser.add_argument("--hf-batch-size", type=int, default=64)
