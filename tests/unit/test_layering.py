@@ -50,10 +50,6 @@ RULES = [
     Rule("gridserve.shared", ("torch", "triton", "gridserve.kernels"), transitive=True),
 ]
 
-# Crossings allowed despite the rules: none (the in-process executor is handed its worker class by
-# gridserve.llm_engine, which assembles both roles).
-ALLOWED: set[tuple[str, str]] = set()
-
 _STRING_MODULE = re.compile(r"^(gridserve(?:\.\w+)+)(?::\w+)?$")
 
 
@@ -125,7 +121,7 @@ def import_graph(extra: dict[str, str] | None = None) -> dict[str, set[str]]:
         # Every module runs the namespace root's __init__ anyway; what that runs eagerly is checked
         # by test_the_namespace_root_imports_only_shared_code, its lazy `LLM` is the offline API's.
         edges.discard("gridserve")
-        graph[name] = {e for e in edges if e != name and (name, e) not in ALLOWED}
+        graph[name] = edges - {name}
     return graph
 
 
