@@ -18,6 +18,7 @@ from gridserve.services.coordinator.load_table import LoadTable
 from gridserve.services.coordinator.servicer import CoordinatorServicer
 from gridserve.services.coordinator.waves import Waves
 from gridserve.shared.observability.metrics import start_metrics_server
+from gridserve.shared.readiness import State
 from gridserve.shared.rpc.server import RpcServer
 
 logger = logging.getLogger(__name__)
@@ -42,7 +43,7 @@ class _LoadAge:
 
 def serve(host: str, port: int, grace_s: float = 5.0, metrics_port: Optional[int] = None,
           data_parallel_size: int = 1) -> int:
-    server = RpcServer(host, port, grace_s=grace_s)  # every handler is async: one loop
+    server = RpcServer(host, port, grace_s=grace_s, role="coordinator")  # every handler is async: one loop
     table = LoadTable()
     servicer = CoordinatorServicer(table, Waves(data_parallel_size, on_change=table.bump))
     registry = CollectorRegistry(auto_describe=False)
@@ -52,7 +53,7 @@ def serve(host: str, port: int, grace_s: float = 5.0, metrics_port: Optional[int
     server.on_drain = lambda timeout: servicer.stopping.set()
     server.install_signal_handlers()
     server.start()
-    server.set_serving(True)
+    server.readiness.set(State.READY)
     logger.info("coordinator on %s", server.address)
     server.wait()
     if metrics_server is not None:

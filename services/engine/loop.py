@@ -6,7 +6,8 @@ it never blocks the event loop). Each iteration drains the inbox (adds, aborts, 
 one ``EngineCore.step()`` when there is work, and hands each gateway's ``OutputSink`` one batch with
 the step's outputs of its requests (the sink hands it to the event loop). When a step fails (a
 worker died) the engine is dead: every gateway's stream ends with ``EngineDeadError``, later calls
-fail, and ``on_health(False)`` is called.
+fail, and its ``Readiness`` goes DEAD. The loop keeps the ``Readiness`` (SLEEPING while asleep) and
+beats its watchdog every iteration: a loop thread that dies or hangs makes the engine not live.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from gridserve.services.engine.waves import WaveClient
 from gridserve.shared.errors import EngineDeadError, FailedPreconditionError, InvalidArgumentError
 from gridserve.shared.load import EngineLoad
 from gridserve.shared.outputs import EngineCoreOutput, FinishReason
+from gridserve.shared.readiness import Readiness, State
 
 logger = logging.getLogger(__name__)
 
@@ -44,11 +46,11 @@ class OutputSink(Protocol):
 class EngineLoop:
     """Runs ``core.step()`` in a thread and routes outputs to the gateway that sent each request."""
 
-    def __init__(self, core: EngineCore, on_health: Callable[[bool], None],
+    def __init__(self, core: EngineCore, readiness: Readiness,
                  observer: Optional[EngineObserver] = None, waves: Optional[WaveClient] = None,
                  on_load: Optional[Callable[[Optional[EngineLoad]], None]] = None) -> None:
         self.core = core
-        self.on_health = on_health
+        self.readiness = readiness
         self.waves = waves  # MoE with DP > 1: step in lockstep with the other engines
         self.on_load = on_load  # DP: the load after every change (None once dead), on the loop thread
         # Metrics, request log lines and spans; the scheduler collects step stats for it.
@@ -105,6 +107,7 @@ class EngineLoop:
                 raise FailedPreconditionError("cannot sleep with requests in flight")
             self.core.sleep(level)
             self.sleeping = True
+            self.readiness.set(State.SLEEPING, f"sleep level {level}")
 
         return self.submit(go)
 
@@ -112,6 +115,7 @@ class EngineLoop:
         def go() -> None:
             self.core.wake_up(tags)
             self.sleeping = False
+            self.readiness.try_set(State.READY, "woken up")
 
         return self.submit(go)
 
@@ -141,6 +145,7 @@ class EngineLoop:
     def _run(self) -> None:
         self._offer_load()  # the first report: an idle engine is there too
         while True:
+            self.readiness.beat()
             if self._drain_inbox(block=not self._has_step()):
                 self._offer_load()
             if self._stop.is_set() and self._inbox.empty():
@@ -260,7 +265,7 @@ class EngineLoop:
             return
         self.error = error if isinstance(error, EngineDeadError) else EngineDeadError(f"engine failed: {error}")
         logger.error("engine dead: %s", self.error)
-        self.on_health(False)
+        self.readiness.try_set(State.DEAD, str(self.error))
         if self.on_load is not None:
             self.on_load(None)  # the coordinator drops a dead engine
         for sink in self._sinks.values():

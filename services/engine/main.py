@@ -26,12 +26,14 @@ from gridserve.shared.config import GridserveConfig
 from gridserve.shared.load import EngineLoad
 from gridserve.shared.observability.metrics import start_metrics_server
 from gridserve.shared.observability.tracing import Tracing
+from gridserve.shared.readiness import State
 from gridserve.shared.rpc.server import RpcServer
 
 logger = logging.getLogger(__name__)
 
 SERVICE = engine_pb2.DESCRIPTOR.services_by_name["EngineCore"].full_name
 SCRAPE_TIMEOUT_S = 5.0
+LOOP_WATCHDOG_S = 30.0  # the busy loop beats every iteration (at least every 0.2 s when idle)
 
 
 def serve(config: GridserveConfig, host: str, port: int, grace_s: float = 10.0, *,
@@ -41,7 +43,7 @@ def serve(config: GridserveConfig, host: str, port: int, grace_s: float = 10.0, 
     registry = CollectorRegistry(auto_describe=False)
     metrics_server = start_metrics_server(registry, host, metrics_port)
     tracing = Tracing.create("gridserve-engine", otlp_traces_endpoint)
-    server = RpcServer(host, port, grace_s=grace_s)  # every handler is async: no pool work
+    server = RpcServer(host, port, grace_s=grace_s, role="engine")  # every handler is async: no pool work
     servicer = EngineServicer(config, metrics_port=metrics_server.port if metrics_server else 0,
                               tracing=tracing is not None)
     server.add_service(SERVICE, lambda s: engine_pb2_grpc.add_EngineCoreServicer_to_server(servicer, s))
@@ -64,7 +66,7 @@ def serve(config: GridserveConfig, host: str, port: int, grace_s: float = 10.0, 
     reporter = None
     if coordinator:
         reporter = server.call(lambda: LoadReporter(coordinator, data_parallel_rank, server.address))
-    loop = EngineLoop(core, on_health=server.set_serving, observer=observer, waves=waves,
+    loop = EngineLoop(core, server.readiness, observer=observer, waves=waves,
                       on_load=reporter.offer if reporter is not None else None)
     core.executor.on_failure = loop.fail
     servicer.loop = loop
@@ -80,7 +82,8 @@ def serve(config: GridserveConfig, host: str, port: int, grace_s: float = 10.0, 
             tracing.shutdown()
 
     server.on_drain = drain
-    server.set_serving(True)
+    server.readiness.arm_watchdog(LOOP_WATCHDOG_S)
+    server.readiness.set(State.READY, "workers loaded")
     logger.info("engine ready on %s: %d KV blocks", server.address, config.cache.num_blocks or 0)
     server.wait()
     if metrics_server is not None:

@@ -28,6 +28,7 @@ from gridserve.shared.errors import EngineDeadError
 from gridserve.shared.observability.metrics import start_metrics_server
 from gridserve.shared.observability.tracing import Tracing
 from gridserve.shared.rpc.engine_client import EngineClient
+from gridserve.shared.readiness import Readiness, State
 from gridserve.shared.rpc.server import RpcServer
 
 logger = logging.getLogger(__name__)
@@ -44,7 +45,7 @@ def serve(engine_addresses: list[str], host: str, port: int, grace_s: float = 10
     chat templates off the event loop."""
     interceptors = [ApiKeyInterceptor(api_key)] if api_key else []
     # asyncio server: every RPC is ``async`` and shares its loop.
-    server = RpcServer(host, port, max_workers=32, grace_s=grace_s, interceptors=interceptors)
+    server = RpcServer(host, port, max_workers=32, grace_s=grace_s, interceptors=interceptors, role="gateway")
     gateway_id = f"gateway-{uuid.uuid4().hex[:8]}"
     # The engine clients (and the load watcher) run on the server's loop: build them there.
     engines = server.call(lambda: [EngineClient(a, gateway_id) for a in engine_addresses])
@@ -67,7 +68,7 @@ def serve(engine_addresses: list[str], host: str, port: int, grace_s: float = 10
                                      for i, e in enumerate(engines)])
         metrics_server = start_metrics_server(metrics.registry, host, metrics_port)
     for engine in engines:
-        engine.on_state = lambda: server.set_serving(service.is_ready())
+        engine.on_state = lambda: _follow_engines(server.readiness, service)
     # DP > 1: route by the load every engine reports to the coordinator.
     watcher = server.call(lambda: LoadWatcher(coordinator, gateway_id, service.router)) if coordinator else None
     servicer = GatewayServicer(service, served_model_name)
@@ -84,13 +85,21 @@ def serve(engine_addresses: list[str], host: str, port: int, grace_s: float = 10
     server.on_drain = drain
     server.install_signal_handlers()
     server.start()
-    server.set_serving(service.is_ready())
+    _follow_engines(server.readiness, service)
     logger.info("gateway %s on %s for %s%s", gateway_id, server.address, info.model,
                 " (API key required)" if api_key else "")
     server.wait()
     if metrics_server is not None:
         metrics_server.stop()
     return 0
+
+
+def _follow_engines(readiness: Readiness, service: GatewayService) -> None:
+    """The gateway is READY while some engine is; RECOVERING while none is (once it was ready)."""
+    if service.is_ready():
+        readiness.try_set(State.READY, "an engine is ready")
+    elif readiness.state is State.READY:
+        readiness.set(State.RECOVERING, "no engine is ready")
 
 
 async def _close(clients: list) -> None:

@@ -3,17 +3,22 @@
 It carries the error interceptor, ``grpc.health.v1`` and reflection, and a graceful SIGTERM /
 SIGINT drain. Its event loop runs in a thread of its own (``LoopThread``), so a role's ``main``
 stays a plain function: it builds the server, registers its servicer, calls ``start()``, marks
-itself ready with ``set_serving(True)`` once it really is, and ``wait()``s. ``async def`` handlers
+itself ready with ``readiness.set(State.READY)`` once it really is, and ``wait()``s. ``async def`` handlers
 run on the loop (one thread serves every stream); a role's blocking work (the engine's busy loop,
 the worker's forward pass) lives in threads of its own and hands results to the loop.
 
-On SIGTERM the server reports NOT_SERVING, runs the role's ``on_drain`` hook (stop taking work,
+Health follows the role's ``Readiness`` (``gridserve.shared.readiness``): readiness is service
+``""`` and every service the role added (SERVING only in READY); liveness is service ``"liveness"``
+(SERVING unless DEAD or the role's watchdog fired; checked every second).
+
+On SIGTERM the server goes DRAINING (NOT_SERVING for readiness), runs the role's ``on_drain`` hook (stop taking work,
 finish or abort in-flight requests, close the role's clients on the loop), then stops with a grace
 period, stops the loop, and ``wait()`` returns.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import signal
 import threading
@@ -26,6 +31,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
+from gridserve.shared.readiness import LIVENESS_SERVICE, Readiness, State
 from gridserve.shared.rpc.client import SERVER_OPTIONS
 from gridserve.shared.rpc.errors import ErrorInterceptor
 from gridserve.shared.rpc.loop_thread import LoopThread
@@ -35,6 +41,7 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+WATCHDOG_POLL_S = 1.0
 
 
 class RpcServer:
@@ -44,8 +51,9 @@ class RpcServer:
     """
 
     def __init__(self, host: str, port: int, max_workers: int = 8, grace_s: float = 10.0,
-                 interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> None:
+                 interceptors: Sequence[grpc.aio.ServerInterceptor] = (), role: str = "") -> None:
         self.grace_s = grace_s
+        self.readiness = Readiness(role)
         self.runner = LoopThread("rpc-loop")
         self.loop = self.runner.loop
         self.server: grpc.aio.Server = self.runner.call(lambda: grpc.aio.server(
@@ -62,7 +70,10 @@ class RpcServer:
         self._lock = threading.Lock()
         self._shutting_down = False
         self.on_drain: Optional[Callable[[float], None]] = None
-        self.set_serving(False)
+        self._live: Optional[bool] = None
+        self._watchdog_task: Optional[Any] = None
+        self.readiness.watch(lambda _state, _reason: self._publish_health())
+        self._publish_health()
 
     def run(self, coroutine: Coroutine[Any, Any, T], timeout: Optional[float] = None) -> T:
         """Run ``coroutine`` on the server's loop from another thread and return its result."""
@@ -75,25 +86,43 @@ class RpcServer:
     def add_service(self, full_name: str, register: Callable[[grpc.aio.Server], None]) -> None:
         register(self.server)
         self._services.append(full_name)
+        self._publish_health()
 
     def start(self) -> None:
         reflection.enable_server_reflection([*self._services, reflection.SERVICE_NAME], self.server)
         self.run(self.server.start())
+        self._watchdog_task = self.call(lambda: self.loop.create_task(self._watch_liveness()))
         logger.info("listening on %s (%s)", self.address, ", ".join(self._services))
 
-    def set_serving(self, serving: bool) -> None:
-        """Health of the server and of every service it added (from any thread)."""
-        status = _SERVING if serving else _NOT_SERVING
-        names = ["", *self._services] if hasattr(self, "_services") else [""]
+    def _publish_health(self) -> None:
+        """Readiness and liveness of the server and every service it added (from any thread)."""
+        ready = _SERVING if self.readiness.ready else _NOT_SERVING
+        live = self.readiness.live
+        self._live = live
+        names = ["", *self._services]
 
         async def update() -> None:
             for name in names:
-                await self.health.set(name, status)
+                await self.health.set(name, ready)
+            await self.health.set(LIVENESS_SERVICE, _SERVING if live else _NOT_SERVING)
 
         if self.runner.in_loop():
             self.loop.create_task(update())
-        else:
-            self.run(update())
+        elif not self._stopped.is_set():
+            try:
+                self.run(update(), timeout=10)
+            except RuntimeError:  # the loop already stopped (shutdown raced a late change)
+                pass
+
+    async def _watch_liveness(self) -> None:
+        """Re-publish health when the watchdog's verdict changes (a busy thread stopped beating)."""
+        while True:
+            await asyncio.sleep(WATCHDOG_POLL_S)
+            if self.readiness.live != self._live:
+                if not self.readiness.live:
+                    logger.error("%s watchdog: no heartbeat for %.1f s: not live",
+                                 self.readiness.role or "role", self.readiness.watchdog_s or 0.0)
+                self._publish_health()
 
     def install_signal_handlers(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -109,15 +138,18 @@ class RpcServer:
             if self._shutting_down:
                 return
             self._shutting_down = True
-        self.set_serving(False)
+        self.readiness.try_set(State.DRAINING, "shutting down")
         if self.on_drain is not None:
             try:
                 self.on_drain(self.grace_s)
             except Exception:  # noqa: BLE001 - shutdown must go on
                 logger.exception("drain failed")
         try:
+            if self._watchdog_task is not None:
+                self.call(self._watchdog_task.cancel)
             self.run(self.server.stop(self.grace_s))
         finally:
+            self.readiness.try_set(State.DEAD, "stopped")
             self.runner.stop()
             self._stopped.set()
 

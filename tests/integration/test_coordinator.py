@@ -17,6 +17,7 @@ from gridserve.services.gateway.load_watcher import LoadWatcher
 from gridserve.services.gateway.router import Router
 from gridserve.shared.load import EngineLoad
 from gridserve.shared.rpc.loop_thread import LoopThread
+from gridserve.shared.readiness import State
 from gridserve.shared.rpc.server import RpcServer
 
 
@@ -38,7 +39,7 @@ def coordinator():
     server.add_service(name, lambda s: coordinator_pb2_grpc.add_CoordinatorServicer_to_server(servicer, s))
     server.on_drain = lambda timeout: servicer.stopping.set()
     server.start()
-    server.set_serving(True)
+    server.readiness.set(State.READY)
     yield server, servicer
     server.shutdown()
 

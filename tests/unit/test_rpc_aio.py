@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import grpc
 import pytest
@@ -13,6 +14,7 @@ from gridserve.shared.errors import InvalidArgumentError
 from gridserve.shared.rpc.client import health_status, make_channel
 from gridserve.shared.rpc.loop_thread import LoopThread
 from gridserve.shared.rpc.reconnect import ReconnectingStream
+from gridserve.shared.readiness import LIVENESS_SERVICE, State
 from gridserve.shared.rpc.server import RpcServer
 
 
@@ -34,12 +36,41 @@ def test_server_is_not_serving_until_ready_maps_typed_errors_and_drains_on_shutd
     server.start()
     with make_channel(server.address) as channel:
         assert health_status(channel) == "NOT_SERVING"
-        server.set_serving(True)
+        server.readiness.set(State.READY)
         assert health_status(channel) == "SERVING"
         server.shutdown()
         assert drained == [1.0]  # the role's drain ran with the grace period
         assert health_status(channel, timeout=0.5) == "UNREACHABLE"
     server.wait()  # returns: the shutdown completed
+
+
+def test_liveness_is_its_own_health_service_and_follows_the_watchdog():
+    server = RpcServer("127.0.0.1", 0, grace_s=0.5, role="test")
+    server.start()
+    try:
+        with make_channel(server.address) as channel:
+            # Loading: not ready, but live (a liveness probe must not restart a loading role).
+            assert health_status(channel) == "NOT_SERVING"
+            assert health_status(channel, service=LIVENESS_SERVICE) == "SERVING"
+            server.readiness.set(State.READY)
+            server.readiness.set(State.SLEEPING)
+            assert health_status(channel) == "NOT_SERVING"
+            assert health_status(channel, service=LIVENESS_SERVICE) == "SERVING"
+            server.readiness.set(State.READY)
+            server.readiness.arm_watchdog(0.3)  # nobody beats: within ~1 s it is not live
+            deadline = time.monotonic() + 5
+            while health_status(channel, service=LIVENESS_SERVICE) == "SERVING" and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert health_status(channel, service=LIVENESS_SERVICE) == "NOT_SERVING"
+            server.readiness.beat()
+            server.readiness.arm_watchdog(60)
+            deadline = time.monotonic() + 5
+            while health_status(channel, service=LIVENESS_SERVICE) != "SERVING" and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert health_status(channel, service=LIVENESS_SERVICE) == "SERVING"
+    finally:
+        server.shutdown()
+    assert server.readiness.state is State.DEAD
 
 
 def test_error_interceptor_turns_a_typed_error_of_an_async_handler_into_its_status():
