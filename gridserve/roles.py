@@ -22,6 +22,9 @@ ENGINE_OPTIONS: list[tuple[str, Any, Any, str]] = [
     ("--max-model-len", int, None, "maximum tokens per sequence (default: the model's)"),
     ("--max-num-seqs", int, 256, "sequence cap per step"),
     ("--max-num-batched-tokens", int, None, "token budget per step"),
+    ("--max-waiting-requests", int, None,
+     "admission control: refuse new requests (RESOURCE_EXHAUSTED; HTTP 429 when every engine is full) "
+     "while this many wait (default: unbounded)"),
     ("--block-size", int, 16, "tokens per KV block"),
     ("--kv-cache-memory-bytes", int, None, "KV-cache budget in bytes (default: profiled / 2 GiB on CPU)"),
     ("--kv-cache-dtype", str, "auto",
@@ -121,6 +124,7 @@ def engine_config(args: argparse.Namespace, worker_addresses: list[str]):
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        max_waiting_requests=args.max_waiting_requests,
         block_size=args.block_size,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         kv_cache_dtype=args.kv_cache_dtype,

@@ -217,9 +217,12 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: Optional[int] = None
     enable_chunked_prefill: bool = True
+    # Admission control: new requests beyond this many waiting are refused (None: unbounded).
+    max_waiting_requests: Optional[int] = None
 
     def __post_init__(self) -> None:
         _positive("scheduler", "max_num_seqs", self.max_num_seqs, allow_none=False)
+        _positive("scheduler", "max_waiting_requests", self.max_waiting_requests)
         _positive("scheduler", "max_num_batched_tokens", self.max_num_batched_tokens)
 
     def finalize(self, max_model_len: int) -> None:

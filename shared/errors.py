@@ -30,3 +30,16 @@ class EngineDeadError(GridserveError, RuntimeError):
 
 class FailedPreconditionError(GridserveError, RuntimeError):
     """The operation is valid but not in the current state (e.g. sleeping with requests in flight)."""
+
+
+class ResourceExhaustedError(GridserveError, RuntimeError):
+    """A queue is full (an engine's waiting queue, or every engine's): try again later.
+    ``retry_after_s`` is the client's hint (HTTP ``Retry-After``)."""
+
+    def __init__(self, message: str, retry_after_s: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class DeadlineExceededError(GridserveError, TimeoutError):
+    """A request ran past its deadline (the client's gRPC deadline or ``--request-timeout``)."""

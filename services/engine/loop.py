@@ -221,8 +221,8 @@ class EngineLoop:
             raise FailedPreconditionError(f"gateway {gateway_id!r} has no open StreamOutputs stream")
         if request.request_id in self._routes:
             raise InvalidArgumentError("request_id", f"{request.request_id!r} is already in the engine")
+        self.core.add_request(request)  # admission control may refuse it (RESOURCE_EXHAUSTED)
         self.observer.on_add(request)
-        self.core.add_request(request)
         self._routes[request.request_id] = gateway_id
         if self.waves is not None:
             try:

@@ -51,6 +51,7 @@ class Request:
         arrival_time: Optional[float] = None,
         cache_salt: Optional[str] = None,
         parent_request_id: Optional[str] = None,
+        admit_always: bool = False,
     ) -> None:
         self.request_id = request_id
         # The id the client sees (the gateway's request id): logs and spans name the request by it.
@@ -60,6 +61,9 @@ class Request:
         self.eos_token_id = eos_token_id
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.cache_salt = cache_salt
+        # A continuation (a request resubmitted after its engine died): never refused by admission
+        # control (``max_waiting_requests``) and queued ahead of new requests.
+        self.admit_always = admit_always
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0

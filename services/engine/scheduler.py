@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from gridserve.services.engine.kv_cache_manager import KVCacheManager
 from gridserve.services.engine.request import Request, RequestStatus
 from gridserve.shared.config import GridserveConfig
+from gridserve.shared.errors import ResourceExhaustedError
 from gridserve.shared.load import EngineLoad
 from gridserve.shared.outputs import EngineCoreOutput
 from gridserve.shared.scheduler_output import (
@@ -50,6 +51,7 @@ class Scheduler:
         self.max_num_batched_tokens = config.scheduler.max_num_batched_tokens or 2048
         self.chunked_prefill = config.scheduler.enable_chunked_prefill
         self.max_model_len = config.max_model_len
+        self.max_waiting_requests = config.scheduler.max_waiting_requests
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -69,8 +71,24 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in the engine")
+        if request.admit_always:
+            self.requests[request.request_id] = request
+            self.waiting.insert(self._first_new_waiting(), request)
+            return
+        if self.max_waiting_requests is not None and len(self.waiting) >= self.max_waiting_requests:
+            raise ResourceExhaustedError(
+                f"the engine's waiting queue is full ({len(self.waiting)} of --max-waiting-requests "
+                f"{self.max_waiting_requests})")
         self.requests[request.request_id] = request
         self.waiting.append(request)
+
+    def _first_new_waiting(self) -> int:
+        """Where a continuation joins the queue: behind preempted requests and earlier
+        continuations, ahead of every new request."""
+        for i, request in enumerate(self.waiting):
+            if request.status is RequestStatus.WAITING and not request.admit_always:
+                return i
+        return len(self.waiting)
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[str]:
         """Abort requests that are still alive; unknown or finished ids are ignored (idempotent)."""

@@ -1,7 +1,9 @@
 """Errors of the REST routes, in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``.
 
 A refusal (a body the protocol models reject, an ``InvalidArgumentError`` from the domain) is 400
-naming the field; an unknown model 404; no engine 503. Anything else is a bug: 500 in the same
+naming the field; an unknown model 404; every engine's queue full 429 with ``Retry-After``; a
+request past its deadline (the caller's or ``--request-timeout``) 504, as gRPC's DEADLINE_EXCEEDED
+maps to HTTP (the request reached the server, which did not finish in time); no engine 503. Anything else is a bug: 500 in the same
 shape, with the request id in the message and the traceback in the log.
 """
 
@@ -14,7 +16,12 @@ from typing import Optional
 from pydantic import ValidationError
 
 from gridserve.services.gateway.protocol import ErrorInfo, ErrorResponse
-from gridserve.shared.errors import EngineDeadError, InvalidArgumentError
+from gridserve.shared.errors import (
+    DeadlineExceededError,
+    EngineDeadError,
+    InvalidArgumentError,
+    ResourceExhaustedError,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -23,12 +30,13 @@ class ApiError(Exception):
     """An error answered as OpenAI's error body with an HTTP status."""
 
     def __init__(self, status: int, message: str, param: Optional[str] = None,
-                 type_: str = "BadRequestError") -> None:
+                 type_: str = "BadRequestError", headers: Optional[dict[str, str]] = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.type = type_
+        self.headers = headers or {}  # extra response headers (``retry-after``)
 
     def body(self) -> bytes:
         info = ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.status)
@@ -57,6 +65,10 @@ def to_api_error(exc: BaseException, request_id: str = "") -> ApiError:
         # Domain field paths ("sampling_params.temperature") name the OpenAI field ("temperature").
         param = exc.field.removeprefix("sampling_params.")
         return ApiError(400, f"{param}: {exc.message}", param)
+    if isinstance(exc, ResourceExhaustedError):
+        return ApiError(429, str(exc), None, "RateLimitError", {"retry-after": str(exc.retry_after_s)})
+    if isinstance(exc, DeadlineExceededError):
+        return ApiError(504, str(exc), None, "TimeoutError")
     if isinstance(exc, EngineDeadError):
         return ApiError(503, str(exc), None, "ServiceUnavailableError")
     request_id = request_id or uuid.uuid4().hex

@@ -33,6 +33,7 @@ class RequestLimits:
     max_chat_template_chars: int = 65536
     max_rendered_template_chars: int = 4_000_000
     template_render_timeout_s: float = 2.0
+    request_timeout: float = 600.0
     trust_request_chat_template: bool = False
 
     @classmethod
@@ -66,6 +67,8 @@ _HELP = {
     "max_chat_template_chars": "longest chat_template a request may carry (with the trust flag)",
     "max_rendered_template_chars": "longest rendered chat template (the model's own included)",
     "template_render_timeout_s": "seconds one chat template rendering may take",
+    "request_timeout": "seconds one request may take end to end, then it is aborted (HTTP 504 / "
+                       "DEADLINE_EXCEEDED; a gRPC caller's earlier deadline wins; 0: none)",
 }
 
 

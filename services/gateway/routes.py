@@ -58,6 +58,7 @@ class HttpResponse:
     status: int
     content_type: str
     chunks: Union[Iterable[bytes], AsyncIterator[bytes]] = field(default_factory=list)
+    headers: dict[str, str] = field(default_factory=dict)  # extra response headers (``retry-after``)
 
 
 def _answers_errors(route: Callable[..., Awaitable[HttpResponse]]) -> Callable[..., Awaitable[HttpResponse]]:
@@ -69,7 +70,7 @@ def _answers_errors(route: Callable[..., Awaitable[HttpResponse]]) -> Callable[.
             return await route(*args, **kwargs)
         except Exception as exc:  # noqa: BLE001 - every failure becomes an OpenAI error body
             error = to_api_error(exc)
-            return HttpResponse(error.status, JSON, [error.body()])
+            return HttpResponse(error.status, JSON, [error.body()], error.headers)
 
     return answered
 
@@ -155,20 +156,21 @@ class OpenAIRoutes:
 
     # ---- completions ------------------------------------------------------------------------
     @_answers_errors
-    async def completions(self, data: bytes, traceparent: str = "") -> HttpResponse:
+    async def completions(self, data: bytes, traceparent: str = "", timeout: Optional[float] = None) -> HttpResponse:
         request = self._parse(CompletionRequest, data)
         prompts = request.prompts()
         params = request.to_sampling_params(request.max_tokens, request.logprobs)
         rank = request.data_parallel_rank  # vLLM's extension: pin an engine
         generate = functools.partial(self.service.generate, params=params, traceparent=traceparent,
-                                     data_parallel_rank=rank)
+                                     data_parallel_rank=rank, timeout=timeout)
         if request.stream:
             streams = [generate(_prompt_arg(p)) for p in prompts]
             first = await anext(streams[0])  # validation errors surface here, before the status is sent
             echo = await self._echo_texts(prompts) if request.echo else None
             events = CompletionEvents(self.model, first.request_id, params, echo, request.include_usage())
             return HttpResponse(200, SSE, _with_inband_errors(_completion_events(events, streams, first), streams))
-        outs = await _all(self.service.complete(_prompt_arg(p), params, "", traceparent, rank) for p in prompts)
+        outs = await _all(self.service.complete(_prompt_arg(p), params, "", traceparent, rank, timeout)
+                          for p in prompts)
         echo = await self._echo_texts(prompts) if request.echo else [""] * len(prompts)
         return HttpResponse(200, JSON, [completion_response(self.model, echo, outs, params).dumps()])
 
@@ -179,17 +181,18 @@ class OpenAIRoutes:
 
     # ---- chat -------------------------------------------------------------------------------
     @_answers_errors
-    async def chat_completions(self, data: bytes, traceparent: str = "") -> HttpResponse:
+    async def chat_completions(self, data: bytes, traceparent: str = "",
+                               timeout: Optional[float] = None) -> HttpResponse:
         request = self._parse(ChatCompletionRequest, data)
         params = request.to_params()
         prompt = await self._chat_prompt(request)
         top_n = params.logprobs or 0
         if request.stream:
-            stream = self.service.generate(prompt, params, "", traceparent, request.data_parallel_rank)
+            stream = self.service.generate(prompt, params, "", traceparent, request.data_parallel_rank, timeout)
             first = await anext(stream)
             events = ChatEvents(self.model, first.request_id, params, top_n, request.include_usage())
             return HttpResponse(200, SSE, _with_inband_errors(_chat_events(events, stream, first), [stream]))
-        out = await self.service.complete(prompt, params, "", traceparent, request.data_parallel_rank)
+        out = await self.service.complete(prompt, params, "", traceparent, request.data_parallel_rank, timeout)
         return HttpResponse(200, JSON, [chat_response(self.model, out, params, top_n).dumps()])
 
 

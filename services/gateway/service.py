@@ -7,6 +7,14 @@ detokenization, stop strings, logprobs) and yields a ``StreamChunk`` with what e
 Text that might still turn out to be the start of a stop string is held back until it cannot. When
 the caller goes away (client cancel, deadline, error) before the end, the engine requests are
 aborted, which frees their KV blocks. One path, on the gateway's asyncio loop, serves every RPC.
+
+Admission: an engine whose waiting queue is full refuses the add (``--max-waiting-requests``); the
+request then goes to the next engine the router picks, and when every ready engine refused it the
+caller gets ``ResourceExhaustedError`` (RESOURCE_EXHAUSTED / HTTP 429 with ``Retry-After``).
+Deadlines: each request ends by the earlier of the caller's deadline (gRPC) and ``--request-timeout``;
+at expiry it fails with ``DeadlineExceededError`` (DEADLINE_EXCEEDED / HTTP 504) and its engine
+requests are aborted. The expiry is one timer per request that drops the error into the request's
+output queue: the served path pays nothing per token.
 """
 
 from __future__ import annotations
@@ -30,7 +38,7 @@ from gridserve.services.gateway.processor import (
     child_requests,
 )
 from gridserve.services.gateway.router import Router
-from gridserve.shared.errors import EngineDeadError
+from gridserve.shared.errors import DeadlineExceededError, EngineDeadError, ResourceExhaustedError
 from gridserve.shared.observability.tracing import Tracing
 from gridserve.shared.outputs import Logprob, RequestOutput
 from gridserve.shared.rpc.engine_client import EngineClient
@@ -112,16 +120,26 @@ class GatewayService:
         request_id: str = "",
         traceparent: str = "",
         data_parallel_rank: Optional[int] = None,
+        timeout: Optional[float] = None,
     ) -> AsyncIterator[StreamChunk]:
         """Stream one request: the engine client hands each step's outputs to the loop, so one
         thread serves every stream; ``traceparent`` (W3C) makes the request's spans part of the
-        caller's trace. Cancelling the task (the caller went away) aborts the engine requests."""
+        caller's trace. Cancelling the task (the caller went away) aborts the engine requests.
+        ``timeout``: the caller's deadline in seconds from now (the earlier of it and
+        ``--request-timeout`` ends the request)."""
         if self.draining:
             raise EngineDeadError("the gateway is shutting down")
+        timeout = self._timeout(timeout)
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
         request = _Request(self, request_id, traceparent)
         try:
             with request.observation.phase("validate_and_tokenize"):
-                processed = await self.run_blocking(self.input_processor.process, prompt, params)
+                processing = self.run_blocking(self.input_processor.process, prompt, params)
+                if deadline is None:
+                    processed = await processing
+                else:
+                    processed = await _by(deadline, processing, timeout)
         except BaseException as exc:
             request.observation.end({}, 0, None if isinstance(exc, asyncio.CancelledError) else exc)
             raise
@@ -130,6 +148,8 @@ class GatewayService:
         stream = _Stream(request, processed, data_parallel_rank, asyncio.Queue())
         error = None
         try:
+            if deadline is not None:  # the expiry arrives as the request's next output
+                stream.timer = loop.call_at(deadline, stream.outputs.put_nowait, _expired(timeout))
             with stream.observation.phase("generate_and_detokenize"):
                 await stream.send()
                 while not stream.finished:
@@ -141,10 +161,11 @@ class GatewayService:
             stream.close(error)
 
     async def complete(self, prompt: PromptType, params: SamplingParams, request_id: str = "",
-                       traceparent: str = "", data_parallel_rank: Optional[int] = None) -> RequestOutput:
+                       traceparent: str = "", data_parallel_rank: Optional[int] = None,
+                       timeout: Optional[float] = None) -> RequestOutput:
         """The whole result of one request."""
         final = None
-        async for chunk in self.generate(prompt, params, request_id, traceparent, data_parallel_rank):
+        async for chunk in self.generate(prompt, params, request_id, traceparent, data_parallel_rank, timeout):
             final = chunk.final or final
         if final is None:
             raise EngineDeadError("the request ended without a result")
@@ -165,10 +186,19 @@ class GatewayService:
         return await self.run_blocking(functools.partial(self.tokenizer.decode, list(token_ids),
                                                          skip_special_tokens=skip_special_tokens))
 
+    def _timeout(self, timeout: Optional[float]) -> Optional[float]:
+        """The earlier of the caller's deadline and ``--request-timeout`` (0: none), in seconds."""
+        limit = self.limits.request_timeout or None
+        if timeout is None:
+            return limit
+        return timeout if limit is None else min(timeout, limit)
+
     # ---- engines and draining -------------------------------------------------------------------
-    def _pick_engine(self, data_parallel_rank: Optional[int] = None) -> EngineClient:
-        """The engine for a new request: the ``Router``'s choice by load (or the explicit rank)."""
-        ready = [e.ready.is_set() for e in self.engines]
+    def _pick_engine(self, data_parallel_rank: Optional[int] = None,
+                     refused: frozenset[int] = frozenset()) -> EngineClient:
+        """The engine for a new request: the ``Router``'s choice by load (or the explicit rank)
+        among the engines that are reachable, serving (READY) and did not just refuse it."""
+        ready = [i not in refused and e.ready.is_set() and e.serving for i, e in enumerate(self.engines)]
         in_flight = [e.num_in_flight for e in self.engines]
         return self.engines[self.router.choose(ready, in_flight, data_parallel_rank)]
 
@@ -238,15 +268,51 @@ class _Stream:
             self.engine.register(child_id, outputs)
         self.sent = {child_id: _SentState() for child_id, _, _ in self.engine_ids}
         self.finished = False
+        self.data_parallel_rank = data_parallel_rank
+        self.timer: Optional[asyncio.TimerHandle] = None  # the deadline's
+        self.refused = False  # every engine refused it: nothing to abort
         service._enter()
         self.observation.on_engine(service._engine_labels.get(id(self.engine), self.engine.address))
 
     async def send(self) -> None:
-        """Add the engine requests (on the engine client's loop, the server's)."""
-        for child_id, _, child_params in self.engine_ids:
-            await self.engine.add_request(child_id, self.processed.prompt_token_ids, child_params,
-                                          parent_request_id=self.request_id,
-                                          traceparent=self.observation.traceparent)
+        """Add the engine requests (on the engine client's loop, the server's). An engine whose
+        queue is full refuses them: the next engine the router picks gets them, until none is left."""
+        refused: set[int] = set()
+        while True:
+            try:
+                return await self._add_all()
+            except ResourceExhaustedError as exc:
+                refused.add(self.service.engines.index(self.engine))
+                if self.data_parallel_rank is not None:
+                    raise  # pinned to this engine: nowhere else to go
+                try:
+                    engine = self.service._pick_engine(None, frozenset(refused))
+                except EngineDeadError:
+                    self.refused = True  # nothing of it is in any engine
+                    raise ResourceExhaustedError(f"every engine's queue is full ({exc})",
+                                                 exc.retry_after_s) from None
+                self._move(engine)
+
+    async def _add_all(self) -> None:
+        added = []
+        try:
+            for child_id, _, child_params in self.engine_ids:
+                await self.engine.add_request(child_id, self.processed.prompt_token_ids, child_params,
+                                              parent_request_id=self.request_id,
+                                              traceparent=self.observation.traceparent)
+                added.append(child_id)
+        except ResourceExhaustedError:
+            if added:  # n > 1: the samples it took are given back
+                self.abort(added)
+            raise
+
+    def _move(self, engine: Any) -> None:
+        """Listen for the request's outputs on ``engine`` instead."""
+        for child_id in self.sent:
+            self.engine.unregister(child_id)
+            engine.register(child_id, self.outputs)
+        self.engine = engine
+        self.observation.on_engine(self.service._engine_labels.get(id(engine), engine.address))
 
     def abort(self, request_ids: list[str]) -> None:
         """Abort engine requests without waiting (from the loop or any thread)."""
@@ -270,12 +336,26 @@ class _Stream:
 
     def close(self, error: Optional[BaseException]) -> None:
         """Stop listening; abort the engine requests if the request did not finish."""
+        if self.timer is not None:
+            self.timer.cancel()
         for child_id in self.sent:
             self.engine.unregister(child_id)
-        if not self.finished:
+        if not self.finished and not self.refused:
             self.abort(list(self.sent))
         self.service._exit()
         self.observation.end(self.samples, len(self.processed.prompt_token_ids), error)
+
+
+def _expired(timeout: float) -> DeadlineExceededError:
+    return DeadlineExceededError(f"the request did not finish within its deadline ({timeout:.3g} s)")
+
+
+async def _by(deadline: float, awaitable: Any, timeout: float) -> Any:
+    """``awaitable``'s result if it comes before ``deadline`` (the loop's clock)."""
+    try:
+        return await asyncio.wait_for(awaitable, deadline - asyncio.get_running_loop().time())
+    except asyncio.TimeoutError:
+        raise _expired(timeout) from None
 
 
 def _delta(sample: Any, sent: _SentState) -> Optional[SampleDelta]:

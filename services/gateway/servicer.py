@@ -55,7 +55,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         params = self._params(request, request.text if request.WhichOneof("prompt") == "text" else None)
         request_id = request.request_id or uuid.uuid4().hex
         async for chunk in self.service.generate(prompt_from_pb(request), params, request_id,
-                                                 self._traceparent(context), _dp_rank(request)):
+                                                 self._traceparent(context), _dp_rank(request),
+                                                 context.time_remaining()):
             for message in chunk_to_pb(chunk):
                 yield message
 
@@ -64,7 +65,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         params = self._params(request, request.text if request.WhichOneof("prompt") == "text" else None)
         request_id = request.request_id or uuid.uuid4().hex
         out = await self.service.complete(prompt_from_pb(request), params, request_id,
-                                          self._traceparent(context), _dp_rank(request))
+                                          self._traceparent(context), _dp_rank(request), context.time_remaining())
         return completion_to_pb(request_id, out)
 
     async def Chat(self, request: gateway_pb2.ChatRequest, context: grpc.aio.ServicerContext) -> gateway_pb2.ChatResponse:
@@ -79,7 +80,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         prompt = await self.service.chat_prompt(chat.template_messages(), chat.chat_template,
                                                 chat.add_generation_prompt)
         request_id = request.request_id or uuid.uuid4().hex
-        out = await self.service.complete(prompt, params, request_id, self._traceparent(context), _dp_rank(request))
+        out = await self.service.complete(prompt, params, request_id, self._traceparent(context), _dp_rank(request),
+                                          context.time_remaining())
         return chat_to_pb(request_id, out)
 
     def _params(self, request, text_prompt: Optional[str] = None) -> SamplingParams:
@@ -116,12 +118,13 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         return await _unary(await self.openai.models(), context)
 
     async def OpenAICompletions(self, request: httpbody_pb2.HttpBody, context: grpc.aio.ServicerContext):
-        response = await self.openai.completions(request.data, self._traceparent(context))
+        response = await self.openai.completions(request.data, self._traceparent(context), context.time_remaining())
         async for body in _stream(response, context):
             yield body
 
     async def OpenAIChatCompletions(self, request: httpbody_pb2.HttpBody, context: grpc.aio.ServicerContext):
-        response = await self.openai.chat_completions(request.data, self._traceparent(context))
+        response = await self.openai.chat_completions(request.data, self._traceparent(context),
+                                                      context.time_remaining())
         async for body in _stream(response, context):
             yield body
 
@@ -155,8 +158,11 @@ def _dp_rank(request) -> Optional[int]:
 
 
 async def _send_status(response: HttpResponse, context: grpc.aio.ServicerContext) -> None:
-    if response.status != 200:
-        await context.send_initial_metadata(((HTTP_STATUS_HEADER, str(response.status)),))
+    """The HTTP status (and extra headers, e.g. a 429's ``retry-after``) as initial metadata: the
+    edge turns them into the transcoded response's status and headers."""
+    if response.status != 200 or response.headers:
+        await context.send_initial_metadata(((HTTP_STATUS_HEADER, str(response.status)),
+                                             *response.headers.items()))
 
 
 async def _unary(response: HttpResponse, context: grpc.aio.ServicerContext) -> httpbody_pb2.HttpBody:

@@ -4,7 +4,11 @@ A ``ReconnectingStream`` keeps the engine's ``StreamOutputs`` open on the gatewa
 hands each request's outputs to the sink its caller registered (``put_nowait``: an ``asyncio.Queue``
 read on the loop, or a ``queue.SimpleQueue`` read by a thread). When the stream fails, every
 registered request gets ``EngineDeadError`` (UNAVAILABLE for the client) and the engine counts as
-not ready until the stream is open again. Every unary call has a deadline. Create it on the loop
+not ready until the stream is open again. A second stream watches the engine's readiness
+(``grpc.health.v1`` ``Watch`` of service ``""``): ``serving`` is False while the engine is not READY
+(sleeping, loading, draining, recovering, dead), and the router sends it nothing new. An add the
+engine refuses because its waiting queue is full raises ``ResourceExhaustedError``. Every unary call
+has a deadline. Create it on the loop
 it runs on; ``register`` / ``unregister`` / ``ready`` / ``num_in_flight`` are safe from any thread.
 """
 
@@ -17,9 +21,10 @@ from collections.abc import Callable
 from typing import Any, Optional, Protocol
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gridserve.api.engine.v1 import engine_pb2, engine_pb2_grpc
-from gridserve.shared.errors import EngineDeadError
+from gridserve.shared.errors import EngineDeadError, ResourceExhaustedError
 from gridserve.shared.observability.tracing import TRACEPARENT
 from gridserve.shared.rpc.client import DEFAULT_DEADLINE_S, aio_channel
 from gridserve.shared.rpc.convert import engine_output_from_pb, sampling_params_to_pb
@@ -52,6 +57,8 @@ class EngineClient:
         self._sinks: dict[str, OutputSink] = {}  # one dict operation at a time: safe across threads
         self._metrics_port: Optional[int] = None
         self._stream = ReconnectingStream(f"engine-{address}", self._session, self._lost)
+        self.serving = True  # the engine's readiness, as its health service last said
+        self._health = ReconnectingStream(f"engine-health-{address}", self._watch_health, self._health_lost)
 
     async def info(self, timeout: float = DEFAULT_DEADLINE_S) -> engine_pb2.GetInfoResponse:
         return await self.stub.GetInfo(engine_pb2.GetInfoRequest(), timeout=timeout, wait_for_ready=True)
@@ -74,17 +81,22 @@ class EngineClient:
         sent as gRPC metadata."""
         if not self.ready.is_set():
             raise EngineDeadError(f"engine {self.address} is not reachable")
-        await self.stub.AddRequest(
-            engine_pb2.AddRequestRequest(
-                request_id=request_id,
-                gateway_id=self.gateway_id,
-                prompt_token_ids=token_ids,
-                sampling_params=sampling_params_to_pb(params),
-                parent_request_id=parent_request_id or None,
-            ),
-            timeout=DEFAULT_DEADLINE_S,
-            metadata=((TRACEPARENT, traceparent),) if traceparent else None,
-        )
+        try:
+            await self.stub.AddRequest(
+                engine_pb2.AddRequestRequest(
+                    request_id=request_id,
+                    gateway_id=self.gateway_id,
+                    prompt_token_ids=token_ids,
+                    sampling_params=sampling_params_to_pb(params),
+                    parent_request_id=parent_request_id or None,
+                ),
+                timeout=DEFAULT_DEADLINE_S,
+                metadata=((TRACEPARENT, traceparent),) if traceparent else None,
+            )
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:  # its waiting queue is full
+                raise ResourceExhaustedError(f"engine {self.address}: {exc.details()}") from None
+            raise
 
     async def abort(self, request_ids: list[str]) -> None:
         """Best effort: a failure is logged (the engine may be gone)."""
@@ -102,6 +114,7 @@ class EngineClient:
         return f"http://{host}:{self._metrics_port}/metrics"
 
     async def close(self) -> None:
+        await self._health.close()
         await self._stream.close()
         await self.channel.close()
 
@@ -124,6 +137,24 @@ class EngineClient:
                 logger.info("engine %s: no GetInfo (%s)", self.address, exc.code().name)
         self.ready.set()
         self.on_state()
+
+    async def _watch_health(self) -> Optional[bool]:
+        stub = health_pb2_grpc.HealthStub(self.channel)
+        try:
+            async for response in stub.Watch(health_pb2.HealthCheckRequest(service=""), wait_for_ready=True):
+                serving = response.status == health_pb2.HealthCheckResponse.SERVING
+                if serving != self.serving:
+                    self.serving = serving
+                    logger.info("engine %s %s", self.address, "ready" if serving else "not ready")
+                    self.on_state()
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                return False  # no health service: its output stream alone says whether it serves
+            raise
+        return True
+
+    def _health_lost(self, reason: str) -> None:
+        self.serving = False
 
     def _lost(self, reason: str) -> None:
         error = EngineDeadError(f"engine {self.address}: {reason}")

@@ -2,7 +2,8 @@
 
 ``InvalidArgumentError`` -> INVALID_ARGUMENT (the message names the field), ``EngineDeadError``
 -> UNAVAILABLE, ``ModelNotFoundError`` -> NOT_FOUND, ``FailedPreconditionError`` ->
-FAILED_PRECONDITION; anything else -> INTERNAL (logged with its traceback). An ``RpcError`` from an
+FAILED_PRECONDITION, ``ResourceExhaustedError`` -> RESOURCE_EXHAUSTED, ``DeadlineExceededError`` ->
+DEADLINE_EXCEEDED; anything else -> INTERNAL (logged with its traceback). An ``RpcError`` from an
 upstream call keeps its code. A ``grpc.aio`` server interceptor (``RpcServer`` is the only server):
 it wraps unary and streaming handlers alike, ``async def`` ones on the loop and plain ones, which
 that server runs in its thread pool.
@@ -18,10 +19,12 @@ from typing import Any
 import grpc
 
 from gridserve.shared.errors import (
+    DeadlineExceededError,
     EngineDeadError,
     FailedPreconditionError,
     InvalidArgumentError,
     ModelNotFoundError,
+    ResourceExhaustedError,
 )
 
 logger = logging.getLogger(__name__)
@@ -31,6 +34,8 @@ _CODES: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (EngineDeadError, grpc.StatusCode.UNAVAILABLE),
     (ModelNotFoundError, grpc.StatusCode.NOT_FOUND),
     (FailedPreconditionError, grpc.StatusCode.FAILED_PRECONDITION),
+    (ResourceExhaustedError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (DeadlineExceededError, grpc.StatusCode.DEADLINE_EXCEEDED),
 ]
 
 

@@ -42,6 +42,7 @@ class _FakeEngine:
     def __init__(self) -> None:
         self.ready = threading.Event()
         self.ready.set()
+        self.serving = True
         self.queues: dict = {}
         self.added: list[str] = []
         self.aborted: list[str] = []

@@ -51,7 +51,7 @@ class _FakeService:
         self.templates.append(template)
         return {"prompt_token_ids": self.tokenizer.encode(messages[-1]["content"])}
 
-    async def generate(self, prompt, params, request_id="", traceparent="", data_parallel_rank=None):
+    async def generate(self, prompt, params, request_id="", traceparent="", data_parallel_rank=None, timeout=None):
         try:
             yield StreamChunk("r", [SampleDelta(0, "a", [97])], 3)
             raise EngineDeadError("engine 127.0.0.1:1: UNAVAILABLE")
