@@ -25,6 +25,7 @@ class EngineLoad:
     num_prompt_tokens: int = 0  # prompt tokens of requests that produced their first token
     num_generation_tokens: int = 0
     sleeping: bool = False
+    state: str = "ready"  # the engine's Readiness state (gridserve.shared.readiness.State value)
 
     def routing_key(self) -> tuple[int, int, float]:
         """What routing looks at; a new report is worth sending (and publishing) when it changes."""

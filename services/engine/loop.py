@@ -63,6 +63,7 @@ class EngineLoop:
         self._routes: dict[str, str] = {}  # request id -> gateway id
         self._sinks: dict[str, OutputSink] = {}  # gateway id -> its open output stream
         self._stop = threading.Event()
+        self._halted = False  # fault injection: the thread exits without a word (``halt``)
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -137,6 +138,13 @@ class EngineLoop:
             self._stop.set()
             self._thread.join(timeout=10)
 
+    def halt(self, reason: str) -> None:
+        """Fault injection (tests only): the loop thread exits at once, as if it died outside any
+        step; nothing is marked dead, so only the watchdog can notice (liveness goes NOT_SERVING)."""
+        logger.error("engine loop thread halted: %s", reason)
+        self._halted = True
+        self._inbox.put((lambda: None, Future()))  # wake it if it waits for work
+
     def fail(self, error: Exception) -> None:
         """Mark the engine dead (from any thread, e.g. the executor noticing a dead worker)."""
         self._inbox.put((lambda: self._die(error), Future()))
@@ -144,7 +152,7 @@ class EngineLoop:
     # ---- the loop thread ----------------------------------------------------------------------------
     def _run(self) -> None:
         self._offer_load()  # the first report: an idle engine is there too
-        while True:
+        while not self._halted:
             self.readiness.beat()
             if self._drain_inbox(block=not self._has_step()):
                 self._offer_load()
@@ -191,7 +199,7 @@ class EngineLoop:
             logger.exception("observability of a step failed")
 
     def _load(self) -> EngineLoad:
-        return dataclasses.replace(self.core.stats(), sleeping=self.sleeping)
+        return dataclasses.replace(self.core.stats(), sleeping=self.sleeping, state=self.readiness.state.value)
 
     def _offer_load(self) -> None:
         if self.on_load is not None and self.error is None:

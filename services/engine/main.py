@@ -9,6 +9,7 @@ when a worker dies or while draining on SIGTERM. With ``metrics_port`` it serves
 from __future__ import annotations
 
 import logging
+import os
 from typing import Optional
 
 from prometheus_client import CollectorRegistry
@@ -16,6 +17,7 @@ from prometheus_client.core import CounterMetricFamily
 
 from gridserve.api.engine.v1 import engine_pb2, engine_pb2_grpc
 from gridserve.services.engine.core import EngineCore
+from gridserve.services.engine.fault_injection import install_fault_injection
 from gridserve.services.engine.load_reporter import LoadReporter
 from gridserve.services.engine.loop import EngineLoop
 from gridserve.services.engine.metrics import EngineMetrics
@@ -33,7 +35,8 @@ logger = logging.getLogger(__name__)
 
 SERVICE = engine_pb2.DESCRIPTOR.services_by_name["EngineCore"].full_name
 SCRAPE_TIMEOUT_S = 5.0
-LOOP_WATCHDOG_S = 30.0  # the busy loop beats every iteration (at least every 0.2 s when idle)
+# The busy loop beats every iteration (at least every 0.2 s when idle); tests shorten it.
+LOOP_WATCHDOG_S = float(os.environ.get("GRIDSERVE_LOOP_WATCHDOG_S", "30"))
 
 
 def serve(config: GridserveConfig, host: str, port: int, grace_s: float = 10.0, *,
@@ -53,7 +56,7 @@ def serve(config: GridserveConfig, host: str, port: int, grace_s: float = 10.0, 
     metrics = None
     if metrics_server is not None:
         metrics = EngineMetrics(config, lambda: _snapshot(servicer), engine=str(data_parallel_rank),
-                                registry=registry)
+                                registry=registry, state=lambda: server.readiness.state)
     observer = EngineObserver(metrics, tracing, engine=str(data_parallel_rank))
     observer.instrument(core.executor)
     waves = None
@@ -70,6 +73,7 @@ def serve(config: GridserveConfig, host: str, port: int, grace_s: float = 10.0, 
                       on_load=reporter.offer if reporter is not None else None)
     core.executor.on_failure = loop.fail
     servicer.loop = loop
+    install_fault_injection(loop)  # tests only: GRIDSERVE_FAULT_INJECTION=1
 
     def drain(timeout: float) -> None:
         loop.drain(timeout)

@@ -4,7 +4,8 @@ Gauges and counters are read at scrape time from one ``EngineLoad`` snapshot (th
 ``GetLoad`` load report is built from), so the busy loop pays nothing for them. Histograms get
 their observations once per step from the step's ``StepStats``: one observation per scheduled step
 (``vllm:iteration_tokens_total``) and a few per finished request (queue, prefill, decode, token
-counts). TTFT, inter-token latency and end-to-end latency are the gateway's: it sees them as the
+counts). ``gridserve:engine_state`` is 1 for the engine's readiness state and 0 for the others
+(read from its ``Readiness``, so a dead or sleeping engine says so). TTFT, inter-token latency and end-to-end latency are the gateway's: it sees them as the
 client does.
 """
 
@@ -25,6 +26,7 @@ from gridserve.shared.observability.metrics import (
     STEP_BUCKETS,
     one_two_five_buckets,
 )
+from gridserve.shared.readiness import State
 
 LABELS = ("model_name", "engine")
 
@@ -33,8 +35,9 @@ class _SnapshotCollector:
     """Gauges and counters from one ``EngineLoad`` snapshot taken at scrape time."""
 
     def __init__(self, snapshot: Callable[[], Optional[EngineLoad]], labels: dict[str, str],
-                 cache_info: dict[str, str]) -> None:
+                 cache_info: dict[str, str], state: Optional[Callable[[], State]] = None) -> None:
         self.snapshot = snapshot
+        self.state = state
         self.labels = labels
         self.cache_info = cache_info
 
@@ -44,6 +47,14 @@ class _SnapshotCollector:
                                  labels=[*names, *self.cache_info])
         info.add_metric([*values, *self.cache_info.values()], 1.0)
         yield info
+        if self.state is not None:
+            current = self.state()
+            family = GaugeMetricFamily("gridserve:engine_state",
+                                       "1 for the engine's readiness state (loading, ready, sleeping, draining, "
+                                       "recovering, dead), 0 for the others.", labels=[*names, "state"])
+            for state in State:
+                family.add_metric([*values, state.value], 1.0 if state is current else 0.0)
+            yield family
         stats = self.snapshot()
         if stats is None:  # the engine is starting or dead: only static families
             return
@@ -73,13 +84,14 @@ class EngineMetrics:
     """The engine's registry: snapshot gauges / counters and per-step histograms."""
 
     def __init__(self, config: GridserveConfig, snapshot: Callable[[], Optional[EngineLoad]],
-                 engine: str = "0", registry: Optional[CollectorRegistry] = None) -> None:
+                 engine: str = "0", registry: Optional[CollectorRegistry] = None,
+                 state: Optional[Callable[[], State]] = None) -> None:
         self.registry = registry or CollectorRegistry(auto_describe=False)
         labels = {"model_name": config.model.model, "engine": engine}
         cache = config.cache
         cache_info = {"block_size": str(cache.block_size), "num_gpu_blocks": str(cache.num_blocks or 0),
                       "enable_prefix_caching": str(cache.enable_prefix_caching)}
-        self.registry.register(_SnapshotCollector(snapshot, labels, cache_info))
+        self.registry.register(_SnapshotCollector(snapshot, labels, cache_info, state))
 
         def histogram(name: str, doc: str, buckets) -> Histogram:
             metric = Histogram(name, doc, LABELS, buckets=buckets, registry=self.registry)

@@ -110,7 +110,7 @@ class EngineServicer(engine_pb2_grpc.EngineCoreServicer):
         return engine_pb2.GetLoadResponse(
             num_waiting=load.num_waiting, num_running=load.num_running, kv_cache_usage=load.kv_cache_usage,
             kv_free_blocks=load.kv_free_blocks, kv_total_blocks=load.kv_total_blocks,
-            num_preemptions=load.num_preemptions, sleeping=load.sleeping,
+            num_preemptions=load.num_preemptions, sleeping=load.sleeping, state=load.state,
         )
 
     async def Sleep(self, request: engine_pb2.SleepRequest, context: grpc.aio.ServicerContext):
