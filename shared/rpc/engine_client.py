@@ -154,6 +154,7 @@ class EngineClient:
         return True
 
     def _health_lost(self, reason: str) -> None:
+        logger.info("engine %s: health watch lost (%s)", self.address, reason)
         self.serving = False
 
     def _lost(self, reason: str) -> None:

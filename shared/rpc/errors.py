@@ -120,6 +120,14 @@ def _wrap_stream(behavior: Callable, method: str) -> Callable:
                 await _abort_on_loop(context, exc, method)
 
         return wrapped_async
+    if inspect.iscoroutinefunction(behavior):  # streams through ``context.write`` (health's Watch)
+        async def wrapped_writer(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            try:
+                return await behavior(request, context)
+            except Exception as exc:  # noqa: BLE001 - every error becomes a status code
+                await _abort_on_loop(context, exc, method)
+
+        return wrapped_writer
 
     def wrapped(request: Any, context: grpc.ServicerContext) -> Any:
         try:
