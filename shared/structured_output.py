@@ -5,6 +5,12 @@ grammar string: a JSON schema (``json``), any JSON object (``json_object``), a r
 among literal strings, or an EBNF grammar (llama.cpp GBNF or Lark syntax). Compiling is cached per
 distinct spec, and so is validation against a tokenizer, so repeated specs cost nothing.
 
+Bounds: the gateway caps a spec's size (``--max-structured-output-chars``); compiling and
+validating it runs under llguidance's resource limits (``GRAMMAR_LIMITS``: grammar symbols, lexer
+states, lexer "fuel" spent building the regex ASTs), so no spec of that size compiles for long; a
+spec past them is refused (400 naming ``structured_outputs.<kind>``). The lexer is built lazily,
+and each step's mask is bounded by the per-step fuel of the same limits.
+
 JSON is generated without free whitespace, with ``json.dumps``'s separators (``", "`` and
 ``": "``): free whitespace lets a model wander forever. A schema may override this with llguidance's
 ``"x-guidance"`` key (e.g. ``{"whitespace_flexible": true}``).
@@ -29,6 +35,10 @@ logger = logging.getLogger(__name__)
 JSON_DEFAULTS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _FIELD = "sampling_params.structured_outputs"
 _CACHE_SIZE = 256
+# llguidance's resource limits, written out (its defaults): what bounds a grammar's compile time.
+GRAMMAR_LIMITS = llguidance.LLParserLimits(
+    max_items_in_row=2000, initial_lexer_fuel=1_000_000, step_lexer_fuel=200_000, step_max_items=50_000,
+    max_lexer_states=250_000, max_grammar_size=500_000, verbose_errors=False)
 
 _tokenizer_lock = threading.Lock()
 # (id(tokenizer), n_vocab, eos) -> (tokenizer, its LLTokenizer); holding the tokenizer keeps its id unique
@@ -147,7 +157,7 @@ def validate_structured_outputs(params: StructuredOutputsParams, tokenizer: Any 
 @lru_cache(maxsize=_CACHE_SIZE)
 def _validate(grammar: str, ll_tok: Optional[llguidance.LLTokenizer]) -> str:
     """llguidance's error message for ``grammar``, or ``""`` when it is valid."""
-    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, ll_tok)
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, ll_tok, limits=GRAMMAR_LIMITS)
     if is_error:
         return messages[0].strip() if messages else "invalid grammar"
     for warning in messages:
