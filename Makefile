@@ -7,7 +7,7 @@ PORT ?= 8000
 MODEL ?=
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test install browser lint demo-model bench bench-executor bench-serve clean images
+.PHONY: serve test install browser lint demo-model bench bench-executor bench-serve clean images fuzz
 
 # The venv is rebuilt when the project's dependency list changes.
 $(STAMP): pyproject.toml setup.py
@@ -54,6 +54,11 @@ test: install browser
 	$(PY) -m gridserve.demo.recipe --arch llama --size tiny >/dev/null
 	$(PY) -m ruff check .
 	$(PY) -m pytest -q
+
+# The long fuzz run (the bounded one is part of `make test`): FUZZ_EXAMPLES requests through the edge.
+FUZZ_EXAMPLES ?= 5000
+fuzz: install
+	$(PY) -m gridserve.cli bench fuzz --examples $(FUZZ_EXAMPLES)
 
 lint: install
 	$(PY) -m ruff check .

@@ -237,6 +237,8 @@ BENCHMARKS = {
                       "add_arguments", "run"),
     "edge": ("edge", "TTFT through the Envoy edge vs straight to the gateway", "add_arguments", "run"),
     "plot": ("plot", "throughput and latency vs concurrency from bench serve JSON", "add_arguments", "run"),
+    "fuzz": ("fuzz", "hostile generated requests through the edge: never a 5xx, a hang or a leak",
+             "add_arguments", "run"),
 }
 
 
