@@ -14,6 +14,7 @@ import concurrent.futures
 import json
 import os
 import signal
+import socket
 import time
 import urllib.error
 import urllib.request
@@ -114,6 +115,35 @@ def test_a_full_queue_refuses_native_grpc_and_rest_alike_then_admits_again(edge)
     assert set(outcomes) <= {200, 504}, outcomes
     _assert_idle(edge)
     assert _post(edge, "/v1/completions", _completion(2))[0] == 200
+
+
+# ---- the edge ---------------------------------------------------------------------------------
+def test_a_64_mb_body_gets_413_in_openai_shape_not_a_reset(edge):
+    """Before: the connection was reset. The edge answers 413 as soon as it sees the length; a client
+    still sending may get a reset on write, but the answer is there to read (curl shows it)."""
+    body = json.dumps({"prompt": "x" * (64 << 20), "max_tokens": 1}).encode()
+    host, port = edge.edge_address.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: edge\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n" % len(body))
+        try:
+            sock.sendall(body)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # refused before the whole body was read
+        answer = b""
+        while b"\r\n\r\n" not in answer or not answer.rstrip().endswith(b"}"):
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            answer += chunk
+    head, _, payload = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 413"), answer[:300]
+    _assert_openai_error(json.loads(payload), 413)
+
+
+def test_envoy_starts_without_the_unlimited_connections_warning(edge):
+    log = (edge.log_dir / "edge-0.log").read_text()
+    assert "no configured limit to the number of allowed active downstream connections" not in log, log[-2000:]
 
 
 # ---- deadlines --------------------------------------------------------------------------------
