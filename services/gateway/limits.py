@@ -33,7 +33,7 @@ class RequestLimits:
     max_chat_template_chars: int = 65536
     max_rendered_template_chars: int = 4_000_000
     template_render_timeout_s: float = 2.0
-    request_timeout: float = 600.0
+    request_timeout: float = 3600.0
     trust_request_chat_template: bool = False
 
     @classmethod

@@ -203,7 +203,8 @@ class GatewayService:
         return self.engines[self.router.choose(ready, in_flight, data_parallel_rank)]
 
     def is_ready(self) -> bool:
-        return not self.draining and any(e.ready.is_set() for e in self.engines)
+        """Whether some engine can take a new request now (reachable and READY)."""
+        return not self.draining and any(e.ready.is_set() and e.serving for e in self.engines)
 
     @property
     def in_flight(self) -> int:

@@ -68,7 +68,15 @@ async def _abort_on_loop(context: grpc.aio.ServicerContext, exc: Exception, meth
     """An ``async def`` handler's failure."""
     if isinstance(exc, grpc.aio.AbortError):
         raise exc  # the handler aborted on purpose
-    await context.abort(*_logged_status(exc, method))
+    code, message = _logged_status(exc, method)
+    await context.abort(code, message, trailing_metadata=_trailers(exc))
+
+
+def _trailers(exc: Exception) -> tuple[tuple[str, str], ...]:
+    """Metadata a status carries: a full queue's ``retry-after`` (seconds), as HTTP's header."""
+    if isinstance(exc, ResourceExhaustedError):
+        return (("retry-after", str(exc.retry_after_s)),)
+    return ()
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):

@@ -108,6 +108,7 @@ def test_a_full_queue_refuses_native_grpc_and_rest_alike_then_admits_again(edge)
             with pytest.raises(grpc.RpcError) as err:
                 list(gateway_stub(channel).Generate(token_prompt([5, 17, 300], greedy(2)), timeout=10))
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err.value
+        assert ("retry-after", "1") in tuple(err.value.trailing_metadata() or ()), err.value.trailing_metadata()
         status, headers, body = _post(edge, "/v1/completions", _completion(2))
         assert status == 429 and headers["retry-after"] == "1", (status, headers, body)
         outcomes = [h.result()[0] for h in holders]
