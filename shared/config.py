@@ -15,7 +15,9 @@ from pathlib import Path
 from typing import Any, Optional
 
 from gridserve.shared.errors import ConfigError
+from gridserve.shared.model_registry import ModelRegistry
 from gridserve.shared.parallel import check_model_shardable, kv_head_shard, stage_layers
+from gridserve.shared.plugins import load_general_plugins
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -301,6 +303,8 @@ class GridserveConfig:
     def finalize(self) -> GridserveConfig:
         """Resolve the model and fill defaults that depend on it."""
         self.model.resolve()
+        load_general_plugins()  # a plugin may register the checkpoint's architecture
+        ModelRegistry.check_architecture(self.model.architecture)
         self.parallel.check_model(self.model.architecture, self.model.hf_config)
         self.scheduler.finalize(self.max_model_len)
         return self

@@ -27,8 +27,9 @@ from gridserve.services.gateway.tokenizer import GatewayTokenizer
 from gridserve.shared.errors import EngineDeadError
 from gridserve.shared.observability.metrics import start_metrics_server
 from gridserve.shared.observability.tracing import Tracing
-from gridserve.shared.rpc.engine_client import EngineClient
+from gridserve.shared.plugins import load_general_plugins
 from gridserve.shared.readiness import Readiness, State
+from gridserve.shared.rpc.engine_client import EngineClient
 from gridserve.shared.rpc.server import RpcServer
 
 logger = logging.getLogger(__name__)
@@ -43,6 +44,7 @@ def serve(engine_addresses: list[str], host: str, port: int, grace_s: float = 10
           limits: Optional[RequestLimits] = None, blocking_workers: int = 8) -> int:
     """``limits``: the per-request caps; ``blocking_workers``: the threads that tokenize and render
     chat templates off the event loop."""
+    load_general_plugins()  # plugins register in every process (lazy strings: no torch here)
     interceptors = [ApiKeyInterceptor(api_key)] if api_key else []
     # asyncio server: every RPC is ``async`` and shares its loop.
     server = RpcServer(host, port, max_workers=32, grace_s=grace_s, interceptors=interceptors, role="gateway")
