@@ -35,6 +35,8 @@ ENGINE_OPTIONS: list[tuple[str, Any, Any, str]] = [
     ("--pipeline-parallel-size", int, 1, "pipeline stages per engine (-pp)"),
     ("--distributed-init-address", str, None,
      "host:port of the workers' torch.distributed rendezvous (default: a free loopback port)"),
+    ("--worker-extension-cls", str, None,
+     "module:Class mixed into every worker; its public methods are callable through CollectiveRpc"),
 ]
 
 
@@ -131,6 +133,7 @@ def engine_config(args: argparse.Namespace, worker_addresses: list[str]):
         tensor_parallel_size=args.tensor_parallel_size,
         pipeline_parallel_size=args.pipeline_parallel_size,
         distributed_init_address=args.distributed_init_address or "",
+        worker_extension_cls=args.worker_extension_cls or "",
         enable_prefix_caching=not args.no_prefix_caching,
         distributed_executor_backend="grpc",
         worker_addresses=worker_addresses,
