@@ -139,7 +139,9 @@ def _engine(args: argparse.Namespace) -> int:
     from gridserve.services.engine.main import serve
     from gridserve.shared.rpc.client import parse_addresses
 
-    workers = parse_addresses(require(args.workers, "--workers", "the worker addresses"), "worker")
+    workers = []
+    if args.distributed_executor_backend != "ray":  # Ray places and starts the workers itself
+        workers = parse_addresses(require(args.workers, "--workers", "the worker addresses"), "worker")
     require(args.model, "--model", "the model")
     return serve(engine_config(args, workers), args.host, args.port, args.grace_period,
                  metrics_port=args.metrics_port, otlp_traces_endpoint=args.otlp_traces_endpoint,

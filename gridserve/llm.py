@@ -173,6 +173,8 @@ def _start_local_workers(config: GridserveConfig, data_parallel_size: int = 1) -
     worker addresses given, start one engine's local worker services and point it at them (the
     ``grpc`` executor, as ``serve``); their CPU threads share the machine with the other engines'."""
     parallel = config.parallel
+    if parallel.executor_backend == "ray":
+        return None  # Ray places and starts the workers (RayExecutor)
     if (parallel.world_size == 1 and data_parallel_size == 1) or parallel.worker_addresses:
         if parallel.worker_addresses:
             parallel.executor_backend = "grpc"

@@ -30,7 +30,7 @@ KV_DTYPE_BYTES = {**DTYPE_BYTES, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
 # a pre-quantized checkpoint's config.json, never asked for.
 QUANTIZATION_METHODS = ("int8", "int4")
 DEVICES = ("auto", "cpu", "cuda")
-EXECUTORS = ("uni", "grpc")
+EXECUTORS = ("uni", "grpc", "ray")
 # Architectures whose model classes shard across tensor-parallel workers / split into pipeline stages.
 PARALLEL_ARCHITECTURES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM"})
 TENSOR_PARALLEL_ARCHITECTURES = PARALLEL_ARCHITECTURES | {"OPTForCausalLM"}

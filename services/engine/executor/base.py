@@ -53,6 +53,7 @@ def is_extension_method(method: str) -> bool:
 
 _BACKENDS = {
     "grpc": "gridserve.services.engine.executor.grpc_executor:GrpcExecutor",
+    "ray": "gridserve.services.engine.executor.ray_executor:RayExecutor",
 }
 
 

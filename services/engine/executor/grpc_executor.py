@@ -190,10 +190,14 @@ class GrpcExecutor(Executor):
     def _per_rank(self, method: str, rank: int, shared: Any) -> Any:
         if method == "init_device":
             return worker_pb2.InitDeviceArgs(
-                config=shared, rank=rank, local_rank=_local_rank(self.config.parallel.worker_addresses, rank),
+                config=shared, rank=rank, local_rank=self._local_rank_of(rank),
                 world_size=self.config.parallel.world_size, distributed_init_address=self.init_address,
             )
         return shared
+
+    def _local_rank_of(self, rank: int) -> int:
+        """The device index of worker ``rank`` on its machine."""
+        return _local_rank(self.config.parallel.worker_addresses, rank)
 
     def shutdown(self) -> None:
         try:
