@@ -3,7 +3,8 @@
 A trainer puts the engine to sleep (level 1), wakes the weights (``wake_up(["weights"])``), sends
 new tensors by their Hugging Face names through ``collective_rpc("update_weights", ...)``, then
 wakes the KV cache. Each rank copies in its own shard (the model's ``load_weights``: TP slices,
-its pipeline stage), in place, so nothing is reallocated.
+its pipeline stage), in place, so nothing is reallocated. One call is one gRPC message (64 MiB at
+most): send a large model in several calls, a subset of the tensors each.
 """
 
 from __future__ import annotations

@@ -122,3 +122,23 @@ def test_llm_collective_rpc_updates_weights_in_process(llama_tiny, new_weights):
     finally:
         llm.shutdown()
     assert list(out[0].outputs[0].token_ids) == hf_greedy(str(folder), PROMPT, TOKENS)
+
+
+def test_weight_sync_in_chunks_reaches_every_tensor_parallel_shard(llama_tiny, new_weights):
+    folder, weights = new_weights
+    llm = LLM(model=str(llama_tiny), kv_cache_memory_bytes=KV_BYTES, device="cpu", tensor_parallel_size=2,
+              worker_extension_cls=EXTENSION)
+    try:
+        llm.sleep(level=1)
+        llm.wake_up(["weights"])
+        names = sorted(weights)
+        half = len(names) // 2
+        for chunk in (names[:half], names[half:]):  # a trainer sends big models in several messages
+            per_rank = llm.collective_rpc("update_weights", args=({n: weights[n] for n in chunk},))
+            assert len(per_rank) == 2 and all(n > 0 for n in per_rank)  # both shards took their part
+        llm.wake_up(["kv_cache"])
+        params = SamplingParams(temperature=0.0, max_tokens=TOKENS, min_tokens=TOKENS)
+        out = llm.generate({"prompt_token_ids": PROMPT}, params, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert list(out[0].outputs[0].token_ids) == hf_greedy(str(folder), PROMPT, TOKENS)
