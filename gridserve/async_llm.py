@@ -35,8 +35,8 @@ CONNECT_TIMEOUT_S = 60.0
 
 class AsyncLLM:
     """An async engine: in process (``model`` and vLLM's engine keywords, as ``LLM``) or remote
-    (``engine_addresses``: engine services, host:port; ``tokenizer``: a local copy of the model's
-    tokenizer when the engines' path is not readable here).
+    (``engine_addresses``: engine services, host:port; ``tokenizer`` or ``model``: a local copy of
+    the model's tokenizer when the engines' path is not readable here).
 
     The engines start (or connect) on the event loop of the first ``generate``; ``await close()``
     stops them.
@@ -44,12 +44,14 @@ class AsyncLLM:
 
     def __init__(self, model: Optional[str] = None, *, engine_addresses: Optional[list[str]] = None,
                  **engine_kwargs: Any) -> None:
-        if engine_addresses and model is None and set(engine_kwargs) - {"tokenizer"}:
-            raise ConfigError("engine_addresses", "remote engines take no engine options (only tokenizer)")
+        if engine_addresses and set(engine_kwargs) - {"tokenizer"}:
+            raise ConfigError("engine_addresses", "remote engines take no engine options, only tokenizer: "
+                              f"got {sorted(set(engine_kwargs) - {'tokenizer'})}")
         if not engine_addresses and not model:
             raise ConfigError("model", "give a model (in-process engine) or engine_addresses (remote engines)")
         self.engine_addresses = list(engine_addresses or [])
-        self.tokenizer_override = engine_kwargs.pop("tokenizer", None) if self.engine_addresses else None
+        # remote: the tokenizer from here, else the model's folder as the engines name it
+        self.tokenizer_override = (engine_kwargs.pop("tokenizer", None) or model) if self.engine_addresses else None
         self.config: Optional[GridserveConfig] = None
         if not self.engine_addresses:
             self.config = GridserveConfig.from_kwargs(model=model, **engine_kwargs).finalize()

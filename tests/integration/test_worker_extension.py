@@ -101,10 +101,26 @@ def test_collective_rpc_to_a_method_outside_the_extension_is_permission_denied(s
     with make_channel(address(services, "engine")) as ec:
         with pytest.raises(grpc.RpcError) as info:
             engine_stub(ec).CollectiveRpc(engine_pb2.CollectiveRpcRequest(method=method), timeout=30)
-    assert info.value.code() in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.INVALID_ARGUMENT)
-    if not method.startswith("_"):
-        assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
     assert method in info.value.details()
+
+
+def test_collective_rpc_with_a_bad_rank_or_tensor_is_invalid_argument_naming_the_field(services):
+    from gridserve.api.common.v1 import common_pb2
+
+    bad_tensor = common_pb2.RpcValue(tensor=common_pb2.Tensor(data=b"abc", dtype=common_pb2.DTYPE_FLOAT32, shape=[2]))
+    with make_channel(address(services, "engine")) as ec:
+        engine = engine_stub(ec)
+        for request, field in (
+            (engine_pb2.CollectiveRpcRequest(method="weight_names", unique_reply_rank=3), "unique_reply_rank"),
+            (engine_pb2.CollectiveRpcRequest(method="update_weights", args=[bad_tensor]), "tensor.data"),
+            (engine_pb2.CollectiveRpcRequest(method="weight_names", timeout_s=-1), "timeout_s"),
+            (engine_pb2.CollectiveRpcRequest(method="not a name"), "method"),
+        ):
+            with pytest.raises(grpc.RpcError) as info:
+                engine.CollectiveRpc(request, timeout=30)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, field
+            assert field in info.value.details()
 
 
 def test_llm_collective_rpc_updates_weights_in_process(llama_tiny, new_weights):

@@ -16,7 +16,7 @@ from concurrent.futures import Future
 from typing import Any, Optional, Union
 
 from gridserve.shared.config import GridserveConfig
-from gridserve.shared.errors import ConfigError, InvalidArgumentError
+from gridserve.shared.errors import ConfigError, InvalidArgumentError, PermissionDeniedError
 from gridserve.shared.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
 # The fixed allow-list of worker methods an executor may call.
@@ -42,8 +42,10 @@ def check_worker_method(method: str) -> None:
     """A built-in worker method, or a name the worker extension may define (the worker decides)."""
     if method in WORKER_METHODS:
         return
-    if not method.isidentifier() or method.startswith("_"):
-        raise InvalidArgumentError("method", f"{method!r} is not a public method name")
+    if not method.isidentifier():
+        raise InvalidArgumentError("method", f"{method!r} is not a method name")
+    if method.startswith("_"):
+        raise PermissionDeniedError(f"{method!r} is private: only the extension's public methods are callable")
 
 
 def is_extension_method(method: str) -> bool:
