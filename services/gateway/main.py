@@ -27,8 +27,8 @@ from gridserve.services.gateway.tokenizer import GatewayTokenizer
 from gridserve.shared.errors import EngineDeadError
 from gridserve.shared.observability.metrics import start_metrics_server
 from gridserve.shared.observability.tracing import Tracing
-from gridserve.shared.rpc.engine_client import EngineClient
 from gridserve.shared.readiness import Readiness, State
+from gridserve.shared.rpc.engine_client import EngineClient
 from gridserve.shared.rpc.server import RpcServer
 
 logger = logging.getLogger(__name__)

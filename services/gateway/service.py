@@ -246,7 +246,8 @@ class _Stream:
         for child_id, _, child_params in self.engine_ids:
             await self.engine.add_request(child_id, self.processed.prompt_token_ids, child_params,
                                           parent_request_id=self.request_id,
-                                          traceparent=self.observation.traceparent)
+                                          traceparent=self.observation.traceparent,
+                                          mm_features=self.processed.mm_features)
 
     def abort(self, request_ids: list[str]) -> None:
         """Abort engine requests without waiting (from the loop or any thread)."""
