@@ -56,6 +56,8 @@ class EngineServicer(engine_pb2_grpc.EngineCoreServicer):
             raise InvalidArgumentError("request_id", "must not be empty")
         if not request.prompt_token_ids:
             raise InvalidArgumentError("prompt_token_ids", "must not be empty")
+        if request.mm_features and "vision_config" not in self.config.model.hf_config:
+            raise InvalidArgumentError("mm_features", f"{self.config.model.architecture} takes text only")
         domain = Request(
             request.request_id,
             list(request.prompt_token_ids),
