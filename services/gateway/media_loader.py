@@ -25,11 +25,12 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
-
-from PIL import Image
+from typing import TYPE_CHECKING, Optional
 
 from gridserve.shared.errors import InvalidArgumentError
+
+if TYPE_CHECKING:
+    from PIL import Image
 
 logger = logging.getLogger(__name__)
 
@@ -187,6 +188,8 @@ class MediaLoader:
 
 def decode_image(field: str, data: bytes) -> Image.Image:
     """The decoded image (pixels loaded), or an ``InvalidArgumentError`` naming ``field``."""
+    from PIL import Image  # imported here: the CLI (every role) reads this module's flags
+
     try:
         image = Image.open(io.BytesIO(data))
         image.load()

@@ -24,6 +24,7 @@ from pydantic import (
     ValidationError,
     ValidationInfo,
     field_validator,
+    model_validator,
 )
 
 from gridserve.services.gateway.limits import RequestLimits
@@ -258,12 +259,11 @@ class ContentPart(OpenAIBaseModel):
     text: Optional[str] = None
     image_url: Optional[ImageUrl] = None
 
-    @field_validator("image_url")
-    @classmethod
-    def _image_part_has_url(cls, image_url: Optional[ImageUrl], info: ValidationInfo) -> Optional[ImageUrl]:
-        if info.data.get("type") == "image_url" and image_url is None:
+    @model_validator(mode="after")
+    def _image_part_has_url(self) -> ContentPart:
+        if self.type == "image_url" and self.image_url is None:
             raise ValueError("an image_url part needs image_url.url")
-        return image_url
+        return self
 
     def for_template(self) -> dict[str, Any]:
         if self.type == "text":
