@@ -146,3 +146,37 @@ def test_wrong_number_of_images_is_refused(llm):
     with pytest.raises(InvalidArgumentError, match="2 images for 1 image placeholders"):
         llm.generate({"prompt": USER.format("<image>"), "multi_modal_data": {"image": [_image(0), _image(1)]}},
                      use_tqdm=False)
+
+
+def test_each_tp_rank_reads_only_its_half_of_the_tower_projector_and_language_model(llava_tiny):
+    from gridserve.services.worker.loader import load_model
+    from gridserve.services.worker.parallel_state import ParallelState, set_parallel_state
+    from gridserve.shared.config import GridserveConfig
+    from gridserve.shared.parallel import RankLayout
+
+    sharded = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "out_proj.weight",
+               "fc1.weight", "fc2.weight", "linear_1.weight", "linear_2.weight", "gate_proj.weight")
+    config = GridserveConfig.from_kwargs(model=str(llava_tiny), tensor_parallel_size=2).finalize()
+    try:
+        for rank in range(2):
+            set_parallel_state(ParallelState(RankLayout(rank, 2, 1)))
+            report = load_model(config, torch.device("cpu")).load_report
+            names = [n for n in report.read if n.endswith(sharded)]
+            assert any("vision_tower" in n for n in names) and any("projector" in n for n in names)
+            assert report.max_fraction(names) <= 0.5, {n: report.fraction(n) for n in names}
+            # the tower is built up to the feature layer (-2 of 2): its last layer is never read
+            assert not any("encoder.layers.1." in n or "post_layernorm" in n for n in report.read)
+    finally:
+        set_parallel_state(ParallelState.single())
+
+
+@pytest.mark.slow
+def test_tensor_parallel_llava_matches_hf(llava_tiny):
+    llm = LLM(model=str(llava_tiny), kv_cache_memory_bytes=8 << 20, tensor_parallel_size=2)
+    try:
+        prompt = USER.format("<image> and <image>")
+        images = [_image(13), _image(14)]
+        got = _ids(llm, [{"prompt": prompt, "multi_modal_data": {"image": images}}])[0]
+        assert got == hf_llava_greedy(llava_tiny, prompt, images)
+    finally:
+        llm.shutdown()
