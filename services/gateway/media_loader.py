@@ -74,10 +74,12 @@ def add_media_arguments(parser: argparse.ArgumentParser) -> None:
                        help=f"largest image, encoded, in bytes (default {MediaConfig.max_image_bytes})")
     group.add_argument("--media-fetch-timeout-s", type=float, default=MediaConfig.media_fetch_timeout_s,
                        help="seconds one image URL may take to fetch (default %(default)s)")
-    group.add_argument("--allowed-media-domains", nargs="+", default=None, metavar="HOST",
-                       help="hosts image URLs may name (default: any)")
-    group.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
-                       help="folder file: image URLs may read from (default: none)")
+    domains = os.environ.get("GRIDSERVE_ALLOWED_MEDIA_DOMAINS", "").replace(",", " ").split()
+    group.add_argument("--allowed-media-domains", nargs="+", default=domains or None, metavar="HOST",
+                       help="hosts image URLs may name (default: any) [GRIDSERVE_ALLOWED_MEDIA_DOMAINS]")
+    group.add_argument("--allowed-local-media-path", default=os.environ.get("GRIDSERVE_ALLOWED_LOCAL_MEDIA_PATH"),
+                       metavar="DIR", help="folder file: image URLs may read from (default: none) "
+                                           "[GRIDSERVE_ALLOWED_LOCAL_MEDIA_PATH]")
 
 
 def thread_count_from_env() -> int:

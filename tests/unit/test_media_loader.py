@@ -119,3 +119,28 @@ def test_thread_count_comes_from_the_environment(monkeypatch):
     monkeypatch.setenv(THREADS_ENV, "0")
     with pytest.raises(ValueError, match=THREADS_ENV):
         thread_count_from_env()
+
+
+def test_media_flags_take_environment_defaults_and_reach_the_gateway_command_line(monkeypatch, tmp_path):
+    import argparse
+
+    from gridserve.services.gateway.media_loader import add_media_arguments
+
+    monkeypatch.setenv("GRIDSERVE_ALLOWED_MEDIA_DOMAINS", "a.example, b.example")
+    monkeypatch.setenv("GRIDSERVE_ALLOWED_LOCAL_MEDIA_PATH", str(tmp_path))
+    parser = argparse.ArgumentParser()
+    add_media_arguments(parser)
+    config = MediaConfig.from_args(parser.parse_args(["--media-fetch-timeout-s", "2"]))
+    assert config.allowed_media_domains == ("a.example", "b.example")
+    assert config.allowed_local_media_path == str(tmp_path) and config.media_fetch_timeout_s == 2.0
+    monkeypatch.delenv("GRIDSERVE_ALLOWED_MEDIA_DOMAINS")
+    monkeypatch.delenv("GRIDSERVE_ALLOWED_LOCAL_MEDIA_PATH")
+    parser = argparse.ArgumentParser()
+    add_media_arguments(parser)
+    assert MediaConfig.from_args(parser.parse_args(config.to_argv())) == config
+
+
+def test_the_default_image_limit_as_base64_fits_the_edge_body_limit():
+    from gridserve.edge import EdgeLimits
+
+    assert MediaConfig().max_image_bytes * 4 / 3 + (64 << 10) < EdgeLimits().max_request_body_bytes
