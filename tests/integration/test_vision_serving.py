@@ -135,6 +135,21 @@ def test_slow_disallowed_and_undecodable_images_are_400_naming_the_part(client, 
     _bad_request(client, f"{images}/missing.png", "HTTP 404")
 
 
+def test_tokenize_counts_each_image_as_its_tokens(served):
+    import json
+
+    def count(content) -> int:
+        body = json.dumps({"messages": [{"role": "user", "content": content}]}).encode()
+        request = urllib.request.Request(f"http://{served.edge_address}/tokenize", data=body,
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=30) as resp:
+            return json.loads(resp.read())["count"]
+
+    text = count([{"type": "text", "text": "What is in this picture?"}])
+    one = count(_messages(_data_url(_png(1)))[0]["content"])
+    assert one == text + 25
+
+
 def _prefix_hits(served) -> float:
     engine = next(p for p in served.processes if p.role == "engine")
     with urllib.request.urlopen(f"http://{engine.metrics_address}/metrics", timeout=10) as resp:
