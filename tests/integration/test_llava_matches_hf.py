@@ -180,3 +180,19 @@ def test_tensor_parallel_llava_matches_hf(llava_tiny):
         assert got == hf_llava_greedy(llava_tiny, prompt, images)
     finally:
         llm.shutdown()
+
+
+def test_preempted_image_requests_resume_and_match_hf(llava_tiny):
+    # 9 blocks of 16 tokens for 4 requests that need 4 each: some are preempted, then recomputed
+    # from their prompt (the images re-sent, re-encoded) plus the tokens they had.
+    llm = LLM(model=str(llava_tiny), kv_cache_memory_bytes=10 * 16 * 512, max_model_len=128, block_size=16)
+    try:
+        prompts = [USER.format(f"<image>Picture {i}?") for i in range(4)]
+        images = [_image(20 + i) for i in range(4)]
+        outs = llm.generate([{"prompt": p, "multi_modal_data": {"image": im}} for p, im in zip(prompts, images)],
+                            _greedy(24), use_tqdm=False)
+        assert llm.stats().num_preemptions > 0
+        for i, (prompt, image, out) in enumerate(zip(prompts, images, outs)):
+            assert out.outputs[0].token_ids == hf_llava_greedy(llava_tiny, prompt, [image], 24), f"request {i}"
+    finally:
+        llm.shutdown()
