@@ -22,6 +22,7 @@ logger = logging.getLogger(__name__)
 # The worker role's own models (``services/worker/models/__init__.py`` maps each to its class).
 BUILTIN_ARCHITECTURES = (
     "LlamaForCausalLM",
+    "LlavaForConditionalGeneration",
     "MistralForCausalLM",
     "MixtralForCausalLM",
     "OPTForCausalLM",

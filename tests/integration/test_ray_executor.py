@@ -57,7 +57,15 @@ def test_serve_with_the_ray_backend_starts_no_worker_processes_of_its_own(local_
     from gridserve.shared.rpc.client import make_channel
 
     from .hf_reference import hf_greedy
-    from .services import ENGINE_ARGS, address, deployment, gateway_stub, greedy, stream_tokens, token_prompt
+    from .services import (
+        ENGINE_ARGS,
+        address,
+        deployment,
+        gateway_stub,
+        greedy,
+        stream_tokens,
+        token_prompt,
+    )
 
     monkeypatch.setenv("RAY_ADDRESS", ray.get_runtime_context().gcs_address)  # the engine joins this Ray
     args = ENGINE_ARGS + ["--distributed-executor-backend", "ray", "--device", "cpu"]

@@ -27,6 +27,7 @@ _BUILTIN = {
     "MixtralForCausalLM": "mixtral:MixtralForCausalLM",
     "Qwen2ForCausalLM": "llama:Qwen2ForCausalLM",
     "OPTForCausalLM": "opt:OPTForCausalLM",
+    "LlavaForConditionalGeneration": "llava:LlavaForConditionalGeneration",
 }
 
 
