@@ -17,6 +17,7 @@ import uuid
 from collections.abc import AsyncIterator, Mapping
 from typing import Any, Optional, Union
 
+from gridserve.services.gateway.multimodal import MultiModalProcessor
 from gridserve.services.gateway.processor import (
     InputProcessor,
     OutputProcessor,
@@ -91,7 +92,8 @@ class AsyncLLM:
         finished = False
         try:
             for child_id, _, params in children:
-                await engine.add_request(child_id, processed.prompt_token_ids, params, parent_request_id=request_id)
+                await engine.add_request(child_id, processed.prompt_token_ids, params, parent_request_id=request_id,
+                                         mm_features=processed.mm_features)
             while not finished:
                 item = await outputs.get()
                 if isinstance(item, Exception):
@@ -170,7 +172,8 @@ class AsyncLLM:
                 launcher.stop()
             self._launchers = []
             raise
-        self._processors(self.config.max_model_len, self.config.model.vocab_size, self.config.model.max_logprobs)
+        self._processors(self.config.max_model_len, self.config.model.vocab_size, self.config.model.max_logprobs,
+                         self.config.model.model_path)
         self.engines = engines
 
     async def _connect(self) -> None:
@@ -190,11 +193,14 @@ class AsyncLLM:
                 await engine.close()
             raise
         self.tokenizer = await loop.run_in_executor(None, _load_tokenizer, self.tokenizer_override or info.tokenizer_path)
-        self._processors(info.max_model_len, info.vocab_size, info.max_logprobs)
+        self._processors(info.max_model_len, info.vocab_size, info.max_logprobs,
+                         self.tokenizer_override or info.model_path)
         self.engines = engines
 
-    def _processors(self, max_model_len: int, vocab_size: int, max_logprobs: int) -> None:
-        self.input_processor = InputProcessor(self.tokenizer, max_model_len, vocab_size, max_logprobs)
+    def _processors(self, max_model_len: int, vocab_size: int, max_logprobs: int, model_path: str) -> None:
+        """The gateway's processors; ``model_path``: where the image processor's config is (if any)."""
+        multimodal = MultiModalProcessor.from_model_folder(model_path)
+        self.input_processor = InputProcessor(self.tokenizer, max_model_len, vocab_size, max_logprobs, multimodal)
         self.output_processor = OutputProcessor(self.tokenizer)
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from typing import Any, Optional
 
 from gridserve.llm_engine import in_process_executor
 from gridserve.services.engine.core import EngineCore
@@ -54,9 +54,10 @@ class LocalEngineClient:
         return len(self._sinks)
 
     async def add_request(self, request_id: str, token_ids: list[int], params: SamplingParams,
-                          parent_request_id: str = "", traceparent: str = "") -> None:
+                          parent_request_id: str = "", traceparent: str = "",
+                          mm_features: Optional[list] = None) -> None:
         request = Request(request_id, token_ids, params, eos_token_id=self.config.model.eos_token_id,
-                          parent_request_id=parent_request_id or None)
+                          parent_request_id=parent_request_id or None, mm_features=mm_features or [])
         await asyncio.wrap_future(self.engine_loop.add_request(request, GATEWAY_ID))
 
     async def abort(self, request_ids: list[str]) -> None:
