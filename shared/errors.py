@@ -43,3 +43,7 @@ class ResourceExhaustedError(GridserveError, RuntimeError):
 
 class DeadlineExceededError(GridserveError, TimeoutError):
     """A request ran past its deadline (the client's gRPC deadline or ``--request-timeout``)."""
+
+
+class PermissionDeniedError(GridserveError, PermissionError):
+    """The caller may not do this (e.g. call a worker method the extension does not define)."""

@@ -6,6 +6,7 @@ import enum
 import time
 from typing import Optional, Union
 
+from gridserve.shared.multimodal import ImageFeature
 from gridserve.shared.outputs import FinishReason
 from gridserve.shared.sampling_params import SamplingParams
 
@@ -52,6 +53,7 @@ class Request:
         cache_salt: Optional[str] = None,
         parent_request_id: Optional[str] = None,
         admit_always: bool = False,
+        mm_features: Optional[list[ImageFeature]] = None,
     ) -> None:
         self.request_id = request_id
         # The id the client sees (the gateway's request id): logs and spans name the request by it.
@@ -64,6 +66,8 @@ class Request:
         # A continuation (a request resubmitted after its engine died): never refused by admission
         # control (``max_waiting_requests``) and queued ahead of new requests.
         self.admit_always = admit_always
+        # Images in the prompt (pixels and token positions), in prompt order; empty for text.
+        self.mm_features: list[ImageFeature] = list(mm_features or [])
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0

@@ -2,9 +2,9 @@
 
 ``InvalidArgumentError`` -> INVALID_ARGUMENT (the message names the field), ``EngineDeadError``
 -> UNAVAILABLE, ``ModelNotFoundError`` -> NOT_FOUND, ``FailedPreconditionError`` ->
-FAILED_PRECONDITION, ``ResourceExhaustedError`` -> RESOURCE_EXHAUSTED, ``DeadlineExceededError`` ->
-DEADLINE_EXCEEDED; anything else -> INTERNAL (logged with its traceback). An ``RpcError`` from an
-upstream call keeps its code. A ``grpc.aio`` server interceptor (``RpcServer`` is the only server):
+FAILED_PRECONDITION, ``PermissionDeniedError`` -> PERMISSION_DENIED, ``ResourceExhaustedError`` ->
+RESOURCE_EXHAUSTED, ``DeadlineExceededError`` -> DEADLINE_EXCEEDED; anything else -> INTERNAL
+(logged with its traceback). An ``RpcError`` from an upstream call keeps its code. A ``grpc.aio`` server interceptor (``RpcServer`` is the only server):
 it wraps unary and streaming handlers alike, ``async def`` ones on the loop and plain ones, which
 that server runs in its thread pool.
 """
@@ -24,6 +24,7 @@ from gridserve.shared.errors import (
     FailedPreconditionError,
     InvalidArgumentError,
     ModelNotFoundError,
+    PermissionDeniedError,
     ResourceExhaustedError,
 )
 
@@ -36,6 +37,7 @@ _CODES: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (FailedPreconditionError, grpc.StatusCode.FAILED_PRECONDITION),
     (ResourceExhaustedError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (DeadlineExceededError, grpc.StatusCode.DEADLINE_EXCEEDED),
+    (PermissionDeniedError, grpc.StatusCode.PERMISSION_DENIED),
 ]
 
 

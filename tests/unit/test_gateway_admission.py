@@ -58,7 +58,8 @@ class _Engine:
     def unregister(self, request_id):
         self.queues.pop(request_id, None)
 
-    async def add_request(self, request_id, token_ids, params, parent_request_id="", traceparent=""):
+    async def add_request(self, request_id, token_ids, params, parent_request_id="", traceparent="",
+                          mm_features=None):
         if self.full:
             raise ResourceExhaustedError(f"{self.address} is full")
         self.added.append(request_id)
