@@ -204,10 +204,13 @@ class GatewayService:
     def _pick_engine(self, data_parallel_rank: Optional[int] = None,
                      refused: frozenset[int] = frozenset()) -> EngineClient:
         """The engine for a new request: the ``Router``'s choice by load (or the explicit rank)
-        among the engines that are reachable, serving (READY) and did not just refuse it."""
-        ready = [i not in refused and e.ready.is_set() and e.serving for i, e in enumerate(self.engines)]
+        among the engines that are reachable, READY and did not just refuse it. When none is READY
+        (all asleep, say) a reachable one gets it and answers why it cannot serve."""
+        reachable = [i not in refused and e.ready.is_set() for i, e in enumerate(self.engines)]
+        ready = [r and e.serving for r, e in zip(reachable, self.engines)]
+        candidates = ready if data_parallel_rank is None and any(ready) else reachable
         in_flight = [e.num_in_flight for e in self.engines]
-        return self.engines[self.router.choose(ready, in_flight, data_parallel_rank)]
+        return self.engines[self.router.choose(candidates, in_flight, data_parallel_rank)]
 
     def is_ready(self) -> bool:
         """Whether some engine can take a new request now (reachable and READY)."""

@@ -16,7 +16,12 @@ from tokenizers.models import WordLevel
 from gridserve.services.gateway.api_errors import to_api_error
 from gridserve.services.gateway.limits import RequestLimits
 from gridserve.services.gateway.service import GatewayService
-from gridserve.shared.errors import DeadlineExceededError, EngineDeadError, ResourceExhaustedError
+from gridserve.shared.errors import (
+    DeadlineExceededError,
+    EngineDeadError,
+    FailedPreconditionError,
+    ResourceExhaustedError,
+)
 from gridserve.shared.outputs import EngineCoreOutput, FinishReason
 from gridserve.shared.sampling_params import SamplingParams
 
@@ -60,6 +65,8 @@ class _Engine:
 
     async def add_request(self, request_id, token_ids, params, parent_request_id="", traceparent="",
                           mm_features=None):
+        if not self.serving:
+            raise FailedPreconditionError(f"{self.address} is sleeping")
         if self.full:
             raise ResourceExhaustedError(f"{self.address} is full")
         self.added.append(request_id)
@@ -122,7 +129,7 @@ def test_a_pinned_request_on_a_full_engine_is_refused_without_moving():
     asyncio.run(go())
 
 
-def test_an_engine_that_is_not_ready_gets_no_new_request():
+def test_an_engine_that_is_not_ready_gets_no_new_request_while_another_is():
     async def go():
         sleeping, ready = _Engine("sleeping", serving=False), _Engine("ready")
         service = _service([sleeping, ready])
@@ -132,7 +139,13 @@ def test_an_engine_that_is_not_ready_gets_no_new_request():
             ready.finish(ready.added.pop())
             await task
         assert sleeping.added == []
+        # None is READY: a reachable one gets the request and says why it cannot serve it.
         ready.serving = False
+        with pytest.raises(FailedPreconditionError, match="sleeping"):
+            await service.complete("hi", SamplingParams(max_tokens=1))
+        assert service.in_flight == 0 and not service.is_ready()
+        for engine in (sleeping, ready):
+            engine.ready.clear()  # and none reachable: no engine at all
         with pytest.raises(EngineDeadError, match="no engine is available"):
             await service.complete("hi", SamplingParams(max_tokens=1))
 
