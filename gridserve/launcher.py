@@ -10,6 +10,12 @@ free ``--metrics-port`` (Prometheus ``/metrics``, in the process table; the edge
 at ``GET /metrics``) and the tracing / log flags of ``serve``. On
 ``stop()`` (SIGTERM / Ctrl-C) it stops them in reverse order (edge, gateways, engine, workers), each with
 SIGTERM and a grace period, then SIGKILL; children also get SIGTERM if the launcher itself dies.
+
+With ``tls`` it first makes a throwaway CA and one certificate per role (``gridserve.certificates``)
+in a private directory removed by ``stop()``: every role gets its ``--tls-*`` flags (mutual TLS on
+every link), the launcher checks health with the ``admin`` certificate, and the edge talks mutual
+TLS to the gateways with the ``edge`` one and serves HTTPS / gRPC over TLS with it (or with
+``ssl_files``, ``--ssl-certfile`` / ``--ssl-keyfile``, which also work without ``tls``).
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from typing import IO, Optional
 
 from gridserve.edge import EdgeLimits
 from gridserve.shared.rpc.client import health_status, make_channel, wait_until_serving
+from gridserve.shared.rpc.tls import TlsFiles
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +97,8 @@ class Launcher:
                  tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
                  data_parallel_size: int = 1,
                  observability_args: Optional[list[str]] = None, metrics: bool = True,
-                 gateway_args: Optional[list[str]] = None) -> None:
+                 gateway_args: Optional[list[str]] = None, tls: bool = False,
+                 ssl_files: Optional[tuple[str, str]] = None) -> None:
         self.model = model
         self.engine_args = engine_args
         self.host = host
@@ -113,6 +121,10 @@ class Launcher:
         self.metrics = metrics
         self.gateway_args = list(gateway_args or [])  # e.g. the request limits (gridserve gateway flags)
         self._edge_dir: Optional[tempfile.TemporaryDirectory] = None
+        self.tls = tls
+        self.ssl_files = ssl_files
+        self.ca = None  # the throwaway CA (``tls``), made by start()
+        self.certificates: dict[str, TlsFiles] = {}
         self.processes: list[RoleProcess] = []
         self._stopping = threading.Event()
         self._lock = threading.Lock()  # a restart and stop() never interleave
@@ -122,6 +134,7 @@ class Launcher:
     def start(self) -> None:
         """Start every role and wait until all are SERVING; on failure stop what started and raise."""
         try:
+            self._make_certificates()
             coordinator = None
             if self.data_parallel_size > 1:
                 coordinator = self._spawn("coordinator", 0, ["--data-parallel-size", str(self.data_parallel_size)])
@@ -158,10 +171,31 @@ class Launcher:
     def start_workers(self) -> list[str]:
         """Start only the workers (the offline ``LLM`` runs the engine itself); return their addresses."""
         try:
+            self._make_certificates()
             return [w.address for w in self._start_workers()]
         except BaseException:
             self.stop()
             raise
+
+    def _make_certificates(self) -> None:
+        if self.tls and self.ca is None:
+            from gridserve.certificates import LocalCA
+
+            self.ca = LocalCA()
+            self.certificates = self.ca.issue_all()
+            logger.info("mutual TLS: throwaway CA and role certificates in %s", self.ca.folder)
+
+    @property
+    def admin_tls(self) -> Optional[TlsFiles]:
+        """The certificate tools present to the roles (None without ``tls``)."""
+        return self.certificates.get("admin")
+
+    @property
+    def edge_ca_file(self) -> Optional[str]:
+        """The CA a client of the edge's HTTPS trusts (the throwaway CA), if the edge uses ours."""
+        if self.ssl_files is None and self.ca is not None:
+            return str(self.ca.ca_file)
+        return None
 
     def _start_workers(self, dp_rank: int = 0) -> list[RoleProcess]:
         """The ``PP x TP`` workers of the engine of DP rank ``dp_rank``."""
@@ -197,6 +231,8 @@ class Launcher:
         address = f"{self.host}:{port}"
         argv = [sys.executable, "-m", "gridserve.cli", role, "--host", self.host, "--port", str(port),
                 "--grace-period", str(self.grace_s), *self.observability_args, *extra]
+        if role in self.certificates:
+            argv += self.certificates[role].argv()
         metrics_address = None
         if self.metrics:
             metrics_port = free_port(self.host)
@@ -222,10 +258,15 @@ class Launcher:
             self._edge_dir = tempfile.TemporaryDirectory(prefix="gridserve-edge-")
             folder = Path(self._edge_dir.name)
         metrics = [p.metrics_address for p in self.processes if p.role == "gateway" and p.metrics_address]
+        edge = self.certificates.get("edge")
+        upstream = (str(edge.cert), str(edge.key), str(edge.ca)) if edge else None
+        downstream = self.ssl_files or ((str(edge.cert), str(edge.key)) if edge else None)
         config = write_config(folder / "edge-0.json", envoy_config(self.host, port, self.gateway_addresses,
                                                                    admin_port=self.edge_admin_port,
                                                                    metrics_addresses=metrics,
-                                                                   limits=self.edge_limits))
+                                                                   limits=self.edge_limits,
+                                                                   downstream_tls=downstream,
+                                                                   upstream_tls=upstream))
         log = None
         if self.log_dir is not None:
             log = open(self.log_dir / "edge-0.log", "ab")  # noqa: SIM115 - closed in stop()
@@ -247,7 +288,7 @@ class Launcher:
 
     def _wait_reachable(self, proc: RoleProcess) -> None:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        with make_channel(proc.address) as channel:
+        with make_channel(proc.address, self.admin_tls) as channel:
             while health_status(channel) == "UNREACHABLE":
                 self._check_alive(proc)
                 if time.monotonic() > deadline:
@@ -256,14 +297,34 @@ class Launcher:
 
     def _wait_serving(self, proc: RoleProcess) -> None:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        tls = self.admin_tls
+        if proc.role == "edge" and (self.ssl_files or tls):
+            if self.edge_ca_file is None:  # an operator's certificate: wait for REST /health over HTTPS
+                return self._wait_https(proc, deadline)
+            tls = TlsFiles(tls.cert, tls.key, Path(self.edge_ca_file))
         while True:
             self._check_alive(proc)
             try:
-                wait_until_serving(proc.address, timeout=1.0)
+                wait_until_serving(proc.address, timeout=1.0, tls=tls)
                 return
             except TimeoutError:
                 if time.monotonic() > deadline:
                     raise
+
+    def _wait_https(self, proc: RoleProcess, deadline: float) -> None:
+        """The edge with a certificate we cannot verify: wait until ``GET /health`` answers 200."""
+        import httpx2
+
+        while True:
+            self._check_alive(proc)
+            try:
+                if httpx2.get(f"https://{proc.address}/health", verify=False, timeout=1.0).status_code == 200:
+                    return
+            except httpx2.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the edge on {proc.address} did not answer /health over HTTPS")
+            time.sleep(0.2)
 
     # ---- run and stop ---------------------------------------------------------------------------------
     @property
@@ -378,6 +439,9 @@ class Launcher:
         if self._edge_dir is not None:
             self._edge_dir.cleanup()
             self._edge_dir = None
+        if self.ca is not None:
+            self.ca.cleanup()
+            self.ca, self.certificates = None, {}
 
 
 def _popen(argv: list[str], log: Optional[IO], env: Optional[dict[str, str]]) -> subprocess.Popen:

@@ -38,12 +38,15 @@ LOOP_WATCHDOG_S = 30.0  # the busy loop beats every iteration (at least every 0.
 
 def serve(config: GridserveConfig, host: str, port: int, grace_s: float = 10.0, *,
           metrics_port: Optional[int] = None, otlp_traces_endpoint: Optional[str] = None,
-          coordinator: Optional[str] = None, data_parallel_rank: int = 0, data_parallel_size: int = 1) -> int:
+          coordinator: Optional[str] = None, data_parallel_rank: int = 0, data_parallel_size: int = 1,
+          health_port: Optional[int] = None) -> int:
     """Run the engine until SIGTERM; ``config`` must name its workers (executor ``grpc``)."""
     registry = CollectorRegistry(auto_describe=False)
     metrics_server = start_metrics_server(registry, host, metrics_port)
     tracing = Tracing.create("gridserve-engine", otlp_traces_endpoint)
-    server = RpcServer(host, port, grace_s=grace_s, role="engine")  # every handler is async: no pool work
+    server = RpcServer(host, port, grace_s=grace_s, role="engine", health_port=health_port)  # every handler is async: no pool work
+    if metrics_server is not None:
+        server.register_metrics(registry)
     servicer = EngineServicer(config, metrics_port=metrics_server.port if metrics_server else 0,
                               tracing=tracing is not None)
     server.add_service(SERVICE, lambda s: engine_pb2_grpc.add_EngineCoreServicer_to_server(servicer, s))

@@ -27,8 +27,8 @@ from gridserve.services.gateway.tokenizer import GatewayTokenizer
 from gridserve.shared.errors import EngineDeadError
 from gridserve.shared.observability.metrics import start_metrics_server
 from gridserve.shared.observability.tracing import Tracing
-from gridserve.shared.rpc.engine_client import EngineClient
 from gridserve.shared.readiness import Readiness, State
+from gridserve.shared.rpc.engine_client import EngineClient
 from gridserve.shared.rpc.server import RpcServer
 
 logger = logging.getLogger(__name__)
@@ -40,12 +40,14 @@ def serve(engine_addresses: list[str], host: str, port: int, grace_s: float = 10
           connect_timeout_s: float = 600.0, served_model_name: Optional[str] = None,
           api_key: Optional[str] = None, metrics_port: Optional[int] = None,
           otlp_traces_endpoint: Optional[str] = None, coordinator: Optional[str] = None,
-          limits: Optional[RequestLimits] = None, blocking_workers: int = 8) -> int:
+          limits: Optional[RequestLimits] = None, blocking_workers: int = 8,
+          health_port: Optional[int] = None) -> int:
     """``limits``: the per-request caps; ``blocking_workers``: the threads that tokenize and render
     chat templates off the event loop."""
     interceptors = [ApiKeyInterceptor(api_key)] if api_key else []
     # asyncio server: every RPC is ``async`` and shares its loop.
-    server = RpcServer(host, port, max_workers=32, grace_s=grace_s, interceptors=interceptors, role="gateway")
+    server = RpcServer(host, port, max_workers=32, grace_s=grace_s, interceptors=interceptors, role="gateway",
+                       health_port=health_port)
     gateway_id = f"gateway-{uuid.uuid4().hex[:8]}"
     # The engine clients (and the load watcher) run on the server's loop: build them there.
     engines = server.call(lambda: [EngineClient(a, gateway_id) for a in engine_addresses])
@@ -67,6 +69,7 @@ def serve(engine_addresses: list[str], host: str, port: int, grace_s: float = 10
         metrics.add_engines(lambda: [(e.metrics_url(), {"engine": str(i), "model_name": model_name})
                                      for i, e in enumerate(engines)])
         metrics_server = start_metrics_server(metrics.registry, host, metrics_port)
+        server.register_metrics(metrics.registry)
     for engine in engines:
         engine.on_state = lambda: _follow_engines(server.readiness, service)
     # DP > 1: route by the load every engine reports to the coordinator.
