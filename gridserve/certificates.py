@@ -45,12 +45,14 @@ def _write(path: Path, data: bytes, mode: int = 0o644) -> None:
 class LocalCA:
     """A CA in ``folder`` (default: a new private temp dir) and the certificates it issued there."""
 
-    def __init__(self, folder: Optional[Path] = None, name: str = "gridserve local CA") -> None:
+    def __init__(self, folder: Optional[Path] = None, name: Optional[str] = None) -> None:
         self._owned = folder is None
         self.folder = Path(folder or tempfile.mkdtemp(prefix="gridserve-tls-"))
         self.folder.mkdir(parents=True, exist_ok=True)
         os.chmod(self.folder, 0o700)
         self._key = ec.generate_private_key(ec.SECP256R1())
+        # A name of its own: a bundle of two CAs (a trust rotation) must not have two of one subject.
+        name = name or f"gridserve local CA {os.urandom(4).hex()}"
         subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
         now = datetime.datetime.now(datetime.timezone.utc)
         self._cert = (x509.CertificateBuilder().subject_name(subject).issuer_name(subject)
@@ -62,8 +64,9 @@ class LocalCA:
                                                    data_encipherment=False, key_agreement=False,
                                                    encipher_only=False, decipher_only=False), critical=True)
                       .sign(self._key, hashes.SHA256()))
+        self.ca_pem = self._cert.public_bytes(serialization.Encoding.PEM)
         self.ca_file = self.folder / "ca.crt"
-        _write(self.ca_file, self._cert.public_bytes(serialization.Encoding.PEM))
+        _write(self.ca_file, self.ca_pem)
 
     def issue(self, role: str, name: Optional[str] = None) -> TlsFiles:
         """A certificate and key for ``role`` (files ``<name>.crt`` / ``<name>.key``, default the role's
@@ -83,7 +86,10 @@ class LocalCA:
                 .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH,
                                                       ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
                 .sign(self._key, hashes.SHA256()))
-        files = TlsFiles(self.folder / f"{name}.crt", self.folder / f"{name}.key", self.ca_file)
+        # Each role its own copy of the CA, so one role's trust can be rotated alone.
+        files = TlsFiles(self.folder / f"{name}.crt", self.folder / f"{name}.key", self.folder / f"{name}-ca.crt")
+        if not files.ca.exists():
+            _write(files.ca, self.ca_pem)
         # Key first: until the certificate follows, readers see a mismatched pair and keep the old one.
         _write(files.key, _pem_key(key), 0o600)
         _write(files.cert, cert.public_bytes(serialization.Encoding.PEM))
@@ -95,6 +101,11 @@ class LocalCA:
     def cleanup(self) -> None:
         if self._owned:
             shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def write_atomically(path: Path, data: bytes) -> None:
+    """Replace ``path`` with ``data`` in one step (a rotation of a CA bundle)."""
+    _write(Path(path), data)
 
 
 def serial_of(cert_pem: bytes) -> int:
