@@ -273,11 +273,11 @@ def envoy_config(host: str, port: int, gateways: list[str], *,
                 "name": "edge",
                 "address": _socket(host, port),
                 "filter_chains": [{
+                    **({"transport_socket": _downstream_tls(*downstream_tls)} if downstream_tls else {}),
                     "filters": [{
                         "name": "envoy.filters.network.http_connection_manager",
                         "typed_config": manager,
                     }],
-                    **({"transport_socket": _downstream_tls(*downstream_tls)} if downstream_tls else {}),
                 }],
             }],
             "clusters": [cluster, _operator_cluster(cluster),
@@ -295,13 +295,20 @@ def _upstream_tls(cert: str, key: str, ca: str) -> dict[str, Any]:
         "@type": _UPSTREAM_TLS,
         "common_tls_context": {
             "alpn_protocols": ["h2"],
-            "tls_certificates": [{"certificate_chain": {"filename": cert}, "private_key": {"filename": key}}],
+            "tls_certificates": [_certificate(cert, key)],
             "validation_context": {
                 "trusted_ca": {"filename": ca},
+                "watched_directory": {"path": str(Path(ca).parent)},
                 "match_typed_subject_alt_names": [{"san_type": "DNS", "matcher": {"exact": GATEWAY_SAN}}],
             },
         },
     }}
+
+
+def _certificate(cert: str, key: str) -> dict[str, Any]:
+    """A certificate read again when its directory changes (a rotation: files moved into place)."""
+    return {"certificate_chain": {"filename": cert}, "private_key": {"filename": key},
+            "watched_directory": {"path": str(Path(cert).parent)}}
 
 
 def _downstream_tls(cert: str, key: str) -> dict[str, Any]:
@@ -310,7 +317,7 @@ def _downstream_tls(cert: str, key: str) -> dict[str, Any]:
         "@type": _DOWNSTREAM_TLS,
         "common_tls_context": {
             "alpn_protocols": ["h2", "http/1.1"],
-            "tls_certificates": [{"certificate_chain": {"filename": cert}, "private_key": {"filename": key}}],
+            "tls_certificates": [_certificate(cert, key)],
         },
     }}
 
