@@ -103,8 +103,8 @@ def render_template() -> str:
     for sentinel, condition in _CONDITIONAL.items():
         socket = json.dumps(_SOCKETS[sentinel], separators=(",", ":"))
         text = re.sub(rf'\n( *)"transport_socket": "{sentinel}",',
-                      lambda m: f'\n{m.group(1)}{{{{- if {condition} }}}}\n{m.group(1)}"transport_socket": {socket},'
-                                f'\n{m.group(1)}{{{{- end }}}}', text)
+                      lambda m, c=condition, t=socket: f'\n{m.group(1)}{{{{- if {c} }}}}\n{m.group(1)}'
+                                                        f'"transport_socket": {t},\n{m.group(1)}{{{{- end }}}}', text)
     for sentinel, expression in _PLACEHOLDERS.items():
         text = text.replace(sentinel, expression)
     return text
