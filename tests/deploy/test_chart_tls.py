@@ -137,3 +137,18 @@ def test_kubernetes_validate_strict_accepts_tls_on_and_off(helm: str, tmp_path, 
     checked = subprocess.run([tool, "--strict", "-k", "1.34.0", "--quiet", str(manifest)],
                              capture_output=True, text=True, timeout=120)
     assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+def test_torch_distributed_ports_are_open_only_to_the_workers_of_the_same_engine(render_chart) -> None:
+    """torch.distributed's rendezvous and gloo cannot take TLS: only a DP rank's own workers reach them."""
+    rendered = render_chart({"dataParallelSize": 3, "tensorParallelSize": 2})
+    rank_label = "gridserve.io/engine-rank"
+    worker_to_worker = []
+    for policy in rendered.of_kind("NetworkPolicy"):
+        target = policy["spec"]["podSelector"]["matchLabels"]
+        for rule in policy["spec"].get("ingress", []):
+            for peer in rule.get("from", []):
+                labels = peer.get("podSelector", {}).get("matchLabels", {})
+                if labels.get("app.kubernetes.io/component") == "worker":
+                    worker_to_worker.append((target.get(rank_label), labels.get(rank_label), rule.get("ports")))
+    assert sorted(worker_to_worker) == [(str(r), str(r), None) for r in range(3)]
