@@ -120,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="gridserve-bench-edge-") as logs, contextlib.ExitStack() as stack:
         launchers = {"": Launcher(model, ["--kv-cache-memory-bytes", str(64 << 20)], edge_port=free_port(),
                                   log_dir=Path(logs) / "plain")}
-        if args.tls:
+        if getattr(args, "tls", False):
             launchers["_tls"] = Launcher(model, ["--kv-cache-memory-bytes", str(64 << 20)], edge_port=free_port(),
                                          log_dir=Path(logs) / "tls", tls=True)
         paths: dict[str, Callable[[], float]] = {}
@@ -143,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
         name: statistics.median(a - b for a, b in zip(samples[name], direct)) * 1e3
         for name in ("rest_via_envoy", "grpc_via_envoy")
     }
-    if args.tls:  # TLS minus plaintext, round by round
+    if getattr(args, "tls", False):  # TLS minus plaintext, round by round
         results["tls_added_median_ms"] = {
             name: statistics.median(a - b for a, b in zip(samples[name + "_tls"], samples[name])) * 1e3
             for name in ("rest_via_envoy", "grpc_via_envoy", "grpc_direct")
