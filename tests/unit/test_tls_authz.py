@@ -217,3 +217,17 @@ def test_the_engine_accepts_a_request_within_bounds():
                                                      allowed_token_ids=[0, 1], logit_bias={2: 1.0}))
     check_request(_config(), [1], SamplingParams(max_tokens=None))
     assert health_pb2 and health_pb2_grpc  # the health protos the probes use
+
+
+def test_serve_tls_makes_a_private_certificate_folder_and_removes_it_on_stop():
+    from gridserve.launcher import Launcher
+
+    launcher = Launcher("unused-model", [], tls=True)
+    launcher._make_certificates()
+    folder = launcher.ca.folder
+    assert (folder.stat().st_mode & 0o777) == 0o700
+    assert set(launcher.certificates) == {"worker", "engine", "gateway", "coordinator", "edge", "admin"}
+    assert launcher.edge_ca_file and launcher.admin_tls.cert.exists()
+    assert "--tls-cert-file" in launcher.certificates["engine"].argv()
+    launcher.stop()
+    assert not folder.exists() and launcher.certificates == {}
