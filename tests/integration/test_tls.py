@@ -13,6 +13,7 @@ import socket
 import ssl
 import subprocess
 import sys
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -95,6 +96,34 @@ def test_native_grpc_example_over_tls(edge):
                           "def add(a, b):", "--max-tokens", "6", "--ca-file", edge.edge_ca_file],
                          capture_output=True, text=True, timeout=120, check=True)
     assert re.search(r"LENGTH, 6 tokens\]", out.stdout), out.stdout + out.stderr
+
+
+def test_an_operators_certificate_at_the_edge(edge, certs, tmp_path):
+    """``--ssl-certfile`` / ``--ssl-keyfile``: Envoy serves HTTPS with a certificate from another CA
+    (here in front of the module's gateway, mTLS to it with the edge certificate)."""
+    import time
+
+    from gridserve.edge import envoy_argv, envoy_config, write_config
+    from gridserve.launcher import RoleProcess
+
+    public = LocalCA(tmp_path / "public").issue("edge", name="public")
+    port = free_port()
+    config = envoy_config("127.0.0.1", port, [address(edge, "gateway")],
+                          downstream_tls=(str(public.cert), str(public.key)),
+                          upstream_tls=(str(certs["edge"].cert), str(certs["edge"].key), str(certs["edge"].ca)))
+    process = subprocess.Popen(envoy_argv(write_config(tmp_path / "envoy.json", config)))
+    try:
+        proc = RoleProcess("edge", f"127.0.0.1:{port}", process)
+        edge._wait_https(proc, time.monotonic() + 60)  # what the launcher does for an operator's certificate
+        context = ssl.create_default_context(cafile=str(public.ca))
+        with urllib.request.urlopen(f"https://127.0.0.1:{port}/health", context=context, timeout=30) as resp:
+            assert resp.status == 200
+        with pytest.raises(urllib.error.URLError):  # the throwaway CA does not vouch for it
+            urllib.request.urlopen(f"https://127.0.0.1:{port}/health",
+                                   context=ssl.create_default_context(cafile=edge.edge_ca_file), timeout=30)
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
 
 
 # ---- refusals ------------------------------------------------------------------------------------
