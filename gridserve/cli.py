@@ -27,6 +27,7 @@ from gridserve.roles import (
     require,
 )
 from gridserve.services.gateway.limits import RequestLimits, add_limit_arguments, gateway_argv
+from gridserve.services.gateway.media_loader import MediaConfig
 from gridserve.shared.errors import ConfigError, GridserveError
 from gridserve.shared.observability.logs import configure_logging
 
@@ -150,7 +151,9 @@ def _engine(args: argparse.Namespace) -> int:
     from gridserve.services.engine.main import serve
     from gridserve.shared.rpc.client import parse_addresses
 
-    workers = parse_addresses(require(args.workers, "--workers", "the worker addresses"), "worker")
+    workers = []
+    if args.distributed_executor_backend != "ray":  # Ray places and starts the workers itself
+        workers = parse_addresses(require(args.workers, "--workers", "the worker addresses"), "worker")
     require(args.model, "--model", "the model")
     return serve(engine_config(args, workers), args.host, args.port, args.grace_period,
                  metrics_port=args.metrics_port, otlp_traces_endpoint=args.otlp_traces_endpoint,
@@ -173,7 +176,8 @@ def _gateway(args: argparse.Namespace) -> int:
     return serve(engines, args.host, args.port, args.grace_period, served_model_name=args.served_model_name,
                  metrics_port=args.metrics_port, otlp_traces_endpoint=args.otlp_traces_endpoint,
                  api_key=args.api_key, coordinator=args.coordinator, limits=RequestLimits.from_args(args),
-                 blocking_workers=args.blocking_threads, health_port=args.health_port)
+                 blocking_workers=args.blocking_threads, media=MediaConfig.from_args(args),
+                 health_port=args.health_port)
 
 
 def _serve(args: argparse.Namespace) -> int:

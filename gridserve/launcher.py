@@ -140,10 +140,13 @@ class Launcher:
                 coordinator = self._spawn("coordinator", 0, ["--data-parallel-size", str(self.data_parallel_size)])
                 self._wait_serving(coordinator)
             engines = []
+            ray_workers = _flag_value(self.engine_args, "--distributed-executor-backend") == "ray"
             for rank in range(self.data_parallel_size):
-                workers = self._start_workers(rank)
-                extra = ["--model", self.model, "--workers", ",".join(w.address for w in workers),
-                         *self.engine_args, *self._parallel_args()]
+                # With the Ray executor the engine has Ray place and start its workers.
+                workers = [] if ray_workers else self._start_workers(rank)
+                extra = ["--model", self.model, *self.engine_args, *self._parallel_args(rendezvous=not ray_workers)]
+                if workers:
+                    extra += ["--workers", ",".join(w.address for w in workers)]
                 if coordinator is not None:
                     extra += ["--data-parallel-rank", str(rank), "--data-parallel-size", str(self.data_parallel_size),
                               "--coordinator", coordinator.address]
@@ -211,9 +214,9 @@ class Launcher:
             self._wait_reachable(worker)
         return workers
 
-    def _parallel_args(self) -> list[str]:
+    def _parallel_args(self, rendezvous: bool = True) -> list[str]:
         """The engine's parallel sizes (unless given) and a free loopback port for the workers'
-        torch.distributed rendezvous (unless one was given)."""
+        torch.distributed rendezvous (unless one was given, or ``rendezvous`` is off)."""
         if self.num_workers == 1:
             return []
         args = []
@@ -221,7 +224,7 @@ class Launcher:
                             ("--pipeline-parallel-size", self.pipeline_parallel_size)):
             if flag not in self.engine_args:
                 args += [flag, str(value)]
-        if "--distributed-init-address" not in self.engine_args:
+        if rendezvous and "--distributed-init-address" not in self.engine_args:
             args += ["--distributed-init-address", f"{self.host}:{free_port(self.host)}"]
         return args
 
@@ -454,3 +457,13 @@ def _signal_group(proc: RoleProcess, sig: int) -> None:
         os.killpg(proc.pid, sig)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def _flag_value(argv: list[str], flag: str) -> Optional[str]:
+    """The value after ``flag`` in ``argv`` (``--flag value`` or ``--flag=value``), or None."""
+    for i, arg in enumerate(argv):
+        if arg == flag and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith(flag + "="):
+            return arg.split("=", 1)[1]
+    return None

@@ -13,6 +13,8 @@ from tqdm.auto import tqdm
 
 from gridserve.launcher import Launcher
 from gridserve.llm_engine import LLMEngine
+from gridserve.services.gateway.media_loader import MediaLoader
+from gridserve.services.gateway.multimodal import chat_images
 from gridserve.services.gateway.processor import PromptType
 from gridserve.shared.config import GridserveConfig
 from gridserve.shared.errors import InvalidArgumentError
@@ -42,6 +44,7 @@ class LLM:
         self.config = GridserveConfig.from_kwargs(model=model, **kwargs).finalize()
         self.tokenizer = _load_tokenizer(self.config.model.tokenizer_path)
         self._launchers: list[Launcher] = []
+        self._media: Optional[MediaLoader] = None  # chat image URLs, loaded on first use
         self.engines: list[LLMEngine] = []
         try:
             for rank in range(self.config.parallel.data_parallel_size):
@@ -78,20 +81,28 @@ class LLM:
         add_generation_prompt: bool = True,
         chat_template: Optional[str] = None,
     ) -> list[RequestOutput]:
-        """Apply the tokenizer's chat template to each conversation, then generate."""
+        """Apply the tokenizer's chat template to each conversation, then generate. Image parts
+        (``image_url`` with a ``data:`` / ``http(s)`` URL, or ``image_pil``) go to a vision-language
+        model with the conversation, as vLLM takes them."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [
-            {
-                "prompt_token_ids": list(
-                    self.tokenizer.apply_chat_template(
-                        conv, add_generation_prompt=add_generation_prompt,
-                        chat_template=chat_template, tokenize=True, return_dict=False,
-                    )
-                )
-            }
-            for conv in conversations
-        ]
+        prompts = []
+        for conv in conversations:
+            rendered, images = chat_images(list(conv))
+            ids = self.tokenizer.apply_chat_template(rendered, add_generation_prompt=add_generation_prompt,
+                                                     chat_template=chat_template, tokenize=True, return_dict=False)
+            prompt: dict[str, Any] = {"prompt_token_ids": list(ids)}
+            if images:
+                prompt["multi_modal_data"] = {"image": [self._image(field, source) for field, source in images]}
+            prompts.append(prompt)
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _image(self, field: str, source: Any) -> Any:
+        """A chat image part's image: a PIL image as is, a URL loaded (default media limits)."""
+        if not isinstance(source, str):
+            return source
+        if self._media is None:
+            self._media = MediaLoader()
+        return self._media.load(field, source)
 
     def _run(self, prompts: list[PromptType], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
         assigned: list[list[str]] = [[] for _ in self.engines]
@@ -127,13 +138,30 @@ class LLM:
     def reset_prefix_cache(self) -> bool:
         return all([engine.core.reset_prefix_cache() for engine in self.engines])
 
-    def sleep(self, level: int = 1) -> None:
-        for engine in self.engines:
-            engine.core.sleep(level)
+    def sleep(self, level: int = 1) -> list[dict[str, int]]:
+        """Level 1: offload the weights to host memory (on CPU they stay) and drop the KV cache;
+        level 2: drop both. Each worker's memory before and after (``rss_*``, ``device_*`` bytes)."""
+        return [report for engine in self.engines for report in engine.core.sleep(level)]
 
-    def wake_up(self, tags: Optional[list[str]] = None) -> None:
-        for engine in self.engines:
-            engine.core.wake_up(tags)
+    def wake_up(self, tags: Optional[list[str]] = None) -> list[dict[str, int]]:
+        """Restore ``tags`` ("weights", "kv_cache"; all when None). Generation waits until nothing
+        sleeps (``sleeping_tags`` empty)."""
+        return [report for engine in self.engines for report in engine.core.wake_up(tags)]
+
+    @property
+    def sleeping_tags(self) -> list[str]:
+        return self.llm_engine.core.sleeping_tags
+
+    def collective_rpc(self, method: str, args: tuple = (), kwargs: Optional[dict[str, Any]] = None,
+                       timeout: Optional[float] = None, unique_reply_rank: Optional[int] = None) -> list[Any]:
+        """Call a method of the worker extension (``worker_extension_cls``) on every worker of every
+        engine, by name; torch tensors in the arguments and results travel as typed tensors."""
+        from gridserve.services.worker.extension import to_torch, to_wire
+
+        args, kwargs = tuple(to_wire(list(args))), to_wire(dict(kwargs or {}))
+        results = [engine.core.collective_rpc(method, args, kwargs, timeout, unique_reply_rank)
+                   for engine in self.engines]
+        return to_torch(results if len(results) > 1 else results[0])
 
     def stats(self):
         """The first engine's scheduler counters (queue lengths, KV usage, prefix-cache queries and hits)."""
@@ -156,6 +184,8 @@ def _start_local_workers(config: GridserveConfig, data_parallel_size: int = 1) -
     worker addresses given, start one engine's local worker services and point it at them (the
     ``grpc`` executor, as ``serve``); their CPU threads share the machine with the other engines'."""
     parallel = config.parallel
+    if parallel.executor_backend == "ray":
+        return None  # Ray places and starts the workers (RayExecutor)
     if (parallel.world_size == 1 and data_parallel_size == 1) or parallel.worker_addresses:
         if parallel.worker_addresses:
             parallel.executor_backend = "grpc"

@@ -13,6 +13,7 @@ from typing import Any, Optional
 from gridserve.services.engine.core import EngineCore
 from gridserve.services.engine.executor import Executor
 from gridserve.services.engine.request import Request
+from gridserve.services.gateway.multimodal import MultiModalProcessor
 from gridserve.services.gateway.processor import (
     InputProcessor,
     OutputProcessor,
@@ -28,13 +29,13 @@ logger = logging.getLogger(__name__)
 
 def in_process_executor(config: GridserveConfig) -> Optional[Executor]:
     """The ``uni`` backend with the worker role's ``Worker`` (imported here: this module assembles
-    both roles); None for other backends, which ``EngineCore`` builds itself."""
+    both roles, with the worker extension mixed in); None for other backends, which ``EngineCore`` builds itself."""
     if config.parallel.executor_backend != "uni":
         return None
     from gridserve.services.engine.executor.uniproc import UniProcExecutor
-    from gridserve.services.worker.worker import Worker
+    from gridserve.services.worker.extension import worker_class
 
-    return UniProcExecutor(config, Worker)
+    return UniProcExecutor(config, lambda c: worker_class(c)(c))
 
 
 class LLMEngine:
@@ -45,7 +46,8 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.core = EngineCore(config, in_process_executor(config))
         self.input_processor = InputProcessor(
-            tokenizer, config.max_model_len, config.model.vocab_size, config.model.max_logprobs
+            tokenizer, config.max_model_len, config.model.vocab_size, config.model.max_logprobs,
+            MultiModalProcessor.from_model_folder(config.model.model_path),
         )
         self.output_processor = OutputProcessor(tokenizer)
         self._ids = itertools.count()
@@ -63,6 +65,7 @@ class LLMEngine:
                     processed.prompt_token_ids,
                     child_params,
                     eos_token_id=self.config.model.eos_token_id,
+                    mm_features=processed.mm_features,
                 )
             )
         return request_id

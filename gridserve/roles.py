@@ -35,6 +35,11 @@ ENGINE_OPTIONS: list[tuple[str, Any, Any, str]] = [
     ("--pipeline-parallel-size", int, 1, "pipeline stages per engine (-pp)"),
     ("--distributed-init-address", str, None,
      "host:port of the workers' torch.distributed rendezvous (default: a free loopback port)"),
+    ("--distributed-executor-backend", str, "grpc",
+     "how the engine reaches its workers: grpc (worker services at --workers) or ray (Ray places and "
+     "starts them as actors; RAY_ADDRESS or a local Ray)"),
+    ("--worker-extension-cls", str, None,
+     "module:Class mixed into every worker; its public methods are callable through CollectiveRpc"),
 ]
 
 
@@ -144,8 +149,9 @@ def engine_config(args: argparse.Namespace, worker_addresses: list[str]):
         tensor_parallel_size=args.tensor_parallel_size,
         pipeline_parallel_size=args.pipeline_parallel_size,
         distributed_init_address=args.distributed_init_address or "",
+        worker_extension_cls=args.worker_extension_cls or "",
         enable_prefix_caching=not args.no_prefix_caching,
-        distributed_executor_backend="grpc",
+        distributed_executor_backend=args.distributed_executor_backend,
         worker_addresses=worker_addresses,
     ).finalize()
 

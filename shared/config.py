@@ -10,13 +10,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
 from gridserve.shared.errors import ConfigError
+from gridserve.shared.model_registry import ModelRegistry
 from gridserve.shared.parallel import check_model_shardable, kv_head_shard, stage_layers
+from gridserve.shared.plugins import load_general_plugins
 
+_CLASS_TARGET = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 # vLLM's KV-cache dtypes; "auto" stores K/V in the weights' dtype. fp8 keeps a per-tensor scale.
@@ -26,10 +30,10 @@ KV_DTYPE_BYTES = {**DTYPE_BYTES, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
 # a pre-quantized checkpoint's config.json, never asked for.
 QUANTIZATION_METHODS = ("int8", "int4")
 DEVICES = ("auto", "cpu", "cuda")
-EXECUTORS = ("uni", "grpc")
+EXECUTORS = ("uni", "grpc", "ray")
 # Architectures whose model classes shard across tensor-parallel workers / split into pipeline stages.
 PARALLEL_ARCHITECTURES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM"})
-TENSOR_PARALLEL_ARCHITECTURES = PARALLEL_ARCHITECTURES | {"OPTForCausalLM"}
+TENSOR_PARALLEL_ARCHITECTURES = PARALLEL_ARCHITECTURES | {"OPTForCausalLM", "LlavaForConditionalGeneration"}
 PIPELINE_PARALLEL_ARCHITECTURES = PARALLEL_ARCHITECTURES
 
 
@@ -124,6 +128,7 @@ class ModelConfig:
         self.hf_config = cfg
         archs = cfg.get("architectures") or []
         self.architecture = archs[0] if archs else ""
+        cfg = self.text_config  # a vision-language model: the language model's sizes
         self.num_layers = int(cfg.get("num_hidden_layers", 0))
         heads = int(cfg.get("num_attention_heads", 0))
         self.num_kv_heads = int(cfg.get("num_key_value_heads") or heads)
@@ -166,12 +171,17 @@ class ModelConfig:
         return saved if saved in DTYPE_BYTES else "float32"
 
     @property
+    def text_config(self) -> dict:
+        """The language model's config: ``text_config`` of a vision-language model, else the whole."""
+        return self.hf_config.get("text_config") or self.hf_config
+
+    @property
     def tokenizer_path(self) -> str:
         return self.tokenizer or self.model_path or self.model
 
     @property
     def eos_token_id(self) -> Optional[int]:
-        eos = self.hf_config.get("eos_token_id")
+        eos = self.hf_config.get("eos_token_id", self.text_config.get("eos_token_id"))
         if isinstance(eos, list):
             return eos[0] if eos else None
         return eos
@@ -247,10 +257,16 @@ class ParallelConfig:
     # host:port where the workers rendezvous for torch.distributed (rank 0 listens there). Empty:
     # the engine picks a free loopback port (workers on the engine's machine).
     distributed_init_address: str = ""
+    # "module:Class" mixed into every worker; its public methods are callable by name through
+    # ``collective_rpc`` (e.g. RLHF weight sync). Imported only by the workers.
+    worker_extension_cls: str = ""
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
             _positive("parallel", name, getattr(self, name), allow_none=False)
+        if self.worker_extension_cls and not _CLASS_TARGET.match(self.worker_extension_cls):
+            raise ConfigError("parallel.worker_extension_cls",
+                              f"must be 'package.module:Class', got {self.worker_extension_cls!r}")
         if self.executor_backend not in EXECUTORS:
             raise ConfigError(
                 "parallel.executor_backend", f"must be one of {EXECUTORS}, got {self.executor_backend!r}"
@@ -301,7 +317,9 @@ class GridserveConfig:
     def finalize(self) -> GridserveConfig:
         """Resolve the model and fill defaults that depend on it."""
         self.model.resolve()
-        self.parallel.check_model(self.model.architecture, self.model.hf_config)
+        load_general_plugins()  # a plugin may register the checkpoint's architecture
+        ModelRegistry.check_architecture(self.model.architecture)
+        self.parallel.check_model(self.model.architecture, self.model.text_config)
         self.scheduler.finalize(self.max_model_len)
         return self
 

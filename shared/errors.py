@@ -30,3 +30,7 @@ class EngineDeadError(GridserveError, RuntimeError):
 
 class FailedPreconditionError(GridserveError, RuntimeError):
     """The operation is valid but not in the current state (e.g. sleeping with requests in flight)."""
+
+
+class PermissionDeniedError(GridserveError, PermissionError):
+    """The caller may not do this (e.g. call a worker method the extension does not define)."""

@@ -18,6 +18,7 @@ from gridserve.services.coordinator.load_table import LoadTable
 from gridserve.services.coordinator.servicer import CoordinatorServicer
 from gridserve.services.coordinator.waves import Waves
 from gridserve.shared.observability.metrics import start_metrics_server
+from gridserve.shared.plugins import load_general_plugins
 from gridserve.shared.readiness import State
 from gridserve.shared.rpc.server import RpcServer
 
@@ -43,6 +44,7 @@ class _LoadAge:
 
 def serve(host: str, port: int, grace_s: float = 5.0, metrics_port: Optional[int] = None,
           data_parallel_size: int = 1, health_port: Optional[int] = None) -> int:
+    load_general_plugins()  # plugins register in every process (lazy strings: no torch here)
     server = RpcServer(host, port, grace_s=grace_s, role="coordinator", health_port=health_port)  # every handler is async: one loop
     table = LoadTable()
     servicer = CoordinatorServicer(table, Waves(data_parallel_size, on_change=table.bump))

@@ -102,22 +102,36 @@ class EngineLoop:
         return self.submit(self._load)
 
     def sleep(self, level: int) -> Future:
-        def go() -> None:
+        """The future's result: each worker's memory before and after."""
+        def go() -> list[dict[str, int]]:
             if self.core.has_unfinished_requests():
                 raise FailedPreconditionError("cannot sleep with requests in flight")
-            self.core.sleep(level)
+            reports = self.core.sleep(level)
             self.sleeping = True
             self.readiness.set(State.SLEEPING, f"sleep level {level}")
+            return reports
 
         return self.submit(go)
 
     def wake_up(self, tags: Optional[list[str]]) -> Future:
-        def go() -> None:
-            self.core.wake_up(tags)
-            self.sleeping = False
-            self.readiness.try_set(State.READY, "woken up")
+        """Restore ``tags`` (all when None). Requests are refused, and readiness stays SLEEPING,
+        until no tag sleeps: the KV cache is allocated again before the first request."""
+        def go() -> list[dict[str, int]]:
+            reports = self.core.wake_up(tags)
+            still = self.core.sleeping_tags
+            self.sleeping = bool(still)
+            if still:
+                self.readiness.try_set(State.SLEEPING, f"asleep: {', '.join(still)}")
+            else:
+                self.readiness.try_set(State.READY, "woken up")
+            return reports
 
         return self.submit(go)
+
+    def collective_rpc(self, method: str, args: tuple, kwargs: dict, timeout: Optional[float],
+                       unique_reply_rank: Optional[int]) -> Future:
+        """A worker extension method on every worker, between steps."""
+        return self.submit(lambda: self.core.collective_rpc(method, args, kwargs, timeout, unique_reply_rank))
 
     def drain(self, timeout: float) -> None:
         """Stop taking requests, let in-flight ones finish for ``timeout`` s, abort the rest, stop."""

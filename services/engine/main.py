@@ -26,6 +26,7 @@ from gridserve.shared.config import GridserveConfig
 from gridserve.shared.load import EngineLoad
 from gridserve.shared.observability.metrics import start_metrics_server
 from gridserve.shared.observability.tracing import Tracing
+from gridserve.shared.plugins import load_general_plugins
 from gridserve.shared.readiness import State
 from gridserve.shared.rpc.server import RpcServer
 
@@ -41,6 +42,7 @@ def serve(config: GridserveConfig, host: str, port: int, grace_s: float = 10.0, 
           coordinator: Optional[str] = None, data_parallel_rank: int = 0, data_parallel_size: int = 1,
           health_port: Optional[int] = None) -> int:
     """Run the engine until SIGTERM; ``config`` must name its workers (executor ``grpc``)."""
+    load_general_plugins()  # plugins register in every process (lazy strings: no torch here)
     registry = CollectorRegistry(auto_describe=False)
     metrics_server = start_metrics_server(registry, host, metrics_port)
     tracing = Tracing.create("gridserve-engine", otlp_traces_endpoint)

@@ -19,6 +19,8 @@ from gridserve.services.gateway.auth import ApiKeyInterceptor
 from gridserve.services.gateway.chat_template import ChatTemplateRenderer
 from gridserve.services.gateway.limits import RequestLimits
 from gridserve.services.gateway.load_watcher import LoadWatcher
+from gridserve.services.gateway.media_loader import MediaConfig, MediaLoader
+from gridserve.services.gateway.multimodal import MultiModalProcessor
 from gridserve.services.gateway.observability import GatewayMetrics
 from gridserve.services.gateway.service import GatewayService
 from gridserve.services.gateway.servicer import GatewayServicer
@@ -27,6 +29,7 @@ from gridserve.services.gateway.tokenizer import GatewayTokenizer
 from gridserve.shared.errors import EngineDeadError
 from gridserve.shared.observability.metrics import start_metrics_server
 from gridserve.shared.observability.tracing import Tracing
+from gridserve.shared.plugins import load_general_plugins
 from gridserve.shared.readiness import Readiness, State
 from gridserve.shared.rpc.engine_client import EngineClient
 from gridserve.shared.rpc.server import RpcServer
@@ -41,9 +44,10 @@ def serve(engine_addresses: list[str], host: str, port: int, grace_s: float = 10
           api_key: Optional[str] = None, metrics_port: Optional[int] = None,
           otlp_traces_endpoint: Optional[str] = None, coordinator: Optional[str] = None,
           limits: Optional[RequestLimits] = None, blocking_workers: int = 8,
-          health_port: Optional[int] = None) -> int:
+          media: Optional[MediaConfig] = None, health_port: Optional[int] = None) -> int:
     """``limits``: the per-request caps; ``blocking_workers``: the threads that tokenize and render
-    chat templates off the event loop."""
+    chat templates off the event loop; ``media``: where images may come from, how big and slow."""
+    load_general_plugins()  # plugins register in every process (lazy strings: no torch here)
     interceptors = [ApiKeyInterceptor(api_key)] if api_key else []
     # asyncio server: every RPC is ``async`` and shares its loop.
     server = RpcServer(host, port, max_workers=32, grace_s=grace_s, interceptors=interceptors, role="gateway",
@@ -62,7 +66,8 @@ def serve(engine_addresses: list[str], host: str, port: int, grace_s: float = 10
     renderer = ChatTemplateRenderer(limits.max_rendered_template_chars, limits.template_render_timeout_s)
     service = GatewayService(GatewayTokenizer(info.tokenizer_path, renderer), engines, info.model,
                              info.max_model_len, info.vocab_size, info.max_logprobs, metrics, tracing,
-                             limits, blocking_workers)
+                             limits, blocking_workers, MultiModalProcessor.from_model_folder(info.model_path),
+                             MediaLoader(media))
     metrics_server = None
     if metrics is not None:
         # The edge's GET /metrics shows these, with every engine's metrics merged in.

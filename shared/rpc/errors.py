@@ -2,8 +2,8 @@
 
 ``InvalidArgumentError`` -> INVALID_ARGUMENT (the message names the field), ``EngineDeadError``
 -> UNAVAILABLE, ``ModelNotFoundError`` -> NOT_FOUND, ``FailedPreconditionError`` ->
-FAILED_PRECONDITION; anything else -> INTERNAL (logged with its traceback). An ``RpcError`` from an
-upstream call keeps its code. A ``grpc.aio`` server interceptor (``RpcServer`` is the only server):
+FAILED_PRECONDITION, ``PermissionDeniedError`` -> PERMISSION_DENIED; anything else -> INTERNAL
+(logged with its traceback). An ``RpcError`` from an upstream call keeps its code. A ``grpc.aio`` server interceptor (``RpcServer`` is the only server):
 it wraps unary and streaming handlers alike, ``async def`` ones on the loop and plain ones, which
 that server runs in its thread pool.
 """
@@ -22,6 +22,7 @@ from gridserve.shared.errors import (
     FailedPreconditionError,
     InvalidArgumentError,
     ModelNotFoundError,
+    PermissionDeniedError,
 )
 
 logger = logging.getLogger(__name__)
@@ -31,6 +32,7 @@ _CODES: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (EngineDeadError, grpc.StatusCode.UNAVAILABLE),
     (ModelNotFoundError, grpc.StatusCode.NOT_FOUND),
     (FailedPreconditionError, grpc.StatusCode.FAILED_PRECONDITION),
+    (PermissionDeniedError, grpc.StatusCode.PERMISSION_DENIED),
 ]
 
 

@@ -113,7 +113,8 @@ def _check_pair(cert_pem: bytes, key_pem: bytes) -> None:
         raise ValueError("the private key does not match the certificate")
 
 
-_active: Optional[TlsFiles] = None
+_UNSET = object()
+_active: object = _UNSET
 
 
 def configure(files: Optional[TlsFiles]) -> None:
@@ -123,4 +124,12 @@ def configure(files: Optional[TlsFiles]) -> None:
 
 
 def active() -> Optional[TlsFiles]:
-    return _active
+    """The configured files; until ``configure`` is called, those the ``GRIDSERVE_TLS_*`` variables
+    name (so a library client such as a remote ``AsyncLLM`` presents its certificate too)."""
+    global _active
+    if _active is _UNSET:
+        env = argparse.Namespace(**{flag.lstrip("-").replace("-", "_"):
+                                    os.environ.get("GRIDSERVE_" + flag.lstrip("-").replace("-", "_").upper())
+                                    for flag in FLAGS})
+        _active = TlsFiles.from_args(env)
+    return _active  # type: ignore[return-value]

@@ -231,3 +231,15 @@ def test_serve_tls_makes_a_private_certificate_folder_and_removes_it_on_stop():
     assert "--tls-cert-file" in launcher.certificates["engine"].argv()
     launcher.stop()
     assert not folder.exists() and launcher.certificates == {}
+
+
+def test_a_library_process_takes_its_certificate_from_the_environment(tmp_path, monkeypatch):
+    from gridserve.shared.rpc import tls
+
+    files = LocalCA(tmp_path).issue("gateway")
+    for name, path in (("CERT", files.cert), ("KEY", files.key), ("CA", files.ca)):
+        monkeypatch.setenv(f"GRIDSERVE_TLS_{name}_FILE", str(path))
+    monkeypatch.setattr(tls, "_active", tls._UNSET)
+    assert tls.active() == files
+    configure(None)  # an explicit choice wins
+    assert tls.active() is None

@@ -1,7 +1,8 @@
 """``GrpcExecutor``: the engine drives worker services over their ``CollectiveRPC`` streams.
 
-Same contract as ``UniProcExecutor``: ``collective_rpc`` runs one allow-listed method on every
-worker (in rank order) and returns their results, or a future of them with ``non_block=True``.
+Same contract as ``UniProcExecutor``: ``collective_rpc`` runs one allow-listed method, or a worker
+extension's method by name (``call_extension``), on every worker (in rank order) and returns their
+results, or a future of them with ``non_block=True``.
 Arguments are converted to typed protobuf payloads here; nothing is pickled. ``execute_model`` goes
 to every worker but waits only for the output rank (TP rank 0 of the last pipeline stage). A worker
 that dies, errs or stops answering fails the whole group: every call fails with ``EngineDeadError``,
@@ -26,11 +27,17 @@ from concurrent.futures import TimeoutError as FutureTimeoutError
 from typing import Any, Optional, Union
 
 from gridserve.api.worker.v1 import worker_pb2
-from gridserve.services.engine.executor.base import Executor, chain_first, check_worker_method
+from gridserve.services.engine.executor.base import (
+    Executor,
+    chain_first,
+    check_worker_method,
+    is_extension_method,
+)
 from gridserve.services.engine.executor.worker_stream import WorkerStream
-from gridserve.shared.errors import ConfigError, EngineDeadError
+from gridserve.shared.errors import ConfigError, EngineDeadError, InvalidArgumentError
 from gridserve.shared.parallel import output_rank
 from gridserve.shared.rpc.loop_thread import LoopThread
+from gridserve.shared.rpc.values import encode
 from gridserve.shared.rpc.worker_convert import config_to_pb, scheduler_output_to_pb
 from gridserve.shared.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
@@ -131,17 +138,29 @@ class GrpcExecutor(Executor):
         args: tuple = (),
         kwargs: Optional[dict[str, Any]] = None,
         non_block: bool = False,
-    ) -> Union[list[Any], Future]:
+        unique_reply_rank: Optional[int] = None,
+    ) -> Union[list[Any], Any, Future]:
         check_worker_method(method)
+        if unique_reply_rank is not None and not 0 <= unique_reply_rank < len(self.workers):
+            raise InvalidArgumentError("unique_reply_rank", f"rank {unique_reply_rank} of {len(self.workers)} workers")
         timeout = timeout or (LOAD_TIMEOUT_S if method in _SLOW_METHODS else STEP_TIMEOUT_S)
+        field = "call_extension" if is_extension_method(method) else method
         shared = self._payload(method, args, kwargs or {})
         futures = [
-            worker.call(method, **{method: self._per_rank(method, rank, shared)})
+            worker.call(field, **{field: self._per_rank(method, rank, shared)})
             for rank, worker in enumerate(self.workers)
         ]
+        if unique_reply_rank is not None:
+            futures = [futures[unique_reply_rank]]
         if non_block:
-            return _gather(futures, timeout, self)
-        return [self._wait(f, timeout, method) for f in futures]
+            combined = _gather(futures, timeout, self)
+            if unique_reply_rank is None:
+                return combined
+            single: Future = Future()
+            combined.add_done_callback(lambda f: chain_first(f, single))
+            return single
+        results = [self._wait(f, timeout, method) for f in futures]
+        return results[0] if unique_reply_rank is not None else results
 
     def _wait(self, future: Future, timeout: float, method: str) -> Any:
         try:
@@ -163,15 +182,22 @@ class GrpcExecutor(Executor):
             return worker_pb2.WakeUpArgs(tags=kwargs.get("tags", args[0] if args else None) or [])
         if method == "init_device":
             return config_to_pb(self.config)
+        if is_extension_method(method):
+            return worker_pb2.ExtensionCallArgs(method=method, args=[encode(a) for a in args],
+                                                kwargs={k: encode(v) for k, v in kwargs.items()})
         return _EMPTY_ARGS[method]()
 
     def _per_rank(self, method: str, rank: int, shared: Any) -> Any:
         if method == "init_device":
             return worker_pb2.InitDeviceArgs(
-                config=shared, rank=rank, local_rank=_local_rank(self.config.parallel.worker_addresses, rank),
+                config=shared, rank=rank, local_rank=self._local_rank_of(rank),
                 world_size=self.config.parallel.world_size, distributed_init_address=self.init_address,
             )
         return shared
+
+    def _local_rank_of(self, rank: int) -> int:
+        """The device index of worker ``rank`` on its machine."""
+        return _local_rank(self.config.parallel.worker_addresses, rank)
 
     def shutdown(self) -> None:
         try:
