@@ -163,10 +163,13 @@ def test_a_worker_certificate_cannot_add_requests(edge, certs):
     assert "worker" in details and "AddRequest" in details
 
 
-def test_only_admin_may_put_the_engine_to_sleep(edge, certs):
+def test_only_admin_may_put_the_engine_to_sleep_or_drive_its_workers(edge, certs):
     with make_channel(address(edge, "engine"), certs["gateway"]) as channel:
         code, details = _code(lambda: engine_stub(channel).Sleep(engine_pb2.SleepRequest(), timeout=10))
         assert code == grpc.StatusCode.PERMISSION_DENIED and "gateway" in details and "Sleep" in details
+        code, details = _code(lambda: engine_stub(channel).CollectiveRpc(
+            engine_pb2.CollectiveRpcRequest(method="echo"), timeout=10))
+        assert code == grpc.StatusCode.PERMISSION_DENIED and "CollectiveRpc" in details
         assert engine_stub(channel).GetInfo(engine_pb2.GetInfoRequest(), timeout=10).vocab_size > 0
     metrics = f"http://{next(p.metrics_address for p in edge.processes if p.role == 'engine')}/metrics"
     text = urllib.request.urlopen(metrics, timeout=10).read().decode()
