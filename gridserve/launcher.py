@@ -304,13 +304,15 @@ class Launcher:
         """Keep the deployment running until ``stop()``: restart each role that dies, as a Kubernetes
         restart policy would, and return only when one keeps failing at start (the role returned).
 
-        A gateway, the coordinator or the edge is restarted alone (gateways reconnect to engines,
-        engines and gateways to the coordinator, the edge health-checks the gateways back in). An
-        engine and its workers are one group: the engine initializes its workers and a worker of a
-        parallel group cannot rejoin a running one, so the death of either restarts the whole group
-        (its in-flight requests fail; other engines keep serving). Delays double from
-        ``RESTART_BACKOFF_S[0]`` to its cap while deaths follow quickly after starts; after
-        ``CRASH_LOOP_RESTARTS`` such deaths in a row the deployment gives up.
+        A gateway, the coordinator, the edge or a worker is restarted alone, on the same address with
+        the same arguments: gateways reconnect to engines, engines and gateways to the coordinator,
+        the edge health-checks the gateways back in, and an engine whose worker died keeps running
+        and rebuilds its worker group once the worker is back (``--worker-recovery-timeout``; the
+        other ranks of a parallel group leave when the engine closes their streams, and are
+        restarted the same way), so its in-flight requests only pause. A dead engine restarts with
+        its workers (it initializes them at start, and ranks of a parallel group cannot be reused).
+        Delays double from ``RESTART_BACKOFF_S[0]`` to its cap while deaths follow quickly after
+        starts; after ``CRASH_LOOP_RESTARTS`` such deaths in a row the deployment gives up.
         """
         while self.processes and not self._stopping.is_set():
             dead = next((p for p in self.processes if p.process.poll() is not None), None)
@@ -326,7 +328,8 @@ class Launcher:
                              dead.quick_failures - 1)
                 return dead
             delay = min(RESTART_BACKOFF_S[0] * 2 ** (dead.quick_failures - 1), RESTART_BACKOFF_S[1])
-            group = [p for p in self.processes if dead.group is not None and p.group == dead.group]
+            group = [p for p in self.processes
+                     if dead.role == "engine" and dead.group is not None and p.group == dead.group]
             with self._lock:
                 if not self._stopping.is_set():
                     self._restart(group or [dead], delay, dead.quick_failures)

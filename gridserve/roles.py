@@ -35,6 +35,9 @@ ENGINE_OPTIONS: list[tuple[str, Any, Any, str]] = [
     ("--pipeline-parallel-size", int, 1, "pipeline stages per engine (-pp)"),
     ("--distributed-init-address", str, None,
      "host:port of the workers' torch.distributed rendezvous (default: a free loopback port)"),
+    ("--worker-recovery-timeout", float, 120.0,
+     "seconds a failed worker group may take to come back before in-flight requests fail "
+     "(0: a worker failure kills the engine)"),
 ]
 
 

@@ -2,7 +2,8 @@
 
 ``InvalidArgumentError`` -> INVALID_ARGUMENT (the message names the field), ``EngineDeadError``
 -> UNAVAILABLE, ``ModelNotFoundError`` -> NOT_FOUND, ``FailedPreconditionError`` ->
-FAILED_PRECONDITION; anything else -> INTERNAL (logged with its traceback). An ``RpcError`` from an
+FAILED_PRECONDITION, ``RequestFailedError`` (one request failed in a worker) -> INTERNAL with its
+reason; anything else -> INTERNAL (logged with its traceback). An ``RpcError`` from an
 upstream call keeps its code. A ``grpc.aio`` server interceptor (``RpcServer`` is the only server):
 it wraps unary and streaming handlers alike, ``async def`` ones on the loop and plain ones, which
 that server runs in its thread pool.
@@ -22,6 +23,7 @@ from gridserve.shared.errors import (
     FailedPreconditionError,
     InvalidArgumentError,
     ModelNotFoundError,
+    RequestFailedError,
 )
 
 logger = logging.getLogger(__name__)
@@ -31,6 +33,7 @@ _CODES: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (EngineDeadError, grpc.StatusCode.UNAVAILABLE),
     (ModelNotFoundError, grpc.StatusCode.NOT_FOUND),
     (FailedPreconditionError, grpc.StatusCode.FAILED_PRECONDITION),
+    (RequestFailedError, grpc.StatusCode.INTERNAL),
 ]
 
 
@@ -47,7 +50,7 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
 def _logged_status(exc: Exception, method: str) -> tuple[grpc.StatusCode, str]:
     """``status_for(exc)``, logged (with the traceback when it is a bug)."""
     code, message = status_for(exc)
-    if code == grpc.StatusCode.INTERNAL:
+    if code == grpc.StatusCode.INTERNAL and not isinstance(exc, RequestFailedError):
         logger.exception("%s failed", method)
     else:
         logger.info("%s -> %s: %s", method, code.name, message)

@@ -16,7 +16,7 @@ from concurrent.futures import Future
 from typing import Any, Optional, Union
 
 from gridserve.shared.config import GridserveConfig
-from gridserve.shared.errors import ConfigError, InvalidArgumentError
+from gridserve.shared.errors import ConfigError, EngineDeadError, InvalidArgumentError
 from gridserve.shared.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
 # The fixed allow-list of worker methods an executor may call.
@@ -104,6 +104,16 @@ class Executor(ABC):
 
     def check_health(self) -> None:
         self.collective_rpc("check_health", timeout=10.0)
+
+    @property
+    def healthy(self) -> bool:
+        """No worker failure is known since the group was (re)built."""
+        return True
+
+    def reinitialize(self, num_blocks: int, timeout_s: float) -> None:
+        """Rebuild the worker group after a failure (device, weights, a KV cache of ``num_blocks``),
+        waiting up to ``timeout_s`` for its workers to be back; ``EngineDeadError`` when it cannot."""
+        raise EngineDeadError(f"the {type(self).__name__} cannot rebuild its workers")
 
     def sleep(self, level: int = 1) -> None:
         if not self.is_sleeping:
