@@ -68,13 +68,16 @@ def _kill(launcher, role: str) -> int:
 @pytest.mark.parametrize("role", ["gateway", "worker", "engine", "edge"])
 def test_a_killed_role_is_restarted_and_the_deployment_serves_again(supervised, role):
     assert _complete(supervised, timeout=30) == 200
+    engine_pid = next(p.pid for p in supervised.processes if p.role == "engine")
     old = _kill(supervised, role)
     _serves_again(supervised)
     proc = next(p for p in supervised.processes if p.role == role)
     assert proc.pid != old and proc.process.poll() is None
-    if role in ("worker", "engine"):  # the engine and its workers restart together
+    if role in ("worker", "engine"):
         group = [p for p in supervised.processes if p.group == proc.group]
         assert all(p.process.poll() is None for p in group) and len(group) == 2
+    if role == "worker":  # restarted alone: its engine stayed up and rebuilt the group
+        assert next(p.pid for p in supervised.processes if p.role == "engine") == engine_pid
 
 
 def test_a_role_that_keeps_failing_at_start_ends_supervision(llama_tiny, tmp_path, monkeypatch):
