@@ -17,7 +17,16 @@ from gridserve.api.common.v1 import common_pb2
 from gridserve.launcher import free_port
 from gridserve.shared.rpc.client import health_status, make_channel
 
-from .services import ENGINE_ARGS, KV_BYTES, address, deployment, gateway_stub, greedy, pid, token_prompt
+from .services import (
+    ENGINE_ARGS,
+    KV_BYTES,
+    address,
+    deployment,
+    gateway_stub,
+    greedy,
+    pid,
+    token_prompt,
+)
 
 pytestmark = pytest.mark.slow
 

@@ -19,7 +19,15 @@ from gridserve.api.common.v1 import common_pb2
 from gridserve.api.engine.v1 import engine_pb2
 from gridserve.shared.rpc.client import health_status, make_channel
 
-from .services import address, deployment, engine_stub, gateway_stub, greedy, stream_tokens, token_prompt
+from .services import (
+    address,
+    deployment,
+    engine_stub,
+    gateway_stub,
+    greedy,
+    stream_tokens,
+    token_prompt,
+)
 
 pytestmark = pytest.mark.slow
 
