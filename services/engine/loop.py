@@ -318,6 +318,7 @@ class EngineLoop:
             return
         if self.core.executor.healthy:
             self._fault = None  # late reports of the replaced group's failure
+        self.sleeping = False  # a rebuilt group is awake
         self.recoveries += 1
         self.last_recovery_s = time.monotonic() - start
         logger.warning("worker group recovered in %.2f s (recovery %d); %d requests resume",
