@@ -129,6 +129,8 @@ class EngineLoop:
 
     def wake_up(self, tags: Optional[list[str]]) -> Future:
         def go() -> None:
+            if self.recovering:
+                raise FailedPreconditionError("the engine is recovering its workers")
             self.core.wake_up(tags)
             self.sleeping = False
             self.readiness.try_set(State.READY, "woken up")

@@ -266,6 +266,10 @@ class _Stream:
         if isinstance(item, Exception):
             raise item
         if item.finish_reason is FinishReason.ERROR:  # this request failed in the engine; others go on
+            sample = self.samples.get(item.request_id)
+            if sample is not None:
+                sample.finish_reason = FinishReason.ERROR.value
+            self.observation.on_sample_finished(FinishReason.ERROR.value)
             raise RequestFailedError(f"request {self.request_id} failed: {item.error or 'unknown error'}")
         self.observation.on_output(item)
         done, to_abort = self.processor.process_outputs([item])

@@ -120,11 +120,12 @@ def fast_restarts(monkeypatch):
     monkeypatch.setattr(launcher_module, "RESTART_BACKOFF_S", (0.1, 1.0))
 
 
-@pytest.mark.parametrize("tp,victim", [(1, 0), (2, 1)], ids=["tp1", "tp2-rank1"])
+@pytest.mark.parametrize("tp,pp,victim", [(1, 1, 0), (2, 1, 1), (1, 2, 0)], ids=["tp1", "tp2-rank1", "pp2-rank0"])
 def test_killed_worker_is_restarted_and_every_request_completes_unchanged(
-        llama_tiny, tmp_path, fast_restarts, tp, victim):
+        llama_tiny, tmp_path, fast_restarts, tp, pp, victim):
     engine_args = [*ENGINE_ARGS, "--worker-recovery-timeout", "90"]
-    with deployment(llama_tiny, tmp_path, engine_args=engine_args, tensor_parallel_size=tp) as launcher:
+    with deployment(llama_tiny, tmp_path, engine_args=engine_args, tensor_parallel_size=tp,
+                    pipeline_parallel_size=pp) as launcher:
         supervisor = threading.Thread(target=launcher.supervise, kwargs={"poll_s": 0.02}, daemon=True)
         supervisor.start()
         gateway = address(launcher, "gateway")
@@ -146,7 +147,7 @@ def test_killed_worker_is_restarted_and_every_request_completes_unchanged(
 
         assert max(at_kill) < MAX_TOKENS, "the requests finished before the kill: nothing was tested"
         assert outputs == reference
-        logger.warning("TP=%d: worker kill -> first token after the recovery: %.2f s", tp,
+        logger.warning("TP=%d PP=%d: worker kill -> first token after the recovery: %.2f s", tp, pp,
                        _resumed_at(streams.times, killed_at) - killed_at)
         assert "NOT_SERVING" in states and states[-1] == "SERVING", states
         assert states.index("NOT_SERVING") < len(states) - 1
