@@ -155,3 +155,32 @@ def test_killed_worker_is_restarted_and_every_request_completes_unchanged(
         assert all(w.process.poll() is None for w in workers)
         assert all(w.pid != old for w, old in zip(workers, old_pids)), "every rank of the group restarted"
         assert engine.pid == engine_pid and engine.process.poll() is None  # the engine was never restarted
+
+
+def test_a_worker_that_hangs_then_comes_back_is_reinitialized_in_place(llama_tiny, tmp_path, monkeypatch):
+    """SIGSTOP, not SIGKILL: the engine gives up on the silent worker when its step times out
+    (``GRIDSERVE_STEP_TIMEOUT_S``, 5 s here) and recovers; once the same process answers again
+    (SIGCONT) it is initialized anew (world size 1 needs no fresh process) and every request
+    completes unchanged."""
+    monkeypatch.setenv("GRIDSERVE_STEP_TIMEOUT_S", "5")  # inherited by the engine process
+    engine_args = [*ENGINE_ARGS, "--worker-recovery-timeout", "90"]
+    with deployment(llama_tiny, tmp_path, engine_args=engine_args) as launcher:
+        gateway = address(launcher, "gateway")
+        reference = _Streams(gateway).join()
+        health = _HealthLog(address(launcher, "engine"))
+        streams = _Streams(gateway)
+        streams.wait_for(4)
+        worker = next(p for p in launcher.processes if p.role == "worker")
+        os.kill(worker.pid, signal.SIGSTOP)
+        try:
+            deadline = time.monotonic() + 30
+            while "NOT_SERVING" not in health.states:  # the engine gave up on the stream: recovering
+                assert time.monotonic() < deadline, health.states
+                time.sleep(0.05)
+        finally:
+            os.kill(worker.pid, signal.SIGCONT)
+        outputs = streams.join()
+        states = health.stop()
+        assert outputs == reference
+        assert states[-1] == "SERVING" and _recoveries(launcher) == 1.0
+        assert worker.process.poll() is None and next(p for p in launcher.processes if p.role == "worker") is worker
