@@ -16,7 +16,12 @@ from concurrent.futures import Future
 from typing import Any, Optional, Union
 
 from gridserve.shared.config import GridserveConfig
-from gridserve.shared.errors import ConfigError, EngineDeadError, InvalidArgumentError, PermissionDeniedError
+from gridserve.shared.errors import (
+    ConfigError,
+    EngineDeadError,
+    InvalidArgumentError,
+    PermissionDeniedError,
+)
 from gridserve.shared.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
 # The fixed allow-list of worker methods an executor may call.

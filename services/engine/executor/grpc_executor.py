@@ -126,7 +126,7 @@ class GrpcExecutor(Executor):
                 self.collective_rpc("load_model", timeout=max(deadline - time.monotonic(), 1.0))
                 self.initialize_cache(num_blocks)
                 if self.healthy:
-                    self.is_sleeping = False
+                    self.sleeping_tags = set()  # a rebuilt group is awake
                     return
                 raise EngineDeadError("a worker failed while the group was rebuilt")
             except Exception as exc:  # noqa: BLE001 - retried until the deadline
