@@ -158,7 +158,8 @@ def _engine(args: argparse.Namespace) -> int:
     return serve(engine_config(args, workers), args.host, args.port, args.grace_period,
                  metrics_port=args.metrics_port, otlp_traces_endpoint=args.otlp_traces_endpoint,
                  coordinator=args.coordinator, data_parallel_rank=args.data_parallel_rank,
-                 data_parallel_size=args.data_parallel_size, health_port=args.health_port)
+                 data_parallel_size=args.data_parallel_size, health_port=args.health_port,
+                 worker_recovery_timeout_s=args.worker_recovery_timeout)
 
 
 def _coordinator(args: argparse.Namespace) -> int:

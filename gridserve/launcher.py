@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import IO, Optional
 
 from gridserve.edge import EdgeLimits
+from gridserve.shared.readiness import LIVENESS_SERVICE
 from gridserve.shared.rpc.client import health_status, make_channel, wait_until_serving
 from gridserve.shared.rpc.tls import TlsFiles
 
@@ -46,6 +47,7 @@ STARTUP_TIMEOUT_S = float(os.environ.get("GRIDSERVE_STARTUP_TIMEOUT_S", "600"))
 RESTART_BACKOFF_S = (1.0, 30.0)  # first delay, cap: doubles with each failure in a row
 CRASH_LOOP_RESTARTS = 5  # restarts in a row, each dying within CRASH_LOOP_WINDOW_S of its start
 CRASH_LOOP_WINDOW_S = 60.0
+LIVENESS_PERIOD_S = 5.0  # how often supervise() asks each engine's liveness (a dead engine is restarted)
 
 
 @dataclass
@@ -128,6 +130,7 @@ class Launcher:
         self.processes: list[RoleProcess] = []
         self._stopping = threading.Event()
         self._lock = threading.Lock()  # a restart and stop() never interleave
+        self._next_liveness_check = 0.0
         self.exit_codes: dict[str, int] = {}  # "role-pid" -> exit status, filled by stop()
 
     # ---- start ------------------------------------------------------------------------------------
@@ -368,32 +371,54 @@ class Launcher:
         """Keep the deployment running until ``stop()``: restart each role that dies, as a Kubernetes
         restart policy would, and return only when one keeps failing at start (the role returned).
 
-        A gateway, the coordinator or the edge is restarted alone (gateways reconnect to engines,
-        engines and gateways to the coordinator, the edge health-checks the gateways back in). An
-        engine and its workers are one group: the engine initializes its workers and a worker of a
-        parallel group cannot rejoin a running one, so the death of either restarts the whole group
-        (its in-flight requests fail; other engines keep serving). Delays double from
-        ``RESTART_BACKOFF_S[0]`` to its cap while deaths follow quickly after starts; after
-        ``CRASH_LOOP_RESTARTS`` such deaths in a row the deployment gives up.
+        A gateway, the coordinator, the edge or a worker is restarted alone, on the same address with
+        the same arguments: gateways reconnect to engines, engines and gateways to the coordinator,
+        the edge health-checks the gateways back in, and an engine whose worker died keeps running
+        and rebuilds its worker group once the worker is back (``--worker-recovery-timeout``; the
+        other ranks of a parallel group leave when the engine closes their streams, and are
+        restarted the same way), so its in-flight requests only pause. A dead engine restarts with
+        its workers (it initializes them at start, and ranks of a parallel group cannot be reused),
+        and so does one that runs but is dead (its liveness health says NOT_SERVING: its workers
+        did not come back within the recovery timeout).
+        Delays double from ``RESTART_BACKOFF_S[0]`` to its cap while deaths follow quickly after
+        starts; after ``CRASH_LOOP_RESTARTS`` such deaths in a row the deployment gives up.
         """
         while self.processes and not self._stopping.is_set():
             dead = next((p for p in self.processes if p.process.poll() is not None), None)
+            dead = dead or self._dead_engine()
             if dead is None:
                 time.sleep(poll_s)
                 continue
             quick = time.monotonic() - dead.started_at < CRASH_LOOP_WINDOW_S
             dead.quick_failures = dead.quick_failures + 1 if quick else 1
-            logger.error("%s (pid %d) exited with %s%s", dead.role, dead.pid, dead.process.returncode,
-                         self._log_hint(dead))
+            logger.error("%s (pid %d) %s%s", dead.role, dead.pid,
+                         "is not live (its liveness health says NOT_SERVING)" if dead.process.poll() is None
+                         else f"exited with {dead.process.returncode}", self._log_hint(dead))
             if dead.quick_failures > CRASH_LOOP_RESTARTS:
                 logger.error("%s keeps failing at start (%d times in a row): giving up", dead.role,
                              dead.quick_failures - 1)
                 return dead
             delay = min(RESTART_BACKOFF_S[0] * 2 ** (dead.quick_failures - 1), RESTART_BACKOFF_S[1])
-            group = [p for p in self.processes if dead.group is not None and p.group == dead.group]
+            group = [p for p in self.processes
+                     if dead.role == "engine" and dead.group is not None and p.group == dead.group]
             with self._lock:
                 if not self._stopping.is_set():
                     self._restart(group or [dead], delay, dead.quick_failures)
+        return None
+
+    def _dead_engine(self) -> Optional[RoleProcess]:
+        """An engine whose process runs but whose liveness says NOT_SERVING (it is DEAD: e.g. its
+        worker group did not come back in time), as a Kubernetes liveness probe would find it;
+        asked every ``LIVENESS_PERIOD_S``. An engine that does not answer is left to its exit."""
+        now = time.monotonic()
+        if now < self._next_liveness_check:
+            return None
+        self._next_liveness_check = now + LIVENESS_PERIOD_S
+        for proc in self.processes:
+            if proc.role == "engine" and proc.process.poll() is None:
+                with make_channel(proc.address, self.admin_tls) as channel:
+                    if health_status(channel, LIVENESS_SERVICE, timeout=1.0) == "NOT_SERVING":
+                        return proc
         return None
 
     def _restart(self, procs: list[RoleProcess], delay: float, failures: int) -> None:

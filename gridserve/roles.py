@@ -40,6 +40,9 @@ ENGINE_OPTIONS: list[tuple[str, Any, Any, str]] = [
      "starts them as actors; RAY_ADDRESS or a local Ray)"),
     ("--worker-extension-cls", str, None,
      "module:Class mixed into every worker; its public methods are callable through CollectiveRpc"),
+    ("--worker-recovery-timeout", float, 120.0,
+     "seconds a failed worker group may take to come back before in-flight requests fail "
+     "(0: a worker failure kills the engine)"),
 ]
 
 

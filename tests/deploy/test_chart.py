@@ -35,7 +35,7 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
                                                "dashboard": {"enabled": True,
                                                              "annotations": {"grafana_folder": "LLM"}}}},
     "engine-options": {"engine": {"maxModelLen": 4096, "kvCacheMemoryBytes": 8589934592, "seed": 7,
-                                  "enablePrefixCaching": False}},
+                                  "enablePrefixCaching": False, "workerRecoveryTimeout": 300}},
     "example-one-node-8gpu": EXAMPLE_8_GPU,
 }
 # Kinds from CRDs, whose schemas kubernetes-validate does not ship (checked by hand below; the
@@ -340,6 +340,7 @@ def test_engine_options_become_environment_variables(render_chart) -> None:
     assert env["GRIDSERVE_KV_CACHE_MEMORY_BYTES"] == "8589934592"
     assert env["GRIDSERVE_SEED"] == "7"
     assert env["GRIDSERVE_NO_PREFIX_CACHING"] == "1"
+    assert env["GRIDSERVE_WORKER_RECOVERY_TIMEOUT"] == "300"
     assert "GRIDSERVE_MAX_NUM_SEQS" not in env
 
 
