@@ -47,3 +47,8 @@ class DeadlineExceededError(GridserveError, TimeoutError):
 
 class PermissionDeniedError(GridserveError, PermissionError):
     """The caller may not do this (e.g. call a worker method the extension does not define)."""
+
+
+class RequestFailedError(GridserveError, RuntimeError):
+    """One request failed inside the engine or a worker (e.g. its grammar); the others went on.
+    INTERNAL over gRPC, HTTP 500 over REST, with the reason."""

@@ -43,14 +43,15 @@ class _LoadAge:
 
 
 def serve(host: str, port: int, grace_s: float = 5.0, metrics_port: Optional[int] = None,
-          data_parallel_size: int = 1) -> int:
+          data_parallel_size: int = 1, health_port: Optional[int] = None) -> int:
     load_general_plugins()  # plugins register in every process (lazy strings: no torch here)
-    server = RpcServer(host, port, grace_s=grace_s, role="coordinator")  # every handler is async: one loop
+    server = RpcServer(host, port, grace_s=grace_s, role="coordinator", health_port=health_port)  # every handler is async: one loop
     table = LoadTable()
     servicer = CoordinatorServicer(table, Waves(data_parallel_size, on_change=table.bump))
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_LoadAge(table))
     metrics_server = start_metrics_server(registry, host, metrics_port)
+    server.register_metrics(registry)
     server.add_service(SERVICE, lambda s: coordinator_pb2_grpc.add_CoordinatorServicer_to_server(servicer, s))
     server.on_drain = lambda timeout: servicer.stopping.set()
     server.install_signal_handlers()

@@ -90,6 +90,17 @@ class EngineCore:
         scheduler_output, future = self._batches.popleft()
         return self.scheduler.update_from_output(scheduler_output, future.result())
 
+    def requeue_after_worker_loss(self) -> int:
+        """The workers lost every request's KV: drop the batches in flight and send every running
+        request back to the waiting queue to be recomputed from prompt + the tokens it has (the
+        prefix cache is emptied too). Returns the number of requests that will resume."""
+        self._batches.clear()
+        return self.scheduler.requeue_all()
+
+    def reinitialize_workers(self, timeout_s: float) -> None:
+        """Rebuild the worker group (device, weights, a KV cache of the same number of blocks)."""
+        self.executor.reinitialize(self.config.cache.num_blocks, timeout_s)
+
     def execute_dummy_batch(self) -> None:
         """One empty step through the executor (an idle engine's part of an MoE wave)."""
         self.executor.execute_model(SchedulerOutput())

@@ -20,6 +20,7 @@ from gridserve.api.engine.v1 import engine_pb2, engine_pb2_grpc
 from gridserve.services.engine.executor.base import is_extension_method
 from gridserve.services.engine.loop import END, EngineLoop
 from gridserve.services.engine.request import Request
+from gridserve.services.engine.request_checks import check_request
 from gridserve.services.engine.status import EngineStatus
 from gridserve.shared.config import GridserveConfig
 from gridserve.shared.errors import EngineDeadError, InvalidArgumentError, PermissionDeniedError
@@ -57,14 +58,14 @@ class EngineServicer(engine_pb2_grpc.EngineCoreServicer):
     async def AddRequest(self, request: engine_pb2.AddRequestRequest, context: grpc.aio.ServicerContext):
         if not request.request_id:
             raise InvalidArgumentError("request_id", "must not be empty")
-        if not request.prompt_token_ids:
-            raise InvalidArgumentError("prompt_token_ids", "must not be empty")
         if request.mm_features and "vision_config" not in self.config.model.hf_config:
             raise InvalidArgumentError("mm_features", f"{self.config.model.architecture} takes text only")
+        prompt, params = list(request.prompt_token_ids), sampling_params_from_pb(request.sampling_params)
+        check_request(self.config, prompt, params)  # never trust the caller: ids, lengths, ranges
         domain = Request(
             request.request_id,
-            list(request.prompt_token_ids),
-            sampling_params_from_pb(request.sampling_params),
+            prompt,
+            params,
             eos_token_id=self.config.model.eos_token_id,
             cache_salt=request.cache_salt if request.HasField("cache_salt") else None,
             parent_request_id=request.parent_request_id if request.HasField("parent_request_id") else None,

@@ -3,8 +3,9 @@
 ``InvalidArgumentError`` -> INVALID_ARGUMENT (the message names the field), ``EngineDeadError``
 -> UNAVAILABLE, ``ModelNotFoundError`` -> NOT_FOUND, ``FailedPreconditionError`` ->
 FAILED_PRECONDITION, ``PermissionDeniedError`` -> PERMISSION_DENIED, ``ResourceExhaustedError`` ->
-RESOURCE_EXHAUSTED, ``DeadlineExceededError`` -> DEADLINE_EXCEEDED; anything else -> INTERNAL
-(logged with its traceback). An ``RpcError`` from an upstream call keeps its code. A ``grpc.aio`` server interceptor (``RpcServer`` is the only server):
+RESOURCE_EXHAUSTED, ``DeadlineExceededError`` -> DEADLINE_EXCEEDED, ``RequestFailedError`` (one request
+failed in a worker) -> INTERNAL with its reason; anything else -> INTERNAL (logged with its
+traceback). An ``RpcError`` from an upstream call keeps its code. A ``grpc.aio`` server interceptor (``RpcServer`` is the only server):
 it wraps unary and streaming handlers alike, ``async def`` ones on the loop and plain ones, which
 that server runs in its thread pool.
 """
@@ -25,6 +26,7 @@ from gridserve.shared.errors import (
     InvalidArgumentError,
     ModelNotFoundError,
     PermissionDeniedError,
+    RequestFailedError,
     ResourceExhaustedError,
 )
 
@@ -38,6 +40,7 @@ _CODES: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (ResourceExhaustedError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (DeadlineExceededError, grpc.StatusCode.DEADLINE_EXCEEDED),
     (PermissionDeniedError, grpc.StatusCode.PERMISSION_DENIED),
+    (RequestFailedError, grpc.StatusCode.INTERNAL),
 ]
 
 
@@ -54,7 +57,7 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
 def _logged_status(exc: Exception, method: str) -> tuple[grpc.StatusCode, str]:
     """``status_for(exc)``, logged (with the traceback when it is a bug)."""
     code, message = status_for(exc)
-    if code == grpc.StatusCode.INTERNAL:
+    if code == grpc.StatusCode.INTERNAL and not isinstance(exc, RequestFailedError):
         logger.exception("%s failed", method)
     else:
         logger.info("%s -> %s: %s", method, code.name, message)

@@ -16,7 +16,12 @@ from concurrent.futures import Future
 from typing import Any, Optional, Union
 
 from gridserve.shared.config import GridserveConfig
-from gridserve.shared.errors import ConfigError, InvalidArgumentError, PermissionDeniedError
+from gridserve.shared.errors import (
+    ConfigError,
+    EngineDeadError,
+    InvalidArgumentError,
+    PermissionDeniedError,
+)
 from gridserve.shared.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
 # The fixed allow-list of worker methods an executor may call.
@@ -126,6 +131,16 @@ class Executor(ABC):
     @property
     def is_sleeping(self) -> bool:
         return bool(self.sleeping_tags)
+
+    @property
+    def healthy(self) -> bool:
+        """No worker failure is known since the group was (re)built."""
+        return True
+
+    def reinitialize(self, num_blocks: int, timeout_s: float) -> None:
+        """Rebuild the worker group after a failure (device, weights, a KV cache of ``num_blocks``),
+        waiting up to ``timeout_s`` for its workers to be back; ``EngineDeadError`` when it cannot."""
+        raise EngineDeadError(f"the {type(self).__name__} cannot rebuild its workers")
 
     def sleep(self, level: int = 1) -> list[dict[str, int]]:
         """Release the KV cache and the weights (offloaded at level 1, dropped at level 2); each
