@@ -189,6 +189,10 @@ def _serve(args: argparse.Namespace) -> int:
     check_parallel_sizes(args)
     if args.data_parallel_size < 1:
         raise ConfigError("parallel.data_parallel_size", f"must be a positive integer, got {args.data_parallel_size}")
+    if args.worker_recovery_timeout and args.stream_idle_timeout <= args.worker_recovery_timeout:
+        # A stream pauses while its engine rebuilds a worker group; the edge must not cut it first.
+        raise ConfigError("stream-idle-timeout", f"{args.stream_idle_timeout:g} s must exceed "
+                          f"--worker-recovery-timeout ({args.worker_recovery_timeout:g} s)")
     if bool(args.ssl_certfile) != bool(args.ssl_keyfile):
         raise ConfigError("ssl-keyfile" if args.ssl_certfile else "ssl-certfile",
                           "--ssl-certfile and --ssl-keyfile go together")
