@@ -13,6 +13,7 @@ import logging
 import uuid
 from typing import Optional
 
+import grpc
 from pydantic import ValidationError
 
 from gridserve.services.gateway.protocol import ErrorInfo, ErrorResponse
@@ -66,6 +67,12 @@ def to_api_error(exc: BaseException, request_id: str = "") -> ApiError:
         # Domain field paths ("sampling_params.temperature") name the OpenAI field ("temperature").
         param = exc.field.removeprefix("sampling_params.")
         return ApiError(400, f"{param}: {exc.message}", param)
+    if isinstance(exc, grpc.RpcError) and hasattr(exc, "code") and exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+        # An engine's own check refused what the gateway let through: still the client's error.
+        details = exc.details() or "invalid argument"
+        field = details.split(":", 1)[0] if ":" in details else ""
+        param = field.removeprefix("sampling_params.") if field and " " not in field else None
+        return ApiError(400, details.removeprefix("sampling_params."), param)
     if isinstance(exc, ResourceExhaustedError):
         return ApiError(429, str(exc), None, "RateLimitError", {"retry-after": str(exc.retry_after_s)})
     if isinstance(exc, DeadlineExceededError):

@@ -65,6 +65,11 @@ class InputProcessor:
         self._check_ids("prompt_token_ids", token_ids)
         params = self._check_params(params)
         room = self.max_model_len - len(token_ids)
+        if params.min_tokens > room:
+            raise InvalidArgumentError(
+                "sampling_params.min_tokens",
+                f"{params.min_tokens} exceeds the {room} tokens the {len(token_ids)}-token prompt leaves "
+                f"within max_model_len={self.max_model_len}")
         if params.max_tokens is None or params.max_tokens > room:
             params.max_tokens = room
         return ProcessedPrompt(text, token_ids, params, mm_features)
