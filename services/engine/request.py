@@ -51,6 +51,7 @@ class Request:
         arrival_time: Optional[float] = None,
         cache_salt: Optional[str] = None,
         parent_request_id: Optional[str] = None,
+        output_token_ids: Optional[list[int]] = None,
     ) -> None:
         self.request_id = request_id
         # The id the client sees (the gateway's request id): logs and spans name the request by it.
@@ -60,8 +61,11 @@ class Request:
         self.eos_token_id = eos_token_id
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.cache_salt = cache_salt
-        self.output_token_ids: list[int] = []
-        self.all_token_ids: list[int] = list(prompt_token_ids)
+        # A continuation (failover from a dead engine) arrives with the tokens already generated.
+        self.output_token_ids: list[int] = list(output_token_ids or [])
+        self.all_token_ids: list[int] = [*prompt_token_ids, *self.output_token_ids]
+        # Continuations bypass the waiting-queue limit and go ahead of new requests.
+        self.admit_always = False
         self.num_computed_tokens = 0
         # Tokens a step still in flight will sample: the next step may already compute them (the
         # worker holds their value), so the scheduler counts them as known but not yet here.

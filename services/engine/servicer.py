@@ -27,6 +27,17 @@ from gridserve.shared.rpc.convert import engine_output_to_pb, sampling_params_fr
 logger = logging.getLogger(__name__)
 
 
+def _check_continuation(request: engine_pb2.AddRequestRequest, params: Any, max_model_len: int) -> None:
+    """A continuation's tokens so far must leave room for at least one more."""
+    done = len(request.output_token_ids)
+    if not done:
+        return
+    if params.max_tokens is not None and done >= params.max_tokens:
+        raise InvalidArgumentError("output_token_ids", f"{done} tokens already reach max_tokens={params.max_tokens}")
+    if len(request.prompt_token_ids) + done >= max_model_len:
+        raise InvalidArgumentError("output_token_ids", f"prompt + {done} output tokens reach max_model_len={max_model_len}")
+
+
 class EngineServicer(engine_pb2_grpc.EngineCoreServicer):
     """Translates RPCs into ``EngineLoop`` calls."""
 
@@ -52,14 +63,18 @@ class EngineServicer(engine_pb2_grpc.EngineCoreServicer):
             raise InvalidArgumentError("request_id", "must not be empty")
         if not request.prompt_token_ids:
             raise InvalidArgumentError("prompt_token_ids", "must not be empty")
+        params = sampling_params_from_pb(request.sampling_params)
+        _check_continuation(request, params, self.config.max_model_len)
         domain = Request(
             request.request_id,
             list(request.prompt_token_ids),
-            sampling_params_from_pb(request.sampling_params),
+            params,
             eos_token_id=self.config.model.eos_token_id,
             cache_salt=request.cache_salt if request.HasField("cache_salt") else None,
             parent_request_id=request.parent_request_id if request.HasField("parent_request_id") else None,
+            output_token_ids=list(request.output_token_ids),
         )
+        domain.admit_always = request.continuation
         if self.tracing:
             domain.traceparent = traceparent_from_metadata(context.invocation_metadata())
         await _done(self.loop.add_request(domain, request.gateway_id))
