@@ -237,6 +237,8 @@ BENCHMARKS = {
                       "add_arguments", "run"),
     "edge": ("edge", "TTFT through the Envoy edge vs straight to the gateway", "add_arguments", "run"),
     "plot": ("plot", "throughput and latency vs concurrency from bench serve JSON", "add_arguments", "run"),
+    "chaos": ("chaos", "DP=2 streaming load while engines / coordinator / workers are SIGKILLed",
+              "add_arguments", "run"),
 }
 
 
