@@ -330,6 +330,8 @@ def run(args: argparse.Namespace) -> int:
         start = time.monotonic()
         clean = run_load(address, launcher.model, requests, args.concurrency)
         clean_s = time.monotonic() - start
+        # a second fault-free run: what differs here is the engines' numerics in another batch mix
+        baseline = run_load(address, launcher.model, requests, args.concurrency)
         progress = Progress()
         injector = FaultInjector(launcher, kinds, args.faults, len(requests), progress, random.Random(args.seed))
         start = time.monotonic()
@@ -340,6 +342,7 @@ def run(args: argparse.Namespace) -> int:
     finally:
         launcher.stop()
     report = summarize(requests, clean, chaos, injector.faults, clean_s, chaos_s)
+    report["baseline_differing"] = _differing(clean, baseline, [])
     report["faults_skipped"] = injector.skipped  # the load ended before a role could be killed
     report["config"] = {"model": model, "requests": args.requests, "concurrency": args.concurrency,
                         "max_tokens": args.max_tokens, "faults": args.faults, "kill": kinds,
@@ -355,7 +358,7 @@ def run(args: argparse.Namespace) -> int:
 def summarize(requests: list[ChaosRequest], clean: list[StreamResult], chaos: list[StreamResult],
               faults: list[dict], clean_s: float, chaos_s: float) -> dict:
     failed = [r for r in chaos if not r.ok]
-    differing = [c.index for c, f in zip(clean, chaos) if f.ok and (c.text != f.text or c.tokens != f.tokens)]
+    differing = _differing(clean, chaos, faults)
     bad = {r.index: stream_faults(r, q) for r, q in zip(chaos, requests) if r.ok and stream_faults(r, q)}
     clean_bad = {r.index: stream_faults(r, q) for r, q in zip(clean, requests) if not r.ok or stream_faults(r, q)}
     added = [f.e2e - c.e2e for c, f in zip(clean, chaos) if c.ok and f.ok]
@@ -370,7 +373,7 @@ def summarize(requests: list[ChaosRequest], clean: list[StreamResult], chaos: li
     return {
         "completed": len(chaos) - len(failed), "failed": len(failed),
         "failures": {r.index: r.error or "ended without [DONE]" for r in failed},
-        "differing": len(differing), "differing_indices": differing,
+        "differing": len(differing), "differing_details": differing,
         "bad_streams": len(bad), "bad_stream_details": bad, "fault_free_bad": clean_bad,
         "faults": fault_rows,
         "added_latency_p50_s": round(percentile(added, 50), 3), "added_latency_p99_s": round(percentile(added, 99), 3),
@@ -380,10 +383,24 @@ def summarize(requests: list[ChaosRequest], clean: list[StreamResult], chaos: li
     }
 
 
+def _differing(clean: list[StreamResult], other: list[StreamResult], faults: list[dict]) -> dict:
+    return {c.index: _first_difference(c, f, faults) for c, f in zip(clean, other)
+            if f.ok and (c.text != f.text or c.tokens != f.tokens)}
+
+
+def _first_difference(clean: StreamResult, chaos: StreamResult, faults: list[dict]) -> dict:
+    """Where two runs of a stream part, and whether a fault struck while it was in flight."""
+    at = next((i for i, (x, y) in enumerate(zip(clean.tokens, chaos.tokens)) if x != y),
+              min(len(clean.tokens), len(chaos.tokens)))
+    struck = [f["role"] for f in faults if chaos.start < f["kill_time"] < chaos.end]
+    return {"token": at, "faults_in_flight": struck}
+
+
 def format_report(report: dict) -> str:
     lines = [f"requests completed {report['completed']}, failed {report['failed']}; outputs differing from "
-             f"the fault-free run: {report['differing']}; streams with duplicated / missing chunks or wrong "
-             f"usage: {report['bad_streams']}",
+             f"the fault-free run: {report['differing']} (a second fault-free run: "
+             f"{len(report.get('baseline_differing', {}))}); streams with duplicated / missing chunks or "
+             f"wrong usage: {report['bad_streams']}",
              f"added latency per request: p50 {report['added_latency_p50_s']} s, p99 {report['added_latency_p99_s']} s "
              f"(fault-free e2e p50 {report['fault_free_e2e_p50_s']} s, ITL p99 {report['fault_free_itl_p99_s']} s)",
              f"{'fault':<12}{'at (s)':>8}{'streams resumed (s)':>22}{'role restarted (s)':>21}"]
