@@ -18,6 +18,7 @@ import http.client
 import json
 import logging
 import random
+import shlex
 import threading
 import time
 from collections.abc import Callable
@@ -301,6 +302,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kill", default="engine,coordinator",
                         help=f"roles to kill, comma-separated, from {','.join(KINDS)}")
     parser.add_argument("--seed", type=int, default=0, help="seed of the fault schedule")
+    parser.add_argument("--engine-args", default="", help="more engine flags, e.g. '--no-prefix-caching'")
     parser.add_argument("--output-json", default=None,
                         help="write the results here (default: benchmarks/results/chaos-<time>.json)")
 
@@ -318,7 +320,8 @@ def run(args: argparse.Namespace) -> int:
 
         model = str(ensure_demo_model())
     requests = make_requests(args.requests, args.max_tokens)
-    launcher = Launcher(model, ["--kv-cache-memory-bytes", str(64 << 20), "--max-num-seqs", "128"],
+    engine_args = ["--kv-cache-memory-bytes", str(64 << 20), "--max-num-seqs", "128", *shlex.split(args.engine_args)]
+    launcher = Launcher(model, engine_args,
                         data_parallel_size=2, api_server_count=1, edge_port=free_port(), grace_s=2.0)
     launcher.start()
     supervisor = threading.Thread(target=launcher.supervise, kwargs={"poll_s": 0.05}, daemon=True)
@@ -346,7 +349,7 @@ def run(args: argparse.Namespace) -> int:
     report["faults_skipped"] = injector.skipped  # the load ended before a role could be killed
     report["config"] = {"model": model, "requests": args.requests, "concurrency": args.concurrency,
                         "max_tokens": args.max_tokens, "faults": args.faults, "kill": kinds,
-                        "seed": args.seed, "data_parallel_size": 2}
+                        "seed": args.seed, "engine_args": engine_args, "data_parallel_size": 2}
     print(format_report(report))
     out = Path(args.output_json) if args.output_json else RESULTS / f"chaos-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
