@@ -27,11 +27,15 @@ from gridserve.shared.rpc.convert import engine_output_to_pb, sampling_params_fr
 logger = logging.getLogger(__name__)
 
 
-def _check_continuation(request: engine_pb2.AddRequestRequest, params: Any, max_model_len: int) -> None:
-    """A continuation's tokens so far must leave room for at least one more."""
+def _check_continuation(request: engine_pb2.AddRequestRequest, params: Any, max_model_len: int,
+                        vocab_size: int) -> None:
+    """A continuation's tokens so far must be token ids and leave room for at least one more."""
     done = len(request.output_token_ids)
     if not done:
         return
+    bad = next((t for t in request.output_token_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise InvalidArgumentError("output_token_ids", f"token id {bad} is outside [0, {vocab_size})")
     if params.max_tokens is not None and done >= params.max_tokens:
         raise InvalidArgumentError("output_token_ids", f"{done} tokens already reach max_tokens={params.max_tokens}")
     if len(request.prompt_token_ids) + done >= max_model_len:
@@ -64,7 +68,7 @@ class EngineServicer(engine_pb2_grpc.EngineCoreServicer):
         if not request.prompt_token_ids:
             raise InvalidArgumentError("prompt_token_ids", "must not be empty")
         params = sampling_params_from_pb(request.sampling_params)
-        _check_continuation(request, params, self.config.max_model_len)
+        _check_continuation(request, params, self.config.max_model_len, self.config.model.vocab_size)
         domain = Request(
             request.request_id,
             list(request.prompt_token_ids),
