@@ -136,3 +136,23 @@ def test_an_engine_killed_with_32_streams_in_flight_loses_no_token(served, capsy
     with capsys.disabled():
         print(f"\nengine SIGKILL with {STREAMS} streams: {continued} continued on the other engine; "
               f"every stream's next token {failover_s:.3f} s after the kill")
+
+
+@pytest.fixture(scope="module")
+def single(llama_tiny, tmp_path_factory):
+    saved, launcher_module.RESTART_BACKOFF_S = launcher_module.RESTART_BACKOFF_S, (0.2, 1.0)
+    with deployment(llama_tiny, tmp_path_factory.mktemp("logs"), edge_port=free_port()) as launcher:
+        thread = threading.Thread(target=launcher.supervise, kwargs={"poll_s": 0.05}, daemon=True)
+        thread.start()
+        yield launcher
+    thread.join(timeout=30)
+    launcher_module.RESTART_BACKOFF_S = saved
+
+
+def test_with_one_engine_streams_wait_for_its_restart_and_continue(single):
+    """DP = 1: the worker dies, the launcher restarts the engine group, the streams pause and go on."""
+    requests = make_requests(8, MAX_TOKENS)
+    clean = run_load(single.edge_address, single.model, requests, len(requests))
+    results, _ = _load_with_kill(single, requests, lambda p: p.events >= 8 * MAX_TOKENS // 4,
+                                 _role(single, "worker"))
+    _same_as_fault_free(requests, clean, results)
