@@ -30,7 +30,9 @@ def _alive(process_id: int) -> bool:
     return True
 
 
-def test_killed_worker_fails_in_flight_requests_with_unavailable_within_5s(llama_tiny, tmp_path):
+def test_killed_worker_fails_in_flight_requests_with_unavailable_within_5s(llama_tiny, tmp_path, monkeypatch):
+    # Unsupervised and DP = 1: no engine comes back to continue on (tests/integration/test_failover.py)
+    monkeypatch.setenv("GRIDSERVE_FAILOVER_TIMEOUT_S", "0")
     with deployment(llama_tiny, tmp_path) as services, make_channel(address(services, "gateway")) as channel:
         gateway = gateway_stub(channel)
         call = gateway.Generate(token_prompt([11, 12, 13], greedy(500, ignore_eos=True)), timeout=120)
