@@ -327,6 +327,8 @@ class _Stream:
                 await asyncio.sleep(FAILOVER_POLL_S)
                 continue
             self.failovers += 1
+            if self.service.metrics is not None:
+                self.service.metrics.failover(self.service._engine_labels.get(id(lost.engine), lost.engine.address))
             logger.warning("request %s: sample %d continues on engine %s after %d tokens (%s)",
                            self.request_id, sample.index, engine.address, len(sample.token_ids), lost)
             return

@@ -14,6 +14,7 @@ from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import Whitespace
 
 from gridserve.services.gateway import service as service_module
+from gridserve.services.gateway.observability import GatewayMetrics
 from gridserve.services.gateway.service import GatewayService
 from gridserve.shared.errors import EngineDeadError
 from gridserve.shared.outputs import EngineCoreOutput, FinishReason
@@ -94,8 +95,14 @@ async def _collect(stream) -> list:
 
 def _setup():
     a, b = _Engine("a:1"), _Engine("b:1")
-    service = GatewayService(_Tokenizer(), [a, b], "m", 64, 26, 20)
+    service = GatewayService(_Tokenizer(), [a, b], "m", 64, 26, 20, metrics=GatewayMetrics("m"))
     return service, a, b
+
+
+def _failovers(service, engine: str) -> float:
+    value = service.metrics.registry.get_sample_value("gridserve:engine_failovers_total",
+                                                      {"model_name": "m", "engine": engine})
+    return value or 0.0
 
 
 def _tokens(chunks, index=0) -> list[int]:
@@ -129,6 +136,7 @@ def test_a_sample_continues_on_the_live_engine_with_its_tokens_and_seed():
         assert _tokens(chunks) == [1, 2, 3, 4, 5, 6] == final.outputs[0].token_ids
         assert _text(chunks) == final.outputs[0].text == "B C D E F G"
         assert (service.in_flight, a.num_in_flight, b.num_in_flight) == (0, 0, 0)
+        assert (_failovers(service, "0"), _failovers(service, "1")) == (1.0, 0.0)
 
     asyncio.run(go())
 
