@@ -1,14 +1,15 @@
 """``gridserve bench chaos``: streams that survive SIGKILLed roles, measured.
 
 Serves the model with DP = 2 through the launcher (which restarts dead roles, as ``gridserve serve``
-does) and the Envoy edge, and sends the same bounded load of streaming completions twice: once
-fault-free, once while a fault thread SIGKILLs a random engine, coordinator or (with ``--kill``)
-worker a few times. Every request is greedy or seeded with a fixed length (``ignore_eos``,
-``min_tokens``), so each stream's tokens must equal the fault-free run's. Reports requests
-completed / failed, outputs that differ, streams whose SSE chunks were duplicated or missing
-(token counts vs ``max_tokens`` and ``usage``), per fault the time to fail over (kill -> the
-last stalled stream's next token) and to restart the role, and the p50 / p99 latency the faults
-added per request; the JSON goes to ``benchmarks/results/``.
+does) and the Envoy edge, and sends the same bounded load of streaming completions (greedy and
+seeded, fixed length: ``ignore_eos``, ``min_tokens``) three times: twice fault-free, once while a
+``FaultInjector`` SIGKILLs a random engine, coordinator or (with ``--kill``) worker a few times,
+spread over the load. Reports requests completed / failed, outputs that differ from the first
+fault-free run (and, as the baseline, how many the second fault-free run differs in), streams
+whose SSE chunks were duplicated or missing (token counts vs ``max_tokens`` and ``usage``), per
+fault the time until every stream then in flight had its next token and until the role served
+again, and the p50 / p99 latency the faults added per request; the JSON goes to
+``benchmarks/results/``.
 """
 
 from __future__ import annotations
