@@ -31,6 +31,8 @@ def _run(core, requests: list[Request]) -> dict[str, list[int]]:
     while core.has_unfinished_requests():
         for out in core.step():
             tokens[out.request_id] += out.new_token_ids
+            # usage's cached tokens are prompt tokens, even when a continuation hits its output
+            assert out.num_cached_tokens <= len(PROMPT if out.request_id != "other" else [9, 8, 7])
     return tokens
 
 
