@@ -192,6 +192,15 @@ def resumed_after(results: list[StreamResult], kill_time: float) -> Optional[flo
     return max(waits) if waits else None
 
 
+def longest_pause(results: list[StreamResult], kill_time: float, window_s: float = 5.0) -> Optional[float]:
+    """The longest gap between two chunks of any stream that ended within ``window_s`` after the
+    kill: the pause a client saw (an upper bound on the failover time: it includes the normal
+    inter-token gap and a token already on its way when the engine died)."""
+    gaps = [b - a for r in results for a, b in zip(r.chunk_times, r.chunk_times[1:])
+            if kill_time < b <= kill_time + window_s]
+    return max(gaps) if gaps else None
+
+
 def percentile(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
@@ -374,9 +383,11 @@ def summarize(requests: list[ChaosRequest], clean: list[StreamResult], chaos: li
     fault_rows = []
     for fault in faults:
         resumed = resumed_after(chaos, fault["kill_time"])
+        pause = longest_pause(chaos, fault["kill_time"])
         fault_rows.append({"role": fault["role"], "address": fault["address"],
                            "at_s": round(fault["kill_time"] - min(r.start for r in chaos), 2),
                            "streams_resumed_s": None if resumed is None else round(resumed, 3),
+                           "longest_pause_s": None if pause is None else round(pause, 3),
                            "restart_s": round(fault["restart_s"], 2) if "restart_s" in fault else None})
     return {
         "completed": len(chaos) - len(failed), "failed": len(failed),
@@ -412,9 +423,11 @@ def format_report(report: dict) -> str:
              f"wrong usage: {report['bad_streams']}",
              f"added latency per request: p50 {report['added_latency_p50_s']} s, p99 {report['added_latency_p99_s']} s "
              f"(fault-free e2e p50 {report['fault_free_e2e_p50_s']} s, ITL p99 {report['fault_free_itl_p99_s']} s)",
-             f"{'fault':<12}{'at (s)':>8}{'streams resumed (s)':>22}{'role restarted (s)':>21}"]
+             f"{'fault':<12}{'at (s)':>8}{'streams resumed (s)':>22}{'longest pause (s)':>19}"
+             f"{'role restarted (s)':>21}"]
     for f in report["faults"]:
-        lines.append(f"{f['role']:<12}{f['at_s']:>8}{str(f['streams_resumed_s']):>22}{str(f['restart_s']):>21}")
+        lines.append(f"{f['role']:<12}{f['at_s']:>8}{str(f['streams_resumed_s']):>22}"
+                     f"{str(f.get('longest_pause_s')):>19}{str(f['restart_s']):>21}")
     for index, error in list(report["failures"].items())[:5]:
         lines.append(f"failed request {index}: {error}")
     return "\n".join(lines)

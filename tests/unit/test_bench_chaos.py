@@ -13,6 +13,7 @@ from gridserve.benchmarks.chaos import (
     Progress,
     StreamResult,
     _differing,
+    longest_pause,
     make_requests,
     resumed_after,
     stream_faults,
@@ -45,6 +46,8 @@ def test_streams_resumed_is_the_slowest_in_flight_stream_s_next_token():
                _result(2, "abc", [3.0, 3.1, 3.2])]  # started after the kill: not counted
     assert resumed_after(streams, 1.8) == 4.0 - 1.8
     assert resumed_after(streams, 9.0) is None
+    assert longest_pause(streams, 1.8) == 4.0 - 1.6  # stream 1's gap across the kill
+    assert longest_pause(streams, 9.0) is None
 
 
 def test_differing_names_where_outputs_part_and_the_faults_in_flight():
