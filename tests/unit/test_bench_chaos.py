@@ -13,6 +13,7 @@ from gridserve.benchmarks.chaos import (
     Progress,
     StreamResult,
     _differing,
+    judge,
     longest_pause,
     make_requests,
     resumed_after,
@@ -75,3 +76,13 @@ def test_the_last_serving_engine_and_restarting_roles_are_never_chosen():
     assert injector._pick() is None
     injector.faults[0]["restart_s"] = 12.0  # engine 0 serves again
     assert injector._pick().role in ("engine", "worker")
+
+
+def test_only_greedy_streams_an_engine_fault_struck_can_fail_the_run():
+    requests = make_requests(6, 4)  # even indices greedy, odd seeded
+    differing = {0: {"token": 1, "faults_in_flight": ["engine"]}, 1: {"token": 1, "faults_in_flight": ["worker"]},
+                 2: {"token": 1, "faults_in_flight": ["coordinator"]}, 3: {"token": 2, "faults_in_flight": []},
+                 4: {"token": 1, "faults_in_flight": ["engine"]}}
+    verdict = judge(requests, differing, baseline={4: {}})
+    assert verdict == {"differing_greedy": [0, 2, 4], "differing_under_fault": [0, 1],
+                       "greedy_differing_under_fault": [0]}
