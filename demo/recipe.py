@@ -18,7 +18,9 @@ Tokenizer
 
 Checkpoints
     ``ARCHS`` lists the ``(arch, size)`` pairs: llama tiny/small/base, qwen2 tiny, mistral tiny,
-    mixtral tiny (MoE: 4 experts, top-2) and opt tiny/small. Weights are float32, initialised with
+    mixtral tiny (MoE: 4 experts, top-2), opt tiny/small and llava tiny (a 2-layer CLIP vision
+    tower on 30x30 images, 25 image tokens, before the llama-tiny architecture; ``<image>`` is added
+    to the tokenizer and the processor files are saved beside it). Weights are float32, initialised with
     ``torch.manual_seed(0)`` by transformers' default init and then reshaped deterministically so
     that the random models are useful for testing (see :func:`_make_useful`): greedy decoding
     produces varied tokens rather than one repeated token, top logprobs are spread out, and biases /
@@ -118,6 +120,7 @@ ARCHS: dict[tuple[str, str], dict[str, Any]] = {
                           "sliding_window": None},
     ("mixtral", "tiny"): {**_TINY, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
                           "sliding_window": None, "num_local_experts": 4, "num_experts_per_tok": 2},
+    ("llava", "tiny"): {**_TINY, "rms_norm_eps": 1e-6, "tie_word_embeddings": False},
     ("opt", "tiny"): {"hidden_size": 64, "ffn_dim": 128, "num_hidden_layers": 2,
                       "num_attention_heads": 4, "max_position_embeddings": 512,
                       "word_embed_proj_dim": 64, "vocab_size": 4096},
@@ -125,6 +128,24 @@ ARCHS: dict[tuple[str, str], dict[str, Any]] = {
                        "num_attention_heads": 4, "max_position_embeddings": 2048,
                        "word_embed_proj_dim": 256, "vocab_size": 4096},
 }
+# Llava: a tiny CLIP vision tower (a 30x30 image in 6x6 patches: 25 image tokens, the CLS token
+# dropped) before the tiny Llama; its image processor resizes the shortest edge to 32 and crops 30x30.
+IMAGE_TOKEN = "<image>"
+_CLIP_TINY = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "image_size": 30, "patch_size": 6, "projection_dim": 32}
+_CLIP_PROCESSOR = {"size": {"shortest_edge": 32}, "crop_size": {"height": 30, "width": 30}}
+LLAVA_CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- if message['content'] is string -%}{{ message['content'] }}"
+    "{%- else -%}{%- for part in message['content'] -%}"
+    "{%- if part['type'] == 'text' -%}{{ part['text'] }}"
+    "{%- elif part['type'] in ('image', 'image_url') -%}{{ '<image>' }}{%- endif -%}"
+    "{%- endfor -%}{%- endif -%}"
+    "{{ '<|im_end|>' + '\\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
+)
 _OPT_FIXED = {"do_layer_norm_before": True, "dropout": 0.0, "attention_dropout": 0.0,
               "activation_dropout": 0.0, "layerdrop": 0.0, "tie_word_embeddings": True}
 
@@ -249,6 +270,12 @@ def _make_config(arch: str, size: str) -> Any:
         from transformers import MixtralConfig
 
         return MixtralConfig(**kwargs, **ids)
+    if arch == "llava":
+        from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig
+
+        patches = (_CLIP_TINY["image_size"] // _CLIP_TINY["patch_size"]) ** 2
+        return LlavaConfig(vision_config=CLIPVisionConfig(**_CLIP_TINY), text_config=LlamaConfig(**kwargs, **ids),
+                           image_seq_length=patches, tie_word_embeddings=False)
     if arch == "opt":
         from transformers import OPTConfig
 
@@ -258,6 +285,8 @@ def _make_config(arch: str, size: str) -> Any:
 
 def _final_norm(model: Any) -> Any:
     inner = model.model
+    if hasattr(inner, "language_model"):  # Llava
+        return inner.language_model.norm
     if hasattr(inner, "decoder"):  # OPT
         return inner.decoder.final_layer_norm
     return inner.norm
@@ -282,11 +311,14 @@ def _make_useful(model: Any, init_std: float) -> None:
     import torch
 
     lm_head = model.get_output_embeddings()
-    hidden = model.config.hidden_size
+    hidden = model.config.get_text_config().hidden_size
     with torch.no_grad():
         for module in model.modules():
             if isinstance(module, torch.nn.Linear) and module is not lm_head:
                 module.weight.mul_(_LINEAR_GAIN / (init_std * math.sqrt(module.in_features)))
+            elif isinstance(module, torch.nn.Conv2d):  # a vision tower's patch embedding
+                fan_in = module.weight[0].numel()
+                module.weight.normal_(0.0, 1.0).mul_(_LINEAR_GAIN / math.sqrt(fan_in))
         for name, param in model.named_parameters():
             if name.endswith(_MOE_WEIGHTS):  # [..., out, in]: fan_in is the last dim
                 param.mul_(_LINEAR_GAIN / (init_std * math.sqrt(param.shape[-1])))
@@ -295,6 +327,42 @@ def _make_useful(model: Any, init_std: float) -> None:
             elif "norm" in name and param.dim() == 1:
                 param.add_(torch.randn_like(param), alpha=_NORM_NOISE)
         _final_norm(model).weight.mul_(_LOGIT_STD / (init_std * math.sqrt(hidden)))
+
+
+def _add_image_token(folder: Path) -> int:
+    """Add ``<image>`` as a special token of the tokenizer in ``folder``; return its id."""
+    from tokenizers import AddedToken, Tokenizer
+
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tok.add_special_tokens([AddedToken(IMAGE_TOKEN, special=True, normalized=False)])
+    tok.save(str(folder / "tokenizer.json"))
+    path = folder / "tokenizer_config.json"
+    config = json.loads(path.read_text(encoding="utf-8"))
+    config["additional_special_tokens"] = [*config["additional_special_tokens"], IMAGE_TOKEN]
+    config["chat_template"] = LLAVA_CHAT_TEMPLATE
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    (folder / "chat_template.jinja").unlink(missing_ok=True)
+    return tok.token_to_id(IMAGE_TOKEN)
+
+
+def _save_llava_processor(folder: Path, config: Any) -> None:
+    """``preprocessor_config.json`` (CLIP's PIL image processor) and ``processor_config.json``."""
+    from transformers import AutoTokenizer, CLIPImageProcessorPil, LlavaProcessor
+
+    vision = config.vision_config
+    images = CLIPImageProcessorPil(**_CLIP_PROCESSOR)
+    processor = LlavaProcessor(image_processor=images, tokenizer=AutoTokenizer.from_pretrained(str(folder)),
+                               patch_size=vision.patch_size, num_additional_image_tokens=1,
+                               vision_feature_select_strategy=config.vision_feature_select_strategy,
+                               image_token=IMAGE_TOKEN, chat_template=LLAVA_CHAT_TEMPLATE)
+    processor.save_pretrained(str(folder))
+    images.save_pretrained(str(folder))  # preprocessor_config.json, as transformers 4.x wrote it
+    _portable_tokenizer_config(folder)
+    path = folder / "tokenizer_config.json"
+    tok_config = json.loads(path.read_text(encoding="utf-8"))
+    tok_config["additional_special_tokens"] = [IM_START_TOKEN, IM_END_TOKEN, IMAGE_TOKEN]
+    tok_config["chat_template"] = LLAVA_CHAT_TEMPLATE
+    path.write_text(json.dumps(tok_config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
 def _tokenizer_vocab_size(tokenizer_dir: Path) -> int:
@@ -325,16 +393,24 @@ def build_checkpoint(
         for path in sorted(Path(tokenizer_dir).iterdir()):
             if path.is_file() and path.name != MARKER:
                 shutil.copyfile(path, out_dir / path.name)
-    _portable_tokenizer_config(out_dir, model_max_length=config.max_position_embeddings)
+    text_config = config.get_text_config()
+    _portable_tokenizer_config(out_dir, model_max_length=text_config.max_position_embeddings)
+    if arch == "llava":
+        config.image_token_index = _add_image_token(out_dir)
     # The model vocab may exceed the tokenizer's (if BPE training ran out of merges), never less.
-    config.vocab_size = max(config.vocab_size, _tokenizer_vocab_size(out_dir))
+    text_config.vocab_size = max(text_config.vocab_size, _tokenizer_vocab_size(out_dir))
 
     init_std = float(getattr(config, "initializer_range", getattr(config, "init_std", 0.02)))
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(torch.float32)  # init in float32 whatever the caller's default
     try:
         torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(config).to(torch.float32).eval()
+        if arch == "llava":
+            from transformers import LlavaForConditionalGeneration
+
+            model = LlavaForConditionalGeneration(config).to(torch.float32).eval()
+        else:
+            model = AutoModelForCausalLM.from_config(config).to(torch.float32).eval()
     finally:
         torch.set_default_dtype(default_dtype)
     _make_useful(model, init_std)
@@ -342,10 +418,12 @@ def build_checkpoint(
         bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID
     )
     model.save_pretrained(str(out_dir))
+    if arch == "llava":
+        _save_llava_processor(out_dir, config)
     n_params = sum(p.numel() for p in model.parameters())
     logger.info(
         "built %s-%s (%.1fM parameters, vocab %d) in %.1fs -> %s",
-        arch, size, n_params / 1e6, config.vocab_size, time.perf_counter() - start, out_dir,
+        arch, size, n_params / 1e6, text_config.vocab_size, time.perf_counter() - start, out_dir,
     )
     return out_dir
 

@@ -27,6 +27,7 @@ from gridserve.roles import (
     require,
 )
 from gridserve.services.gateway.limits import RequestLimits, add_limit_arguments, gateway_argv
+from gridserve.services.gateway.media_loader import MediaConfig
 from gridserve.shared.errors import ConfigError, GridserveError
 from gridserve.shared.observability.logs import configure_logging
 
@@ -162,7 +163,7 @@ def _gateway(args: argparse.Namespace) -> int:
     return serve(engines, args.host, args.port, args.grace_period, served_model_name=args.served_model_name,
                  metrics_port=args.metrics_port, otlp_traces_endpoint=args.otlp_traces_endpoint,
                  api_key=args.api_key, coordinator=args.coordinator, limits=RequestLimits.from_args(args),
-                 blocking_workers=args.blocking_threads)
+                 blocking_workers=args.blocking_threads, media=MediaConfig.from_args(args))
 
 
 def _serve(args: argparse.Namespace) -> int:

@@ -13,6 +13,8 @@ from tqdm.auto import tqdm
 
 from gridserve.launcher import Launcher
 from gridserve.llm_engine import LLMEngine
+from gridserve.services.gateway.media_loader import MediaLoader
+from gridserve.services.gateway.multimodal import chat_images
 from gridserve.services.gateway.processor import PromptType
 from gridserve.shared.config import GridserveConfig
 from gridserve.shared.errors import InvalidArgumentError
@@ -42,6 +44,7 @@ class LLM:
         self.config = GridserveConfig.from_kwargs(model=model, **kwargs).finalize()
         self.tokenizer = _load_tokenizer(self.config.model.tokenizer_path)
         self._launchers: list[Launcher] = []
+        self._media: Optional[MediaLoader] = None  # chat image URLs, loaded on first use
         self.engines: list[LLMEngine] = []
         try:
             for rank in range(self.config.parallel.data_parallel_size):
@@ -78,20 +81,28 @@ class LLM:
         add_generation_prompt: bool = True,
         chat_template: Optional[str] = None,
     ) -> list[RequestOutput]:
-        """Apply the tokenizer's chat template to each conversation, then generate."""
+        """Apply the tokenizer's chat template to each conversation, then generate. Image parts
+        (``image_url`` with a ``data:`` / ``http(s)`` URL, or ``image_pil``) go to a vision-language
+        model with the conversation, as vLLM takes them."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [
-            {
-                "prompt_token_ids": list(
-                    self.tokenizer.apply_chat_template(
-                        conv, add_generation_prompt=add_generation_prompt,
-                        chat_template=chat_template, tokenize=True, return_dict=False,
-                    )
-                )
-            }
-            for conv in conversations
-        ]
+        prompts = []
+        for conv in conversations:
+            rendered, images = chat_images(list(conv))
+            ids = self.tokenizer.apply_chat_template(rendered, add_generation_prompt=add_generation_prompt,
+                                                     chat_template=chat_template, tokenize=True, return_dict=False)
+            prompt: dict[str, Any] = {"prompt_token_ids": list(ids)}
+            if images:
+                prompt["multi_modal_data"] = {"image": [self._image(field, source) for field, source in images]}
+            prompts.append(prompt)
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _image(self, field: str, source: Any) -> Any:
+        """A chat image part's image: a PIL image as is, a URL loaded (default media limits)."""
+        if not isinstance(source, str):
+            return source
+        if self._media is None:
+            self._media = MediaLoader()
+        return self._media.load(field, source)
 
     def _run(self, prompts: list[PromptType], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
         assigned: list[list[str]] = [[] for _ in self.engines]

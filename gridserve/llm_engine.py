@@ -13,6 +13,7 @@ from typing import Any, Optional
 from gridserve.services.engine.core import EngineCore
 from gridserve.services.engine.executor import Executor
 from gridserve.services.engine.request import Request
+from gridserve.services.gateway.multimodal import MultiModalProcessor
 from gridserve.services.gateway.processor import (
     InputProcessor,
     OutputProcessor,
@@ -45,7 +46,8 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.core = EngineCore(config, in_process_executor(config))
         self.input_processor = InputProcessor(
-            tokenizer, config.max_model_len, config.model.vocab_size, config.model.max_logprobs
+            tokenizer, config.max_model_len, config.model.vocab_size, config.model.max_logprobs,
+            MultiModalProcessor.from_model_folder(config.model.model_path),
         )
         self.output_processor = OutputProcessor(tokenizer)
         self._ids = itertools.count()
@@ -63,6 +65,7 @@ class LLMEngine:
                     processed.prompt_token_ids,
                     child_params,
                     eos_token_id=self.config.model.eos_token_id,
+                    mm_features=processed.mm_features,
                 )
             )
         return request_id

@@ -29,7 +29,7 @@ DEVICES = ("auto", "cpu", "cuda")
 EXECUTORS = ("uni", "grpc")
 # Architectures whose model classes shard across tensor-parallel workers / split into pipeline stages.
 PARALLEL_ARCHITECTURES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM"})
-TENSOR_PARALLEL_ARCHITECTURES = PARALLEL_ARCHITECTURES | {"OPTForCausalLM"}
+TENSOR_PARALLEL_ARCHITECTURES = PARALLEL_ARCHITECTURES | {"OPTForCausalLM", "LlavaForConditionalGeneration"}
 PIPELINE_PARALLEL_ARCHITECTURES = PARALLEL_ARCHITECTURES
 
 
@@ -124,6 +124,7 @@ class ModelConfig:
         self.hf_config = cfg
         archs = cfg.get("architectures") or []
         self.architecture = archs[0] if archs else ""
+        cfg = self.text_config  # a vision-language model: the language model's sizes
         self.num_layers = int(cfg.get("num_hidden_layers", 0))
         heads = int(cfg.get("num_attention_heads", 0))
         self.num_kv_heads = int(cfg.get("num_key_value_heads") or heads)
@@ -166,12 +167,17 @@ class ModelConfig:
         return saved if saved in DTYPE_BYTES else "float32"
 
     @property
+    def text_config(self) -> dict:
+        """The language model's config: ``text_config`` of a vision-language model, else the whole."""
+        return self.hf_config.get("text_config") or self.hf_config
+
+    @property
     def tokenizer_path(self) -> str:
         return self.tokenizer or self.model_path or self.model
 
     @property
     def eos_token_id(self) -> Optional[int]:
-        eos = self.hf_config.get("eos_token_id")
+        eos = self.hf_config.get("eos_token_id", self.text_config.get("eos_token_id"))
         if isinstance(eos, list):
             return eos[0] if eos else None
         return eos
@@ -301,7 +307,7 @@ class GridserveConfig:
     def finalize(self) -> GridserveConfig:
         """Resolve the model and fill defaults that depend on it."""
         self.model.resolve()
-        self.parallel.check_model(self.model.architecture, self.model.hf_config)
+        self.parallel.check_model(self.model.architecture, self.model.text_config)
         self.scheduler.finalize(self.max_model_len)
         return self
 

@@ -3,7 +3,8 @@
 The engine's scheduler produces a ``SchedulerOutput`` (which requests run this step, how many of
 their tokens, in which KV blocks); the worker answers with a ``ModelRunnerOutput`` (the token each
 request sampled, with logprobs when asked). Plain Python values only: these are serialised to
-protobuf between processes and must never carry tensors or callables.
+protobuf between processes and must never carry tensors or callables (an image's pixels travel
+as raw float32 bytes, packed into a typed ``common.v1.Tensor`` on the wire).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from gridserve.shared.multimodal import ImageFeature
 from gridserve.shared.sampling_params import SamplingParams
 
 
@@ -27,6 +29,8 @@ class NewRequestData:
     output_token_ids: list[int] = field(default_factory=list)
     # W3C traceparent of the engine's span of the request ("" when tracing is off).
     traceparent: str = ""
+    # The prompt's images: pixels for the vision encoder and the positions their embeddings fill.
+    mm_features: list[ImageFeature] = field(default_factory=list)
 
 
 @dataclass

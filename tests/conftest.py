@@ -64,3 +64,10 @@ def mixtral_tiny() -> Path:
     from gridserve.demo.recipe import ensure_checkpoint
 
     return ensure_checkpoint("mixtral", "tiny")
+
+
+@pytest.fixture(scope="session")
+def llava_tiny() -> Path:
+    from gridserve.demo.recipe import ensure_checkpoint
+
+    return ensure_checkpoint("llava", "tiny")

@@ -14,7 +14,9 @@ The model (the contract the scheduler relies on):
 * ``free(request)`` returns the request's blocks tail first, so the free list evicts a sequence's
   tail before its head (the head is the more widely shared prefix).
 * Block hashes chain: ``hash(block i) = sha256(hash(block i-1), tokens of block i, extra keys)``;
-  the request's ``cache_salt`` goes into the first block's extra keys, so it reaches every block.
+  the request's ``cache_salt`` goes into the first block's extra keys, so it reaches every block;
+  a block that covers image tokens has each such image's content hash (and where the block cuts
+  it) in its extra keys, so the same image hits and a different image at the same place misses.
   The hashes are stable across processes (no Python ``hash()``, no pickle).
 """
 
@@ -48,6 +50,17 @@ def hash_block_tokens(
     h.update(len(extra).to_bytes(4, "little"))
     h.update(extra)
     return h.digest()
+
+
+def _extra_keys(request: Request, start: int, end: int) -> tuple | None:
+    """What besides its tokens keys the block ``[start, end)``: the salt (first block) and the
+    content hash of every image whose tokens it covers, with the offset of the block's first one
+    inside the image (an image split across blocks keys each block by its own part)."""
+    keys: list = [request.cache_salt] if start == 0 and request.cache_salt is not None else []
+    for image in request.mm_features:
+        if image.overlaps(start, end):
+            keys.append((image.identifier, max(start, image.offset) - image.offset))
+    return tuple(keys) or None
 
 
 def num_blocks_for_memory(kv_cache_memory_bytes: int, bytes_per_token: int, block_size: int) -> int:
@@ -113,7 +126,7 @@ class KVCacheManager:
         while len(hashes) < num_full:
             i = len(hashes)
             parent = hashes[-1] if hashes else None
-            extra = (request.cache_salt,) if i == 0 and request.cache_salt is not None else None
+            extra = _extra_keys(request, i * bs, (i + 1) * bs)
             hashes.append(hash_block_tokens(parent, request.all_token_ids[i * bs:(i + 1) * bs], extra))
 
     # ---- the scheduler's interface ---------------------------------------------------------

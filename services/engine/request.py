@@ -6,6 +6,7 @@ import enum
 import time
 from typing import Optional, Union
 
+from gridserve.shared.multimodal import ImageFeature
 from gridserve.shared.outputs import FinishReason
 from gridserve.shared.sampling_params import SamplingParams
 
@@ -51,6 +52,7 @@ class Request:
         arrival_time: Optional[float] = None,
         cache_salt: Optional[str] = None,
         parent_request_id: Optional[str] = None,
+        mm_features: Optional[list[ImageFeature]] = None,
         output_token_ids: Optional[list[int]] = None,
     ) -> None:
         self.request_id = request_id
@@ -61,6 +63,8 @@ class Request:
         self.eos_token_id = eos_token_id
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.cache_salt = cache_salt
+        # Images in the prompt (pixels and token positions), in prompt order; empty for text.
+        self.mm_features: list[ImageFeature] = list(mm_features or [])
         # A continuation (failover from a dead engine) arrives with the tokens already generated.
         self.output_token_ids: list[int] = list(output_token_ids or [])
         self.all_token_ids: list[int] = [*prompt_token_ids, *self.output_token_ids]

@@ -168,6 +168,7 @@ class Scheduler:
                     num_computed_tokens=num_hit,
                     output_token_ids=list(request.output_token_ids),
                     traceparent=request.traceparent,
+                    mm_features=request.mm_features,
                 )
             )
             self._record(out, request, n)

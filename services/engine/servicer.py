@@ -22,7 +22,11 @@ from gridserve.services.engine.status import EngineStatus
 from gridserve.shared.config import GridserveConfig
 from gridserve.shared.errors import EngineDeadError, InvalidArgumentError
 from gridserve.shared.observability.tracing import traceparent_from_metadata
-from gridserve.shared.rpc.convert import engine_output_to_pb, sampling_params_from_pb
+from gridserve.shared.rpc.convert import (
+    engine_output_to_pb,
+    image_features_from_pb,
+    sampling_params_from_pb,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +71,8 @@ class EngineServicer(engine_pb2_grpc.EngineCoreServicer):
             raise InvalidArgumentError("request_id", "must not be empty")
         if not request.prompt_token_ids:
             raise InvalidArgumentError("prompt_token_ids", "must not be empty")
+        if request.mm_features and "vision_config" not in self.config.model.hf_config:
+            raise InvalidArgumentError("mm_features", f"{self.config.model.architecture} takes text only")
         params = sampling_params_from_pb(request.sampling_params)
         _check_continuation(request, params, self.config.max_model_len, self.config.model.vocab_size)
         domain = Request(
@@ -76,6 +82,7 @@ class EngineServicer(engine_pb2_grpc.EngineCoreServicer):
             eos_token_id=self.config.model.eos_token_id,
             cache_salt=request.cache_salt if request.HasField("cache_salt") else None,
             parent_request_id=request.parent_request_id if request.HasField("parent_request_id") else None,
+            mm_features=image_features_from_pb(request.mm_features, len(request.prompt_token_ids)),
             output_token_ids=list(request.output_token_ids),
         )
         domain.admit_always = request.continuation

@@ -19,6 +19,8 @@ from gridserve.services.gateway.auth import ApiKeyInterceptor
 from gridserve.services.gateway.chat_template import ChatTemplateRenderer
 from gridserve.services.gateway.limits import RequestLimits
 from gridserve.services.gateway.load_watcher import LoadWatcher
+from gridserve.services.gateway.media_loader import MediaConfig, MediaLoader
+from gridserve.services.gateway.multimodal import MultiModalProcessor
 from gridserve.services.gateway.observability import GatewayMetrics
 from gridserve.services.gateway.service import GatewayService
 from gridserve.services.gateway.servicer import GatewayServicer
@@ -27,8 +29,8 @@ from gridserve.services.gateway.tokenizer import GatewayTokenizer
 from gridserve.shared.errors import EngineDeadError
 from gridserve.shared.observability.metrics import start_metrics_server
 from gridserve.shared.observability.tracing import Tracing
-from gridserve.shared.rpc.engine_client import EngineClient
 from gridserve.shared.readiness import Readiness, State
+from gridserve.shared.rpc.engine_client import EngineClient
 from gridserve.shared.rpc.server import RpcServer
 
 logger = logging.getLogger(__name__)
@@ -40,9 +42,10 @@ def serve(engine_addresses: list[str], host: str, port: int, grace_s: float = 10
           connect_timeout_s: float = 600.0, served_model_name: Optional[str] = None,
           api_key: Optional[str] = None, metrics_port: Optional[int] = None,
           otlp_traces_endpoint: Optional[str] = None, coordinator: Optional[str] = None,
-          limits: Optional[RequestLimits] = None, blocking_workers: int = 8) -> int:
+          limits: Optional[RequestLimits] = None, blocking_workers: int = 8,
+          media: Optional[MediaConfig] = None) -> int:
     """``limits``: the per-request caps; ``blocking_workers``: the threads that tokenize and render
-    chat templates off the event loop."""
+    chat templates off the event loop; ``media``: where images may come from, how big and slow."""
     interceptors = [ApiKeyInterceptor(api_key)] if api_key else []
     # asyncio server: every RPC is ``async`` and shares its loop.
     server = RpcServer(host, port, max_workers=32, grace_s=grace_s, interceptors=interceptors, role="gateway")
@@ -60,7 +63,8 @@ def serve(engine_addresses: list[str], host: str, port: int, grace_s: float = 10
     renderer = ChatTemplateRenderer(limits.max_rendered_template_chars, limits.template_render_timeout_s)
     service = GatewayService(GatewayTokenizer(info.tokenizer_path, renderer), engines, info.model,
                              info.max_model_len, info.vocab_size, info.max_logprobs, metrics, tracing,
-                             limits, blocking_workers)
+                             limits, blocking_workers, MultiModalProcessor.from_model_folder(info.model_path),
+                             MediaLoader(media))
     metrics_server = None
     if metrics is not None:
         # The edge's GET /metrics shows these, with every engine's metrics merged in.

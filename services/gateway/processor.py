@@ -1,6 +1,7 @@
 """Request processing on the gateway side of the engine.
 
-``InputProcessor`` validates a prompt and its sampling parameters and tokenizes it.
+``InputProcessor`` validates a prompt and its sampling parameters and tokenizes it; a prompt's
+images (``{"multi_modal_data": {"image": ...}}``) go through the model's ``MultiModalProcessor``.
 ``OutputProcessor`` turns the engine's per-step token outputs into ``RequestOutput`` objects:
 incremental detokenization, stop strings (which end a request the engine cannot see stopping),
 logprobs with decoded tokens, and the fan-in of ``n > 1`` parallel samples.
@@ -14,6 +15,7 @@ from typing import Any, Optional, Union
 
 from gridserve.services.gateway.detokenizer import IncrementalDetokenizer
 from gridserve.shared.errors import InvalidArgumentError
+from gridserve.shared.multimodal import ImageFeature
 from gridserve.shared.outputs import (
     CompletionOutput,
     EngineCoreOutput,
@@ -32,19 +34,24 @@ class ProcessedPrompt:
     prompt: Optional[str]
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
+    mm_features: list[ImageFeature] = field(default_factory=list)
 
 
 class InputProcessor:
     """Validates and tokenizes prompts against the model's limits."""
 
-    def __init__(self, tokenizer: Any, max_model_len: int, vocab_size: int, max_logprobs: int = 20) -> None:
+    def __init__(self, tokenizer: Any, max_model_len: int, vocab_size: int, max_logprobs: int = 20,
+                 multimodal: Any = None) -> None:
+        """``multimodal``: the model's ``MultiModalProcessor`` (None: a text-only model)."""
         self.tokenizer = tokenizer
+        self.multimodal = multimodal
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.max_logprobs = max_logprobs
 
     def process(self, prompt: PromptType, params: SamplingParams) -> ProcessedPrompt:
         text, token_ids = self._tokenize(prompt)
+        token_ids, mm_features = self._images(prompt, token_ids, params)
         if params.truncate_prompt_tokens is not None:
             token_ids = token_ids[-params.truncate_prompt_tokens :]
         if not token_ids:
@@ -60,7 +67,23 @@ class InputProcessor:
         room = self.max_model_len - len(token_ids)
         if params.max_tokens is None or params.max_tokens > room:
             params.max_tokens = room
-        return ProcessedPrompt(text, token_ids, params)
+        return ProcessedPrompt(text, token_ids, params, mm_features)
+
+    def _images(self, prompt: PromptType, token_ids: list[int], params: SamplingParams,
+                ) -> tuple[list[int], list[ImageFeature]]:
+        """The prompt with its image placeholders expanded, and its images preprocessed."""
+        data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
+        if not data:
+            return token_ids, []
+        unknown = sorted(set(data) - {"image"})
+        if unknown:
+            raise InvalidArgumentError(f"multi_modal_data.{unknown[0]}", "only images are supported")
+        if self.multimodal is None:
+            raise InvalidArgumentError("multi_modal_data.image", "this model takes text only (no vision encoder)")
+        if params.truncate_prompt_tokens is not None:
+            raise InvalidArgumentError("truncate_prompt_tokens", "cannot be combined with images")
+        images = data["image"] if isinstance(data["image"], (list, tuple)) else [data["image"]]
+        return self.multimodal.process(token_ids, list(images))
 
     def _check_params(self, params: SamplingParams) -> SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):

@@ -24,6 +24,7 @@ from pydantic import (
     ValidationError,
     ValidationInfo,
     field_validator,
+    model_validator,
 )
 
 from gridserve.services.gateway.limits import RequestLimits
@@ -246,12 +247,31 @@ class CompletionRequest(SamplingFields):
         return _as_prompts(self.prompt)
 
 
-class TextPart(OpenAIBaseModel):
-    type: str
+class ImageUrl(OpenAIBaseModel):
+    url: Annotated[str, Field(min_length=1)]
+    detail: Optional[str] = None
+
+
+class ContentPart(OpenAIBaseModel):
+    """One part of a message: ``text``, or ``image_url`` (a vision-language model's image)."""
+
+    type: Literal["text", "image_url"]
     text: Optional[str] = None
+    image_url: Optional[ImageUrl] = None
+
+    @model_validator(mode="after")
+    def _image_part_has_url(self) -> ContentPart:
+        if self.type == "image_url" and self.image_url is None:
+            raise ValueError("an image_url part needs image_url.url")
+        return self
+
+    def for_template(self) -> dict[str, Any]:
+        if self.type == "text":
+            return {"type": "text", "text": self.text or ""}
+        return {"type": "image_url", "image_url": {"url": self.image_url.url}}
 
 
-def _content_chars(content: Union[str, list[TextPart], None]) -> int:
+def _content_chars(content: Union[str, list[ContentPart], None]) -> int:
     if content is None:
         return 0
     if isinstance(content, str):
@@ -260,10 +280,10 @@ def _content_chars(content: Union[str, list[TextPart], None]) -> int:
 
 
 class ChatMessage(OpenAIBaseModel):
-    """One message; ``content`` is a string or parts (the text parts are kept)."""
+    """One message; ``content`` is a string or parts (text, and images for a vision-language model)."""
 
     role: str
-    content: Annotated[Union[str, list[TextPart], None],
+    content: Annotated[Union[str, list[ContentPart], None],
                        capped("max_content_chars", _content_chars, "characters of content")] = None
     name: Optional[str] = None
     tool_call_id: Optional[str] = None
@@ -277,7 +297,12 @@ class ChatMessage(OpenAIBaseModel):
         return "".join(p.text or "" for p in self.content if p.type == "text")
 
     def for_template(self) -> dict[str, Any]:
-        message: dict[str, Any] = {"role": self.role, "content": self.text()}
+        """The message for the chat template: text parts joined into a string, unless it has images
+        (then every part, in order: the route loads the images, the template places them)."""
+        parts = self.content if isinstance(self.content, list) else []
+        has_images = any(p.type == "image_url" for p in parts)
+        content: Any = [p.for_template() for p in parts] if has_images else self.text()
+        message: dict[str, Any] = {"role": self.role, "content": content}
         for key in ("name", "tool_call_id", "tool_calls"):
             if getattr(self, key) is not None:
                 message[key] = getattr(self, key)

@@ -20,6 +20,7 @@ from typing import Any, Optional, TypeVar, Union
 from pydantic import BaseModel
 
 from gridserve.services.gateway.api_errors import ApiError, to_api_error
+from gridserve.services.gateway.multimodal import chat_images
 from gridserve.services.gateway.openapi import openapi_document
 from gridserve.services.gateway.protocol import (
     ChatCompletionRequest,
@@ -92,10 +93,20 @@ class OpenAIRoutes:
         return parsed
 
     async def _chat_prompt(self, request: ChatTemplateFields) -> dict:
+        """The rendered, tokenized conversation; with its images (loaded, not yet preprocessed) as
+        ``multi_modal_data`` for a vision-language model, refused naming the part for any other."""
         if request.chat_template is not None and not self.service.limits.trust_request_chat_template:
             raise ApiError(400, f"chat_template: {REFUSED_TEMPLATE}", "chat_template")
-        return await self.service.chat_prompt(request.template_messages(), request.chat_template,
-                                              request.add_generation_prompt, request.template_tools())
+        messages, images = chat_images(request.template_messages())
+        if images and self.service.input_processor.multimodal is None:
+            field = images[0][0]
+            raise ApiError(400, f"{field}: the model {self.model!r} takes text only (it has no vision encoder); "
+                           "send no image parts", field)
+        prompt = await self.service.chat_prompt(messages, request.chat_template, request.add_generation_prompt,
+                                                request.template_tools())
+        if images:
+            prompt["multi_modal_data"] = {"image": await self.service.media.load_all(images)}
+        return prompt
 
     # ---- simple routes ----------------------------------------------------------------------
     @_answers_errors
@@ -129,7 +140,11 @@ class OpenAIRoutes:
             chat = ChatTemplateFields.model_construct(
                 messages=request.messages, chat_template=request.chat_template,
                 add_generation_prompt=request.add_generation_prompt, tools=request.tools)
-            tokens = (await self._chat_prompt(chat))["prompt_token_ids"]
+            prompt = await self._chat_prompt(chat)
+            tokens = prompt["prompt_token_ids"]
+            if "multi_modal_data" in prompt:  # each image placeholder as the image's tokens
+                expand = self.service.input_processor.multimodal.process
+                tokens, _ = await self.service.run_blocking(expand, tokens, prompt["multi_modal_data"]["image"])
         elif request.prompt is not None:
             tokens = await self.service.encode(request.prompt, request.add_special_tokens)
         else:

@@ -34,6 +34,8 @@ from typing import Any, Optional, TypeVar
 import grpc
 
 from gridserve.services.gateway.limits import RequestLimits
+from gridserve.services.gateway.media_loader import MediaLoader
+from gridserve.services.gateway.multimodal import MultiModalProcessor
 from gridserve.services.gateway.observability import GatewayMetrics, RequestObservation
 from gridserve.services.gateway.processor import (
     InputProcessor,
@@ -101,14 +103,19 @@ class GatewayService:
     def __init__(self, tokenizer: Any, engines: list[EngineClient], model_name: str,
                  max_model_len: int, vocab_size: int, max_logprobs: int,
                  metrics: Optional[GatewayMetrics] = None, tracing: Optional[Tracing] = None,
-                 limits: Optional[RequestLimits] = None, blocking_workers: int = 8) -> None:
+                 limits: Optional[RequestLimits] = None, blocking_workers: int = 8,
+                 multimodal: Optional[MultiModalProcessor] = None, media: Optional[MediaLoader] = None) -> None:
+        """``multimodal``: a vision-language model's image preprocessing (None: text only);
+        ``media``: the pool that loads images by URL."""
         self.tokenizer = tokenizer
         self.engines = engines
         self.model_name = model_name
         self.max_model_len = max_model_len
         limits = limits or RequestLimits()
         self.limits = replace(limits, max_logprobs=min(limits.max_logprobs, max_logprobs))
-        self.input_processor = InputProcessor(tokenizer, max_model_len, vocab_size, self.limits.max_logprobs)
+        self.input_processor = InputProcessor(tokenizer, max_model_len, vocab_size, self.limits.max_logprobs,
+                                              multimodal)
+        self.media = media or MediaLoader()
         self.blocking = ThreadPoolExecutor(max_workers=blocking_workers, thread_name_prefix="gateway-blocking")
         self._in_flight = 0
         self._idle: Optional[asyncio.Event] = None
@@ -220,6 +227,7 @@ class GatewayService:
             except asyncio.TimeoutError:
                 logger.warning("drain: %d requests still running after %.1fs", self._in_flight, timeout)
         self.blocking.shutdown(wait=False, cancel_futures=True)  # main closes the engine clients
+        self.media.close()
 
 
 class _Request:
@@ -289,7 +297,8 @@ class _Stream:
         try:
             await engine.add_request(child_id, self.processed.prompt_token_ids, params,
                                      parent_request_id=self.request_id,
-                                     traceparent=self.observation.traceparent, **continued)
+                                     traceparent=self.observation.traceparent,
+                                     mm_features=self.processed.mm_features, **continued)
         except grpc.aio.AioRpcError as exc:
             if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
                                   grpc.StatusCode.CANCELLED):

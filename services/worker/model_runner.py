@@ -15,6 +15,7 @@ from typing import Optional
 import torch
 
 from gridserve.services.worker.attention import AttentionMetadata
+from gridserve.services.worker.encoder_cache import EncoderCache, ImageRows
 from gridserve.services.worker.loader import KV_CACHE_TORCH_DTYPES, TORCH_DTYPES, load_model
 from gridserve.services.worker.parallel_state import get_parallel_state
 from gridserve.services.worker.sampler import (
@@ -27,6 +28,7 @@ from gridserve.services.worker.sampler import (
 )
 from gridserve.services.worker.structured_output import StructuredOutputManager
 from gridserve.shared.config import GridserveConfig
+from gridserve.shared.multimodal import ImageFeature
 from gridserve.shared.sampling_params import SamplingParams
 from gridserve.shared.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
@@ -44,6 +46,7 @@ class RequestState:
     block_ids: list[int]
     num_computed_tokens: int
     stop_ids: list[int] = field(default_factory=list)
+    images: list[ImageFeature] = field(default_factory=list)
 
     @property
     def num_output_tokens(self) -> int:
@@ -60,6 +63,7 @@ class StepInputs:
     req_ids: list[str]  # every scheduled request, in packed order
     starts: list[int]  # first position computed this step, per request
     row_starts: list[int]  # first packed row, per request
+    images: Optional[ImageRows] = None  # image-token rows and their embeddings (VLM prefill)
 
 
 class ModelRunner:
@@ -77,6 +81,7 @@ class ModelRunner:
         self.model: Optional[torch.nn.Module] = None
         self.kv_caches: list[torch.Tensor] = []
         self.structured_output: Optional[StructuredOutputManager] = None  # built on first use
+        self.encoder_cache: Optional[EncoderCache] = None  # a vision-language model's image embeddings
         self.parallel = get_parallel_state()
         # The rank that samples and answers the engine: TP rank 0 of the last pipeline stage.
         self.is_driver = self.parallel.layout.is_output_rank
@@ -87,6 +92,8 @@ class ModelRunner:
     # ---- setup -------------------------------------------------------------------------
     def load_model(self) -> None:
         self.model = load_model(self.config, self.device)
+        if hasattr(self.model, "encode_images"):
+            self.encoder_cache = EncoderCache(self.model, self.device)
 
     def kv_cache_shape(self, num_blocks: int, layer) -> tuple[int, ...]:
         """One layer's KV tensor: only the KV heads this rank holds."""
@@ -145,12 +152,15 @@ class ModelRunner:
 
     def _forward(self, inputs: StepInputs) -> Optional[torch.Tensor]:
         """Run this stage's layers: activations in from the previous stage, out to the next one."""
+        if inputs.images is not None:
+            embeds = self.model.embed(inputs.input_ids, inputs.images.rows, inputs.images.embeds)
+            return self.model(inputs.input_ids, inputs.positions, inputs.meta, inputs_embeds=embeds)
         if self.parallel.pp_size == 1:
             return self.model(inputs.input_ids, inputs.positions, inputs.meta)
         layout = self.parallel.layout
         intermediate = None
         if not layout.is_first_stage:
-            shape = (inputs.input_ids.shape[0], int(self.config.model.hf_config["hidden_size"]))
+            shape = (inputs.input_ids.shape[0], int(self.config.model.text_config["hidden_size"]))
             intermediate = tuple(self.parallel.recv_from_prev_stage([shape, shape], self.dtype, self.device))
         out = self.model(inputs.input_ids, inputs.positions, inputs.meta, intermediate)
         if layout.is_last_stage:
@@ -192,6 +202,8 @@ class ModelRunner:
     def _update_states(self, sched: SchedulerOutput) -> None:
         for req_id in sched.finished_req_ids:
             self.requests.pop(req_id, None)
+            if self.encoder_cache is not None:
+                self.encoder_cache.drop(req_id)
             if self.structured_output is not None:
                 self.structured_output.remove(req_id)
         for new in sched.scheduled_new_reqs:
@@ -207,7 +219,11 @@ class ModelRunner:
                 block_ids=list(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
                 stop_ids=stop_ids,
+                images=list(new.mm_features),
             )
+            if state.images and self.encoder_cache is None:
+                raise ValueError(f"request {new.req_id!r} has images; {self.config.model.architecture} "
+                                 "takes text only")
             self.requests[new.req_id] = state
             if params.structured_outputs is not None and self.is_driver:
                 self._structured_output_manager().add_request(
@@ -262,7 +278,16 @@ class ModelRunner:
             req_ids=req_ids,
             starts=starts,
             row_starts=query_start_loc[:-1].tolist(),
+            images=self._image_rows(req_ids, starts, q_lens, query_start_loc[:-1].tolist()),
         )
+
+    def _image_rows(self, req_ids: list[str], starts: list[int], q_lens: list[int],
+                    rows: list[int]) -> Optional[ImageRows]:
+        if self.encoder_cache is None:
+            return None
+        scheduled = [(r, self.requests[r].images, s, n, row)
+                     for r, s, n, row in zip(req_ids, starts, q_lens, rows) if self.requests[r].images]
+        return self.encoder_cache.step_rows(scheduled) if scheduled else None
 
     def _sampling_metadata(self, req_ids: list[str], vocab_size: int) -> SamplingMetadata:
         states = [self.requests[r] for r in req_ids]

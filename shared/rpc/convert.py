@@ -13,8 +13,10 @@ from typing import Optional
 
 from gridserve.api.common.v1 import common_pb2
 from gridserve.api.engine.v1 import engine_pb2
+from gridserve.shared.errors import InvalidArgumentError
+from gridserve.shared.multimodal import ImageFeature
 from gridserve.shared.outputs import EngineCoreOutput, FinishReason
-from gridserve.shared.rpc.tensors import pack, unpack
+from gridserve.shared.rpc.tensors import pack, pack_raw, raw_bytes, unpack
 from gridserve.shared.sampling_params import SamplingParams, StructuredOutputsParams
 from gridserve.shared.scheduler_output import TokenLogprobs
 
@@ -30,6 +32,30 @@ FINISH_TO_PB = {
 }
 FINISH_FROM_PB = {v: k for k, v in FINISH_TO_PB.items()}
 FINISH_NAME_TO_PB = {k.value: v for k, v in FINISH_TO_PB.items() if k is not None}
+
+
+# ---- images ----------------------------------------------------------------------------------
+def image_features_to_pb(images: list[ImageFeature]) -> list[common_pb2.ImageFeature]:
+    return [common_pb2.ImageFeature(pixel_values=pack_raw(i.pixel_values, common_pb2.DTYPE_FLOAT32, i.shape),
+                                    offset=i.offset, length=i.length, identifier=i.identifier)
+            for i in images]
+
+
+def image_features_from_pb(msgs, num_prompt_tokens: int, field: str = "mm_features") -> list[ImageFeature]:
+    """The images of a request, checked: float32 pixels that fill their shape, token ranges inside
+    the prompt, in order and not overlapping (``InvalidArgumentError`` naming ``field[i]``)."""
+    images: list[ImageFeature] = []
+    for i, msg in enumerate(msgs):
+        try:
+            data, shape = raw_bytes(msg.pixel_values, common_pb2.DTYPE_FLOAT32)
+        except ValueError as exc:
+            raise InvalidArgumentError(f"{field}[{i}].pixel_values", str(exc)) from None
+        start = images[-1].end if images else 0
+        if msg.length < 1 or msg.offset < start or msg.offset + msg.length > num_prompt_tokens:
+            raise InvalidArgumentError(f"{field}[{i}]", f"tokens [{msg.offset}, {msg.offset + msg.length}) must be "
+                                       f"non-empty, after the previous image's and inside the {num_prompt_tokens}-token prompt")
+        images.append(ImageFeature(data, shape, msg.offset, msg.length, msg.identifier))
+    return images
 
 
 # ---- sampling parameters -------------------------------------------------------------------

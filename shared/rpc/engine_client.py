@@ -21,9 +21,14 @@ import grpc
 
 from gridserve.api.engine.v1 import engine_pb2, engine_pb2_grpc
 from gridserve.shared.errors import EngineDeadError
+from gridserve.shared.multimodal import ImageFeature
 from gridserve.shared.observability.tracing import TRACEPARENT
 from gridserve.shared.rpc.client import DEFAULT_DEADLINE_S, aio_channel
-from gridserve.shared.rpc.convert import engine_output_from_pb, sampling_params_to_pb
+from gridserve.shared.rpc.convert import (
+    engine_output_from_pb,
+    image_features_to_pb,
+    sampling_params_to_pb,
+)
 from gridserve.shared.rpc.reconnect import ReconnectingStream
 from gridserve.shared.sampling_params import SamplingParams
 
@@ -83,10 +88,11 @@ class EngineClient:
 
     async def add_request(self, request_id: str, token_ids: list[int], params: SamplingParams,
                           parent_request_id: str = "", traceparent: str = "",
+                          mm_features: Optional[list[ImageFeature]] = None,
                           output_token_ids: Optional[list[int]] = None, continuation: bool = False) -> None:
         """``parent_request_id``: the id the client sees; ``traceparent``: the gateway span (W3C),
-        sent as gRPC metadata; ``continuation``: a failover from a dead engine, which had already
-        generated ``output_token_ids``."""
+        sent as gRPC metadata; ``mm_features``: the prompt's preprocessed images; ``continuation``:
+        a failover from a dead engine, which had already generated ``output_token_ids``."""
         if not self.ready.is_set():
             raise EngineDeadError(f"engine {self.address} is not reachable")
         await self.stub.AddRequest(
@@ -96,6 +102,7 @@ class EngineClient:
                 prompt_token_ids=token_ids,
                 sampling_params=sampling_params_to_pb(params),
                 parent_request_id=parent_request_id or None,
+                mm_features=image_features_to_pb(mm_features or []),
                 output_token_ids=output_token_ids or [],
                 continuation=continuation,
             ),

@@ -5,6 +5,7 @@ Uses the standard library's ``array`` so that torch-free roles (engine, gateway)
 
 from __future__ import annotations
 
+import math
 import sys
 from array import array
 from collections.abc import Sequence
@@ -35,3 +36,20 @@ def unpack(tensor: common_pb2.Tensor) -> list:
     if sys.byteorder != "little":
         data.byteswap()
     return data.tolist()
+
+
+def pack_raw(data: bytes, dtype: int, shape: Sequence[int]) -> common_pb2.Tensor:
+    """A tensor of ``shape`` whose elements are already little-endian bytes (image pixels)."""
+    return common_pb2.Tensor(data=data, dtype=dtype, shape=list(shape))
+
+
+def raw_bytes(tensor: common_pb2.Tensor, dtype: int) -> tuple[bytes, tuple[int, ...]]:
+    """The little-endian bytes and shape of ``tensor``; ``ValueError`` unless its dtype is ``dtype``
+    and its size matches its shape."""
+    if tensor.dtype != dtype:
+        raise ValueError(f"expected dtype {common_pb2.Dtype.Name(dtype)}, got {common_pb2.Dtype.Name(tensor.dtype)}")
+    shape = tuple(int(d) for d in tensor.shape)
+    itemsize = array(_TYPECODES[dtype]).itemsize
+    if any(d < 0 for d in shape) or len(tensor.data) != itemsize * math.prod(shape):
+        raise ValueError(f"{len(tensor.data)} bytes do not fill shape {list(shape)}")
+    return tensor.data, shape

@@ -11,6 +11,8 @@ from gridserve.api.common.v1 import common_pb2
 from gridserve.api.worker.v1 import worker_pb2
 from gridserve.shared import config as cfg
 from gridserve.shared.rpc.convert import (
+    image_features_from_pb,
+    image_features_to_pb,
     logprobs_from_pb,
     logprobs_to_pb,
     sampling_params_from_pb,
@@ -87,6 +89,7 @@ def scheduler_output_to_pb(out: SchedulerOutput) -> worker_pb2.SchedulerOutput:
                 num_computed_tokens=r.num_computed_tokens,
                 output_token_ids=r.output_token_ids,
                 traceparent=r.traceparent,
+                mm_features=image_features_to_pb(r.mm_features),
             )
             for r in out.scheduled_new_reqs
         ],
@@ -114,6 +117,7 @@ def scheduler_output_from_pb(msg: worker_pb2.SchedulerOutput) -> SchedulerOutput
                 num_computed_tokens=r.num_computed_tokens,
                 output_token_ids=list(r.output_token_ids),
                 traceparent=r.traceparent,
+                mm_features=image_features_from_pb(r.mm_features, len(r.prompt_token_ids)),
             )
             for r in msg.scheduled_new_reqs
         ],

@@ -16,8 +16,8 @@ from gridserve.services.engine.load_reporter import LoadReporter
 from gridserve.services.gateway.load_watcher import LoadWatcher
 from gridserve.services.gateway.router import Router
 from gridserve.shared.load import EngineLoad
-from gridserve.shared.rpc.loop_thread import LoopThread
 from gridserve.shared.readiness import State
+from gridserve.shared.rpc.loop_thread import LoopThread
 from gridserve.shared.rpc.server import RpcServer
 
 

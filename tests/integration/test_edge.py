@@ -175,6 +175,17 @@ def test_openai_errors_are_openai_shaped(client, model_name, edge):
     assert status == 400 and json.loads(text)["error"]["param"] == "messages"
 
 
+def test_an_image_part_for_this_text_only_model_is_400_naming_the_part(client, model_name):
+    import openai
+
+    png = "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAIAAACQd1PeAAAADElEQVR4nGP4z8AAAAMBAQDJ/pLvAAAAAElFTkSuQmCC"
+    messages = [{"role": "user", "content": [{"type": "text", "text": "what is this?"},
+                                             {"type": "image_url", "image_url": {"url": png}}]}]
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(model=model_name, messages=messages, max_tokens=4)
+    assert bad.value.body["param"] == "messages[0].content[1]" and "text only" in bad.value.body["message"]
+
+
 def test_health_and_version(edge):
     status, _, _ = _request(_url(edge, "/health"))
     assert status == 200

@@ -59,7 +59,7 @@ class _Engine:
         self.queues.pop(request_id, None)
 
     async def add_request(self, request_id, token_ids, params, parent_request_id="", traceparent="",
-                          output_token_ids=None, continuation=False):
+                          mm_features=None, output_token_ids=None, continuation=False):
         if not self.ready.is_set():
             raise EngineDeadError(f"engine {self.address} is not reachable")
         self.added.append((request_id, params, output_token_ids, continuation))

@@ -58,7 +58,7 @@ class _FakeEngine:
     def unregister(self, request_id):
         self.queues.pop(request_id, None)
 
-    async def add_request(self, request_id, token_ids, params, parent_request_id="", traceparent=""):
+    async def add_request(self, request_id, token_ids, params, parent_request_id="", traceparent="", mm_features=None):
         self.added.append(request_id)
 
     async def abort(self, request_ids):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import struct
+
 import pytest
 
 from gridserve.services.engine.kv_cache_manager import (
@@ -11,6 +13,7 @@ from gridserve.services.engine.kv_cache_manager import (
 )
 from gridserve.services.engine.request import Request
 from gridserve.shared.errors import ConfigError
+from gridserve.shared.multimodal import ImageFeature
 from gridserve.shared.sampling_params import SamplingParams
 
 BS = 4
@@ -142,6 +145,33 @@ def test_different_cache_salt_gives_no_hit():
     assert mgr.get_computed_blocks(make_request("b", list(range(12)), cache_salt="bob"))[1] == 0
     assert mgr.get_computed_blocks(make_request("c", list(range(12))))[1] == 0
     assert mgr.get_computed_blocks(make_request("d", list(range(12)), cache_salt="alice"))[1] == 8
+
+
+def _image(value: float, offset: int, length: int) -> ImageFeature:
+    return ImageFeature(struct.pack("<4f", value, 0.0, 0.0, 0.0), (1, 2, 2), offset, length)
+
+
+def test_blocks_covering_an_image_are_keyed_by_its_content():
+    # Tokens 0-1 text, 2-9 one image (placeholder id 99), 10-13 text: blocks 0, 1, 2 cover the image.
+    tokens = [5, 6] + [99] * 8 + [7, 8, 9, 10, 11]
+    mgr = KVCacheManager(num_blocks=40, block_size=BS)
+    first = Request("a", tokens, SamplingParams(max_tokens=8), mm_features=[_image(1.0, 2, 8)])
+    schedule(mgr, first)
+    same = Request("b", tokens, SamplingParams(max_tokens=8), mm_features=[_image(1.0, 2, 8)])
+    assert mgr.get_computed_blocks(same)[1] == 12  # every full block, the image's included
+    other = Request("c", tokens, SamplingParams(max_tokens=8), mm_features=[_image(2.0, 2, 8)])
+    assert mgr.get_computed_blocks(other)[1] == 0  # block 0 holds image tokens 2-3 already
+    assert other.block_hashes[0] != first.block_hashes[0]
+    text = Request("d", tokens, SamplingParams(max_tokens=8))  # the same token ids, no image
+    assert mgr.get_computed_blocks(text)[1] == 0
+
+
+def test_an_image_after_a_text_prefix_shares_only_the_text_blocks():
+    tokens = list(range(8)) + [99] * 8 + [1, 2, 3]
+    mgr = KVCacheManager(num_blocks=40, block_size=BS)
+    schedule(mgr, Request("a", tokens, SamplingParams(max_tokens=8), mm_features=[_image(1.0, 8, 8)]))
+    other = Request("b", tokens, SamplingParams(max_tokens=8), mm_features=[_image(3.0, 8, 8)])
+    assert mgr.get_computed_blocks(other)[1] == 8
 
 
 def test_whole_prompt_cached_still_leaves_one_token_to_compute():

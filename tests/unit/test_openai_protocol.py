@@ -78,7 +78,9 @@ def test_chat_fields():
         {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"},
                                                    {"type": "image_url", "image_url": {"url": "x"}}]}],
          "tools": [{"type": "function", "function": {"name": "f"}}]}))
-    assert request.template_messages() == [{"role": "user", "content": "hi"}]
+    # An image part is kept for the route (which loads it, or refuses it for a text-only model).
+    assert request.template_messages() == [{"role": "user", "content": [
+        {"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {"url": "x"}}]}]
     assert request.template_tools() == [{"type": "function", "function": {"name": "f"}}]
 
 

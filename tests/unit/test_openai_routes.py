@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 from gridserve.services.gateway.api_errors import ApiError, to_api_error
 from gridserve.services.gateway.limits import RequestLimits
+from gridserve.services.gateway.media_loader import MediaLoader
 from gridserve.services.gateway.responses import DONE
 from gridserve.services.gateway.routes import OpenAIRoutes
 from gridserve.services.gateway.service import SampleDelta, StreamChunk
@@ -33,7 +34,8 @@ class _FakeService:
 
     def __init__(self, limits: RequestLimits = DEFAULT):
         self.tokenizer = _FakeTokenizer()
-        self.input_processor = SimpleNamespace(vocab_size=128)
+        self.input_processor = SimpleNamespace(vocab_size=128, multimodal=None)
+        self.media = MediaLoader()
         self.limits = limits
         self.closed = 0
         self.templates: list = []
@@ -155,6 +157,38 @@ def test_a_request_chat_template_is_refused_without_the_trust_flag():
         trusting = _FakeService(RequestLimits(trust_request_chat_template=True))
         response = await OpenAIRoutes(trusting, "m").tokenize(body)
         assert response.status == 200 and trusting.templates == ["{{ 1 }}"]
+
+    _run(go())
+
+
+def _image_chat(url: str = "data:image/png;base64,AAAA", image_first: bool = False) -> bytes:
+    parts = [{"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": {"url": url}}]
+    messages = [{"role": "system", "content": "be brief"},
+                {"role": "user", "content": parts[::-1] if image_first else parts}]
+    return json.dumps({"messages": messages}).encode()
+
+
+def test_an_image_part_for_a_text_only_model_is_400_naming_the_part():
+    async def go():
+        service = _FakeService()
+        response = await OpenAIRoutes(service, "m").chat_completions(_image_chat())
+        assert response.status == 400
+        error = _body(response)["error"]
+        assert error["param"] == "messages[1].content[1]" and "text only" in error["message"]
+        response = await OpenAIRoutes(service, "m").tokenize(_image_chat(image_first=True))
+        assert response.status == 400 and _body(response)["error"]["param"] == "messages[1].content[0]"
+
+    _run(go())
+
+
+def test_unknown_content_part_types_are_400_not_dropped():
+    async def go():
+        for part in ({"type": "input_audio", "input_audio": {"data": "x"}}, {"type": "image_url"},
+                     {"type": "image_url", "image_url": {"url": ""}}):
+            body = json.dumps({"messages": [{"role": "user", "content": [part]}]}).encode()
+            response = await OpenAIRoutes(_FakeService(), "m").chat_completions(body)
+            assert response.status == 400, part
+            assert _body(response)["error"]["param"].startswith("messages"), part
 
     _run(go())
 

@@ -100,6 +100,22 @@ def test_int8_weight_is_per_output_channel_and_close_to_float():
     assert ((q(x) - exact).norm() / exact.norm()).item() < 0.01
 
 
+def test_int8_cpu_matmul_keeps_activations_exact_enough_to_match_weight_only():
+    """Two int8 rows per activation row: what is left is the weights' rounding alone, so the int8
+    GEMM agrees with the dequantized weight in fp32 far closer than one int8 row per activation."""
+    gen = torch.Generator().manual_seed(2)
+    w = torch.randn(64, 512, generator=gen) * 0.05
+    x = torch.randn(9, 512, generator=gen)
+    x[:, 7] *= 40  # an outlier channel, as RMSNorm outputs have: one scale per row coarsens the rest
+    q = Int8Weight.from_float(w)
+    weight_only = x @ q.dequantize().T
+    err = ((q(x) - weight_only).norm() / weight_only.norm()).item()
+    rows = x.abs().amax(1, keepdim=True) / 127
+    one_row = (torch.round(x / rows) * rows) @ q.dequantize().T  # the single-row (q8_0) scheme
+    err_one_row = ((one_row - weight_only).norm() / weight_only.norm()).item()
+    assert err < 1e-3 and err < err_one_row / 50
+
+
 def test_int4_weight_uses_group_scales():
     gen = torch.Generator().manual_seed(1)
     w = torch.randn(16, 256, generator=gen)

@@ -145,6 +145,19 @@ def test_build_is_deterministic(tmp_path: Path, llama_tiny: Path) -> None:
     assert files_a == _files(llama_tiny)  # the cached folder is the same build
 
 
+def test_llava_build_is_deterministic_with_its_processor(tmp_path: Path, llava_tiny: Path) -> None:
+    tok_dir = recipe.ensure_tokenizer(4096)
+    built = recipe.build_checkpoint(tmp_path / "a", "llava", "tiny", tokenizer_dir=tok_dir)
+    files = _files(built)
+    assert {"preprocessor_config.json", "processor_config.json", "chat_template.jinja"} <= set(files)
+    assert files == _files(llava_tiny)
+    config = json.loads((built / "config.json").read_text())
+    tokenizer = json.loads((built / "tokenizer.json").read_text())
+    image = next(t for t in tokenizer["added_tokens"] if t["content"] == "<image>")
+    assert config["image_token_index"] == image["id"] < config["text_config"]["vocab_size"]
+    assert config["image_seq_length"] == (30 // 6) ** 2
+
+
 def test_tokenizer_training_is_deterministic(tmp_path: Path, llama_tiny: Path) -> None:
     recipe.build_tokenizer(tmp_path, 4096)
     cached = recipe.ensure_tokenizer(4096)

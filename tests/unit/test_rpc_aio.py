@@ -11,10 +11,10 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gridserve.shared.errors import InvalidArgumentError
+from gridserve.shared.readiness import LIVENESS_SERVICE, State
 from gridserve.shared.rpc.client import health_status, make_channel
 from gridserve.shared.rpc.loop_thread import LoopThread
 from gridserve.shared.rpc.reconnect import ReconnectingStream
-from gridserve.shared.readiness import LIVENESS_SERVICE, State
 from gridserve.shared.rpc.server import RpcServer
 
 

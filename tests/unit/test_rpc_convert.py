@@ -3,16 +3,23 @@
 from __future__ import annotations
 
 import dataclasses
+import struct
+
+import pytest
 
 from gridserve.api.common.v1 import common_pb2
 from gridserve.shared.config import GridserveConfig
+from gridserve.shared.errors import InvalidArgumentError
+from gridserve.shared.multimodal import ImageFeature
 from gridserve.shared.outputs import EngineCoreOutput, FinishReason
 from gridserve.shared.rpc.convert import (
     engine_output_from_pb,
     engine_output_to_pb,
+    image_features_from_pb,
     sampling_params_from_pb,
     sampling_params_to_pb,
 )
+from gridserve.shared.rpc.tensors import pack_raw
 from gridserve.shared.rpc.worker_convert import (
     config_from_pb,
     config_to_pb,
@@ -74,6 +81,32 @@ def test_scheduler_and_runner_outputs_round_trip():
     lp = TokenLogprobs([7, 8, 9], [-0.5, -1.25, -2.0], 1)
     out = ModelRunnerOutput(["a", "b"], [7, 3], [lp, None], prompt_logprobs={"a": [lp, lp]})
     assert runner_output_from_pb(runner_output_to_pb(out)) == out
+
+
+def test_a_new_request_s_images_travel_as_typed_float32_tensors():
+    pixels = struct.pack("<12f", *[i / 7 for i in range(12)])
+    image = ImageFeature(pixels, (3, 2, 2), offset=1, length=2)
+    sched = SchedulerOutput(
+        scheduled_new_reqs=[NewRequestData("a", [1, 9, 9, 2], _rich_params(), [4], 0, mm_features=[image])],
+        num_scheduled_tokens={"a": 4}, total_num_scheduled_tokens=4)
+    msg = scheduler_output_to_pb(sched)
+    tensor = msg.scheduled_new_reqs[0].mm_features[0].pixel_values
+    assert tensor.dtype == common_pb2.DTYPE_FLOAT32 and list(tensor.shape) == [3, 2, 2]
+    back = scheduler_output_from_pb(msg)
+    assert back == sched and back.scheduled_new_reqs[0].mm_features[0].identifier == image.identifier
+
+
+@pytest.mark.parametrize("offset, length, shape, field", [
+    (3, 2, (3, 2, 2), "mm_features[0]"),  # runs past the 4-token prompt
+    (1, 0, (3, 2, 2), "mm_features[0]"),
+    (1, 2, (3, 2, 3), "mm_features[0].pixel_values"),  # bytes do not fill the shape
+])
+def test_images_that_do_not_fit_the_prompt_or_their_shape_are_refused(offset, length, shape, field):
+    msg = common_pb2.ImageFeature(pixel_values=pack_raw(b"\0" * 48, common_pb2.DTYPE_FLOAT32, shape),
+                                  offset=offset, length=length)
+    with pytest.raises(InvalidArgumentError) as err:
+        image_features_from_pb([msg], num_prompt_tokens=4)
+    assert err.value.field == field
 
 
 def test_engine_output_round_trips():

@@ -13,6 +13,7 @@ _REGISTRY = {
     "MixtralForCausalLM": "mixtral:MixtralForCausalLM",
     "Qwen2ForCausalLM": "llama:Qwen2ForCausalLM",
     "OPTForCausalLM": "opt:OPTForCausalLM",
+    "LlavaForConditionalGeneration": "llava:LlavaForConditionalGeneration",
 }
 
 

@@ -137,10 +137,13 @@ class LlamaModel(nn.Module):
             self.norm = RMSNorm(hf.hidden_size, hf.rms_norm_eps)
 
     def forward(self, input_ids, positions, meta: AttentionMetadata,
-                intermediate: Optional[tuple[torch.Tensor, torch.Tensor]] = None):
-        """Hidden states after the final norm (last stage), else ``(hidden, residual)`` for the next stage."""
+                intermediate: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+                inputs_embeds: Optional[torch.Tensor] = None):
+        """Hidden states after the final norm (last stage), else ``(hidden, residual)`` for the next stage.
+        ``inputs_embeds`` (a vision-language model's prefill) replaces the token embeddings."""
         if intermediate is None:
-            x, residual = self.embed_tokens(input_ids), None
+            x = inputs_embeds if inputs_embeds is not None else self.embed_tokens(input_ids)
+            residual = None
         else:
             x, residual = intermediate
         for layer in self.layers[self.stage.start : self.stage.end]:
@@ -176,8 +179,8 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = VocabParallelEmbedding(hf.vocab_size, hf.hidden_size, self.state,
                                                   prefix=add_prefix(prefix, "lm_head"))
 
-    def forward(self, input_ids, positions, meta: AttentionMetadata, intermediate=None):
-        return self.model(input_ids, positions, meta, intermediate)
+    def forward(self, input_ids, positions, meta: AttentionMetadata, intermediate=None, inputs_embeds=None):
+        return self.model(input_ids, positions, meta, intermediate, inputs_embeds)
 
     @property
     def logits_head(self) -> Optional[VocabParallelEmbedding]:
