@@ -2,7 +2,9 @@
 
 Both batches run through the worker's real code (``ModelRunner._sampling_metadata``, ``Sampler``,
 ``StructuredOutputManager``) on random logits of the model's vocabulary size, interleaved
-``--repeats`` times; the report is the median time of each and their ratio. Every row is seeded.
+``--repeats`` times; the report is the median time of each and their ratio. Every row is seeded;
+the same plain batch with no seed (torch's generator) runs in the same loop, so the cost of
+seeding every row (the deterministic, resumable draw) is measured against today's unseeded batch.
 
 It also times, in the same loop, the draw the sampler used before counter-based sampling — an
 unseeded exponential race over the whole vocabulary (``argmax(p / q)``, ``q ~ Exp(1)`` from torch's
@@ -31,8 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-json", default="benchmarks/results/sampler.json")
 
 
-def _batches(batch: int) -> tuple[list[SamplingParams], list[SamplingParams]]:
+def _batches(batch: int) -> tuple[list[SamplingParams], list[SamplingParams], list[SamplingParams]]:
     plain = [SamplingParams(temperature=1.0, seed=i, max_tokens=64) for i in range(batch)]
+    unseeded = [SamplingParams(temperature=1.0, max_tokens=64) for _ in range(batch)]
     mixed = []
     for i in range(batch):
         kwargs = {"temperature": 1.0, "seed": i, "max_tokens": 64}
@@ -43,7 +46,7 @@ def _batches(batch: int) -> tuple[list[SamplingParams], list[SamplingParams]]:
         if i < 8:
             kwargs["structured_outputs"] = StructuredOutputsParams(json=SCHEMA)
         mixed.append(SamplingParams(**kwargs))
-    return plain, mixed
+    return plain, mixed, unseeded
 
 
 def _draw_times(plain, logits, vocab: int, repeats: int) -> tuple[float, float]:
@@ -77,14 +80,14 @@ def run(args: argparse.Namespace) -> int:
     config = GridserveConfig.from_kwargs(model=model).finalize()
     vocab = config.model.vocab_size
     runners = {}
-    for name, params in zip(("plain", "mixed"), _batches(args.batch_size)):
+    for name, params in zip(("plain", "mixed", "unseeded"), _batches(args.batch_size)):
         runner = ModelRunner(config, torch.device("cpu"))
         new = [NewRequestData(f"{name}{i}", list(range(10, 60)), p, [1, 2, 3, 4], 0) for i, p in enumerate(params)]
         runner._update_states(SchedulerOutput(scheduled_new_reqs=new))
         for state in runner.requests.values():  # some output history for the penalties
             state.token_ids += list(range(200, 232))
         runners[name] = (runner, [r.req_id for r in new])
-    times: dict[str, list[float]] = {"plain": [], "mixed": []}
+    times: dict[str, list[float]] = {name: [] for name in runners}
     logits = torch.randn(args.batch_size, vocab)
     for _ in range(args.repeats):
         for name, (runner, req_ids) in runners.items():
@@ -97,14 +100,17 @@ def run(args: argparse.Namespace) -> int:
             if runner.structured_output is not None:
                 runner.structured_output.accept_tokens(req_ids, sampled.tolist())
             times[name].append(time.perf_counter() - start)
-    plain, mixed = (statistics.median(times[k]) * 1e3 for k in ("plain", "mixed"))
+    plain, mixed, unseeded = (statistics.median(times[k]) * 1e3 for k in ("plain", "mixed", "unseeded"))
     race, counter = _draw_times(runners["plain"], logits, vocab, args.repeats)
     result = {"batch_size": args.batch_size, "vocab_size": vocab, "repeats": args.repeats,
               "plain_ms": plain, "mixed_ms": mixed, "ratio": mixed / plain,
+              "unseeded_ms": unseeded, "seeded_vs_unseeded": plain / unseeded,
               "unseeded_exponential_race_ms": race, "seeded_counter_inverse_cdf_ms": counter,
               "seeded_vs_unseeded_before": counter / race}
     print(f"sampler step, batch {args.batch_size}, vocab {vocab}: plain {plain:.2f} ms, "
           f"mixed (penalties + top-p + 8 JSON-schema) {mixed:.2f} ms, ratio {mixed / plain:.2f}x")
+    print(f"every row seeded {plain:.2f} ms vs the same batch unseeded {unseeded:.2f} ms: "
+          f"{plain / unseeded:.2f}x")
     print(f"the draw alone: unseeded exponential race (before) {race:.2f} ms, every row seeded, "
           f"counter-based inverse CDF (now) {counter:.2f} ms, ratio {counter / race:.2f}x")
     Path(args.output_json).parent.mkdir(parents=True, exist_ok=True)

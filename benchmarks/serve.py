@@ -61,6 +61,11 @@ class Endpoint:
     api_key: Optional[str] = None
     ignore_eos: bool = True
     temperature: float = 0.0
+    ca_file: Optional[str] = None  # HTTPS: the CA that signed the server's certificate
+
+    def verify(self) -> Any:
+        """httpx's ``verify``: the CA file's context for HTTPS, else the default."""
+        return _verify(self.ca_file)
 
     @property
     def chat(self) -> bool:
@@ -213,7 +218,8 @@ async def run_load(endpoint: Endpoint, requests: list[BenchRequest], load: LoadS
     bar = tqdm(total=len(requests), desc="bench serve", unit="req", disable=not load.progress)
     timeout = httpx2.Timeout(load.timeout_s)
     limits = httpx2.Limits(max_connections=limit, max_keepalive_connections=limit)
-    async with httpx2.AsyncClient(timeout=timeout, limits=limits, trust_env=False) as client:
+    async with httpx2.AsyncClient(timeout=timeout, limits=limits, trust_env=False,
+                                  verify=endpoint.verify()) as client:
         start = time.perf_counter()
 
         async def one(i: int) -> None:
@@ -243,21 +249,31 @@ def probe(endpoint: Endpoint, request: BenchRequest, timeout_s: float) -> Reques
     import httpx2
 
     async def go() -> RequestResult:
-        async with httpx2.AsyncClient(timeout=httpx2.Timeout(timeout_s), trust_env=False) as client:
+        async with httpx2.AsyncClient(timeout=httpx2.Timeout(timeout_s), trust_env=False,
+                                      verify=endpoint.verify()) as client:
             short = replace(request, output_len=min(request.output_len, 4))
             return await send_request(client, endpoint, short, timeout_s)
 
     return asyncio.run(go())
 
 
-def model_card(base_url: str, api_key: Optional[str], timeout_s: float = 30.0) -> dict[str, Any]:
+def _verify(ca_file: Optional[str]) -> Any:
+    if not ca_file:
+        return True
+    import ssl
+
+    return ssl.create_default_context(cafile=ca_file)
+
+
+def model_card(base_url: str, api_key: Optional[str], timeout_s: float = 30.0,
+               ca_file: Optional[str] = None) -> dict[str, Any]:
     """The first model of ``GET /v1/models``."""
     import httpx2
 
     url = base_url.rstrip("/") + "/v1/models"
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        response = httpx2.get(url, headers=headers, timeout=timeout_s, trust_env=False)
+        response = httpx2.get(url, headers=headers, timeout=timeout_s, trust_env=False, verify=_verify(ca_file))
         response.raise_for_status()
         return response.json()["data"][0]
     except (httpx2.HTTPError, ValueError, KeyError, IndexError, TypeError) as exc:
@@ -274,6 +290,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server's root URL")
     server.add_argument("--endpoint", default="/v1/completions",
                         help="/v1/completions or /v1/chat/completions")
+    server.add_argument("--ca-file", default=None,
+                        help="HTTPS: the CA that signed the server's certificate (e.g. gridserve serve --tls's)")
     server.add_argument("--model", default=None, help="model name to request (default: the first of GET /v1/models)")
     server.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
                         help="bearer token (default: $OPENAI_API_KEY, if set)")
@@ -328,7 +346,7 @@ def run(args: argparse.Namespace) -> int:
     if not model:
         raise EndpointError(f"no --model given and {args.base_url}/v1/models lists none")
     endpoint = Endpoint(args.base_url, args.endpoint, model, args.api_key,
-                        _ignore_eos(args), args.temperature)
+                        _ignore_eos(args), args.temperature, args.ca_file)
     vocabulary = _vocabulary(args, card)
     as_text = _probe(args, endpoint, vocabulary, args.text_prompts or endpoint.chat, len(concurrencies))
     workload = _requests(args, vocabulary, as_text, args.seed)
@@ -382,7 +400,7 @@ def _head(requests: list[BenchRequest], per_concurrency: Optional[int],
 
 def _card_or_none(args: argparse.Namespace) -> Optional[dict[str, Any]]:
     try:
-        return model_card(args.base_url, args.api_key)
+        return model_card(args.base_url, args.api_key, ca_file=args.ca_file)
     except EndpointError:
         if args.model is None:
             raise

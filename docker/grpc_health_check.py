@@ -1,7 +1,8 @@
 """Container health check: exit 0 when the local gRPC server reports SERVING (grpc.health.v1).
 
 Used by the images' HEALTHCHECK (Docker, Podman). Kubernetes uses its native gRPC probes instead.
-The port comes from GRIDSERVE_PORT (set in each image), or the first argument.
+The port comes from the first argument, else GRIDSERVE_HEALTH_PORT (the plaintext health-only port,
+which a role with mutual TLS must have for this check), else GRIDSERVE_PORT (set in each image).
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 
 def main() -> int:
-    port = sys.argv[1] if len(sys.argv) > 1 else os.environ.get("GRIDSERVE_PORT", "")
+    port = (sys.argv[1] if len(sys.argv) > 1 else
+            os.environ.get("GRIDSERVE_HEALTH_PORT") or os.environ.get("GRIDSERVE_PORT", ""))
     if not port:
         print("grpc_health_check: no port (set GRIDSERVE_PORT or pass one)", file=sys.stderr)
         return 2

@@ -17,11 +17,12 @@ _checkout = _Path(__file__).resolve().parent.parent
 if (_checkout / "setup.py").is_file() and (_checkout / "services").is_dir():
     __path__.append(str(_checkout))  # type: ignore[name-defined]  # noqa: F821
 
+from gridserve.shared.model_registry import ModelRegistry  # noqa: E402
 from gridserve.shared.outputs import CompletionOutput, RequestOutput  # noqa: E402
 from gridserve.shared.sampling_params import SamplingParams, StructuredOutputsParams  # noqa: E402
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput",
+__all__ = ["LLM", "AsyncLLM", "ModelRegistry", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput",
            "__version__"]
 
 
@@ -31,4 +32,8 @@ def __getattr__(name: str):
         from gridserve.llm import LLM
 
         return LLM
+    if name == "AsyncLLM":
+        from gridserve.async_llm import AsyncLLM
+
+        return AsyncLLM
     raise AttributeError(f"module 'gridserve' has no attribute {name!r}")

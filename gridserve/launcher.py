@@ -10,6 +10,12 @@ free ``--metrics-port`` (Prometheus ``/metrics``, in the process table; the edge
 at ``GET /metrics``) and the tracing / log flags of ``serve``. On
 ``stop()`` (SIGTERM / Ctrl-C) it stops them in reverse order (edge, gateways, engine, workers), each with
 SIGTERM and a grace period, then SIGKILL; children also get SIGTERM if the launcher itself dies.
+
+With ``tls`` it first makes a throwaway CA and one certificate per role (``gridserve.certificates``)
+in a private directory removed by ``stop()``: every role gets its ``--tls-*`` flags (mutual TLS on
+every link), the launcher checks health with the ``admin`` certificate, and the edge talks mutual
+TLS to the gateways with the ``edge`` one and serves HTTPS / gRPC over TLS with it (or with
+``ssl_files``, ``--ssl-certfile`` / ``--ssl-keyfile``, which also work without ``tls``).
 """
 
 from __future__ import annotations
@@ -29,7 +35,9 @@ from pathlib import Path
 from typing import IO, Optional
 
 from gridserve.edge import EdgeLimits
+from gridserve.shared.readiness import LIVENESS_SERVICE
 from gridserve.shared.rpc.client import health_status, make_channel, wait_until_serving
+from gridserve.shared.rpc.tls import TlsFiles
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +47,7 @@ STARTUP_TIMEOUT_S = float(os.environ.get("GRIDSERVE_STARTUP_TIMEOUT_S", "600"))
 RESTART_BACKOFF_S = (1.0, 30.0)  # first delay, cap: doubles with each failure in a row
 CRASH_LOOP_RESTARTS = 5  # restarts in a row, each dying within CRASH_LOOP_WINDOW_S of its start
 CRASH_LOOP_WINDOW_S = 60.0
+LIVENESS_PERIOD_S = 5.0  # how often supervise() asks each engine's liveness (a dead engine is restarted)
 
 
 @dataclass
@@ -90,7 +99,8 @@ class Launcher:
                  tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
                  data_parallel_size: int = 1,
                  observability_args: Optional[list[str]] = None, metrics: bool = True,
-                 gateway_args: Optional[list[str]] = None) -> None:
+                 gateway_args: Optional[list[str]] = None, tls: bool = False,
+                 ssl_files: Optional[tuple[str, str]] = None) -> None:
         self.model = model
         self.engine_args = engine_args
         self.host = host
@@ -113,24 +123,33 @@ class Launcher:
         self.metrics = metrics
         self.gateway_args = list(gateway_args or [])  # e.g. the request limits (gridserve gateway flags)
         self._edge_dir: Optional[tempfile.TemporaryDirectory] = None
+        self.tls = tls
+        self.ssl_files = ssl_files
+        self.ca = None  # the throwaway CA (``tls``), made by start()
+        self.certificates: dict[str, TlsFiles] = {}
         self.processes: list[RoleProcess] = []
         self._stopping = threading.Event()
         self._lock = threading.Lock()  # a restart and stop() never interleave
+        self._next_liveness_check = 0.0
         self.exit_codes: dict[str, int] = {}  # "role-pid" -> exit status, filled by stop()
 
     # ---- start ------------------------------------------------------------------------------------
     def start(self) -> None:
         """Start every role and wait until all are SERVING; on failure stop what started and raise."""
         try:
+            self._make_certificates()
             coordinator = None
             if self.data_parallel_size > 1:
                 coordinator = self._spawn("coordinator", 0, ["--data-parallel-size", str(self.data_parallel_size)])
                 self._wait_serving(coordinator)
             engines = []
+            ray_workers = _flag_value(self.engine_args, "--distributed-executor-backend") == "ray"
             for rank in range(self.data_parallel_size):
-                workers = self._start_workers(rank)
-                extra = ["--model", self.model, "--workers", ",".join(w.address for w in workers),
-                         *self.engine_args, *self._parallel_args()]
+                # With the Ray executor the engine has Ray place and start its workers.
+                workers = [] if ray_workers else self._start_workers(rank)
+                extra = ["--model", self.model, *self.engine_args, *self._parallel_args(rendezvous=not ray_workers)]
+                if workers:
+                    extra += ["--workers", ",".join(w.address for w in workers)]
                 if coordinator is not None:
                     extra += ["--data-parallel-rank", str(rank), "--data-parallel-size", str(self.data_parallel_size),
                               "--coordinator", coordinator.address]
@@ -158,10 +177,31 @@ class Launcher:
     def start_workers(self) -> list[str]:
         """Start only the workers (the offline ``LLM`` runs the engine itself); return their addresses."""
         try:
+            self._make_certificates()
             return [w.address for w in self._start_workers()]
         except BaseException:
             self.stop()
             raise
+
+    def _make_certificates(self) -> None:
+        if self.tls and self.ca is None:
+            from gridserve.certificates import LocalCA
+
+            self.ca = LocalCA()
+            self.certificates = self.ca.issue_all()
+            logger.info("mutual TLS: throwaway CA and role certificates in %s", self.ca.folder)
+
+    @property
+    def admin_tls(self) -> Optional[TlsFiles]:
+        """The certificate tools present to the roles (None without ``tls``)."""
+        return self.certificates.get("admin")
+
+    @property
+    def edge_ca_file(self) -> Optional[str]:
+        """The CA a client of the edge's HTTPS trusts (the throwaway CA), if the edge uses ours."""
+        if self.ssl_files is None and self.ca is not None:
+            return str(self.ca.ca_file)
+        return None
 
     def _start_workers(self, dp_rank: int = 0) -> list[RoleProcess]:
         """The ``PP x TP`` workers of the engine of DP rank ``dp_rank``."""
@@ -177,9 +217,9 @@ class Launcher:
             self._wait_reachable(worker)
         return workers
 
-    def _parallel_args(self) -> list[str]:
+    def _parallel_args(self, rendezvous: bool = True) -> list[str]:
         """The engine's parallel sizes (unless given) and a free loopback port for the workers'
-        torch.distributed rendezvous (unless one was given)."""
+        torch.distributed rendezvous (unless one was given, or ``rendezvous`` is off)."""
         if self.num_workers == 1:
             return []
         args = []
@@ -187,7 +227,7 @@ class Launcher:
                             ("--pipeline-parallel-size", self.pipeline_parallel_size)):
             if flag not in self.engine_args:
                 args += [flag, str(value)]
-        if "--distributed-init-address" not in self.engine_args:
+        if rendezvous and "--distributed-init-address" not in self.engine_args:
             args += ["--distributed-init-address", f"{self.host}:{free_port(self.host)}"]
         return args
 
@@ -197,6 +237,8 @@ class Launcher:
         address = f"{self.host}:{port}"
         argv = [sys.executable, "-m", "gridserve.cli", role, "--host", self.host, "--port", str(port),
                 "--grace-period", str(self.grace_s), *self.observability_args, *extra]
+        if role in self.certificates:
+            argv += self.certificates[role].argv()
         metrics_address = None
         if self.metrics:
             metrics_port = free_port(self.host)
@@ -222,10 +264,15 @@ class Launcher:
             self._edge_dir = tempfile.TemporaryDirectory(prefix="gridserve-edge-")
             folder = Path(self._edge_dir.name)
         metrics = [p.metrics_address for p in self.processes if p.role == "gateway" and p.metrics_address]
+        edge = self.certificates.get("edge")
+        upstream = (str(edge.cert), str(edge.key), str(edge.ca)) if edge else None
+        downstream = self.ssl_files or ((str(edge.cert), str(edge.key)) if edge else None)
         config = write_config(folder / "edge-0.json", envoy_config(self.host, port, self.gateway_addresses,
                                                                    admin_port=self.edge_admin_port,
                                                                    metrics_addresses=metrics,
-                                                                   limits=self.edge_limits))
+                                                                   limits=self.edge_limits,
+                                                                   downstream_tls=downstream,
+                                                                   upstream_tls=upstream))
         log = None
         if self.log_dir is not None:
             log = open(self.log_dir / "edge-0.log", "ab")  # noqa: SIM115 - closed in stop()
@@ -247,7 +294,7 @@ class Launcher:
 
     def _wait_reachable(self, proc: RoleProcess) -> None:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        with make_channel(proc.address) as channel:
+        with make_channel(proc.address, self.admin_tls) as channel:
             while health_status(channel) == "UNREACHABLE":
                 self._check_alive(proc)
                 if time.monotonic() > deadline:
@@ -256,14 +303,34 @@ class Launcher:
 
     def _wait_serving(self, proc: RoleProcess) -> None:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        tls = self.admin_tls
+        if proc.role == "edge" and (self.ssl_files or tls):
+            if self.edge_ca_file is None:  # an operator's certificate: wait for REST /health over HTTPS
+                return self._wait_https(proc, deadline)
+            tls = TlsFiles(tls.cert, tls.key, Path(self.edge_ca_file))
         while True:
             self._check_alive(proc)
             try:
-                wait_until_serving(proc.address, timeout=1.0)
+                wait_until_serving(proc.address, timeout=1.0, tls=tls)
                 return
             except TimeoutError:
                 if time.monotonic() > deadline:
                     raise
+
+    def _wait_https(self, proc: RoleProcess, deadline: float) -> None:
+        """The edge with a certificate we cannot verify: wait until ``GET /health`` answers 200."""
+        import httpx2
+
+        while True:
+            self._check_alive(proc)
+            try:
+                if httpx2.get(f"https://{proc.address}/health", verify=False, timeout=1.0).status_code == 200:
+                    return
+            except httpx2.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the edge on {proc.address} did not answer /health over HTTPS")
+            time.sleep(0.2)
 
     # ---- run and stop ---------------------------------------------------------------------------------
     @property
@@ -304,32 +371,54 @@ class Launcher:
         """Keep the deployment running until ``stop()``: restart each role that dies, as a Kubernetes
         restart policy would, and return only when one keeps failing at start (the role returned).
 
-        A gateway, the coordinator or the edge is restarted alone (gateways reconnect to engines,
-        engines and gateways to the coordinator, the edge health-checks the gateways back in). An
-        engine and its workers are one group: the engine initializes its workers and a worker of a
-        parallel group cannot rejoin a running one, so the death of either restarts the whole group
-        (its in-flight requests fail; other engines keep serving). Delays double from
-        ``RESTART_BACKOFF_S[0]`` to its cap while deaths follow quickly after starts; after
-        ``CRASH_LOOP_RESTARTS`` such deaths in a row the deployment gives up.
+        A gateway, the coordinator, the edge or a worker is restarted alone, on the same address with
+        the same arguments: gateways reconnect to engines, engines and gateways to the coordinator,
+        the edge health-checks the gateways back in, and an engine whose worker died keeps running
+        and rebuilds its worker group once the worker is back (``--worker-recovery-timeout``; the
+        other ranks of a parallel group leave when the engine closes their streams, and are
+        restarted the same way), so its in-flight requests only pause. A dead engine restarts with
+        its workers (it initializes them at start, and ranks of a parallel group cannot be reused),
+        and so does one that runs but is dead (its liveness health says NOT_SERVING: its workers
+        did not come back within the recovery timeout).
+        Delays double from ``RESTART_BACKOFF_S[0]`` to its cap while deaths follow quickly after
+        starts; after ``CRASH_LOOP_RESTARTS`` such deaths in a row the deployment gives up.
         """
         while self.processes and not self._stopping.is_set():
             dead = next((p for p in self.processes if p.process.poll() is not None), None)
+            dead = dead or self._dead_engine()
             if dead is None:
                 time.sleep(poll_s)
                 continue
             quick = time.monotonic() - dead.started_at < CRASH_LOOP_WINDOW_S
             dead.quick_failures = dead.quick_failures + 1 if quick else 1
-            logger.error("%s (pid %d) exited with %s%s", dead.role, dead.pid, dead.process.returncode,
-                         self._log_hint(dead))
+            logger.error("%s (pid %d) %s%s", dead.role, dead.pid,
+                         "is not live (its liveness health says NOT_SERVING)" if dead.process.poll() is None
+                         else f"exited with {dead.process.returncode}", self._log_hint(dead))
             if dead.quick_failures > CRASH_LOOP_RESTARTS:
                 logger.error("%s keeps failing at start (%d times in a row): giving up", dead.role,
                              dead.quick_failures - 1)
                 return dead
             delay = min(RESTART_BACKOFF_S[0] * 2 ** (dead.quick_failures - 1), RESTART_BACKOFF_S[1])
-            group = [p for p in self.processes if dead.group is not None and p.group == dead.group]
+            group = [p for p in self.processes
+                     if dead.role == "engine" and dead.group is not None and p.group == dead.group]
             with self._lock:
                 if not self._stopping.is_set():
                     self._restart(group or [dead], delay, dead.quick_failures)
+        return None
+
+    def _dead_engine(self) -> Optional[RoleProcess]:
+        """An engine whose process runs but whose liveness says NOT_SERVING (it is DEAD: e.g. its
+        worker group did not come back in time), as a Kubernetes liveness probe would find it;
+        asked every ``LIVENESS_PERIOD_S``. An engine that does not answer is left to its exit."""
+        now = time.monotonic()
+        if now < self._next_liveness_check:
+            return None
+        self._next_liveness_check = now + LIVENESS_PERIOD_S
+        for proc in self.processes:
+            if proc.role == "engine" and proc.process.poll() is None:
+                with make_channel(proc.address, self.admin_tls) as channel:
+                    if health_status(channel, LIVENESS_SERVICE, timeout=1.0) == "NOT_SERVING":
+                        return proc
         return None
 
     def _restart(self, procs: list[RoleProcess], delay: float, failures: int) -> None:
@@ -378,6 +467,9 @@ class Launcher:
         if self._edge_dir is not None:
             self._edge_dir.cleanup()
             self._edge_dir = None
+        if self.ca is not None:
+            self.ca.cleanup()
+            self.ca, self.certificates = None, {}
 
 
 def _popen(argv: list[str], log: Optional[IO], env: Optional[dict[str, str]]) -> subprocess.Popen:
@@ -390,3 +482,13 @@ def _signal_group(proc: RoleProcess, sig: int) -> None:
         os.killpg(proc.pid, sig)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def _flag_value(argv: list[str], flag: str) -> Optional[str]:
+    """The value after ``flag`` in ``argv`` (``--flag value`` or ``--flag=value``), or None."""
+    for i, arg in enumerate(argv):
+        if arg == flag and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith(flag + "="):
+            return arg.split("=", 1)[1]
+    return None

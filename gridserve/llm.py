@@ -138,13 +138,30 @@ class LLM:
     def reset_prefix_cache(self) -> bool:
         return all([engine.core.reset_prefix_cache() for engine in self.engines])
 
-    def sleep(self, level: int = 1) -> None:
-        for engine in self.engines:
-            engine.core.sleep(level)
+    def sleep(self, level: int = 1) -> list[dict[str, int]]:
+        """Level 1: offload the weights to host memory (on CPU they stay) and drop the KV cache;
+        level 2: drop both. Each worker's memory before and after (``rss_*``, ``device_*`` bytes)."""
+        return [report for engine in self.engines for report in engine.core.sleep(level)]
 
-    def wake_up(self, tags: Optional[list[str]] = None) -> None:
-        for engine in self.engines:
-            engine.core.wake_up(tags)
+    def wake_up(self, tags: Optional[list[str]] = None) -> list[dict[str, int]]:
+        """Restore ``tags`` ("weights", "kv_cache"; all when None). Generation waits until nothing
+        sleeps (``sleeping_tags`` empty)."""
+        return [report for engine in self.engines for report in engine.core.wake_up(tags)]
+
+    @property
+    def sleeping_tags(self) -> list[str]:
+        return self.llm_engine.core.sleeping_tags
+
+    def collective_rpc(self, method: str, args: tuple = (), kwargs: Optional[dict[str, Any]] = None,
+                       timeout: Optional[float] = None, unique_reply_rank: Optional[int] = None) -> list[Any]:
+        """Call a method of the worker extension (``worker_extension_cls``) on every worker of every
+        engine, by name; torch tensors in the arguments and results travel as typed tensors."""
+        from gridserve.services.worker.extension import to_torch, to_wire
+
+        args, kwargs = tuple(to_wire(list(args))), to_wire(dict(kwargs or {}))
+        results = [engine.core.collective_rpc(method, args, kwargs, timeout, unique_reply_rank)
+                   for engine in self.engines]
+        return to_torch(results if len(results) > 1 else results[0])
 
     def stats(self):
         """The first engine's scheduler counters (queue lengths, KV usage, prefix-cache queries and hits)."""
@@ -167,6 +184,8 @@ def _start_local_workers(config: GridserveConfig, data_parallel_size: int = 1) -
     worker addresses given, start one engine's local worker services and point it at them (the
     ``grpc`` executor, as ``serve``); their CPU threads share the machine with the other engines'."""
     parallel = config.parallel
+    if parallel.executor_backend == "ray":
+        return None  # Ray places and starts the workers (RayExecutor)
     if (parallel.world_size == 1 and data_parallel_size == 1) or parallel.worker_addresses:
         if parallel.worker_addresses:
             parallel.executor_backend = "grpc"

@@ -29,13 +29,13 @@ logger = logging.getLogger(__name__)
 
 def in_process_executor(config: GridserveConfig) -> Optional[Executor]:
     """The ``uni`` backend with the worker role's ``Worker`` (imported here: this module assembles
-    both roles); None for other backends, which ``EngineCore`` builds itself."""
+    both roles, with the worker extension mixed in); None for other backends, which ``EngineCore`` builds itself."""
     if config.parallel.executor_backend != "uni":
         return None
     from gridserve.services.engine.executor.uniproc import UniProcExecutor
-    from gridserve.services.worker.worker import Worker
+    from gridserve.services.worker.extension import worker_class
 
-    return UniProcExecutor(config, Worker)
+    return UniProcExecutor(config, lambda c: worker_class(c)(c))
 
 
 class LLMEngine:

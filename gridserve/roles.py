@@ -35,6 +35,14 @@ ENGINE_OPTIONS: list[tuple[str, Any, Any, str]] = [
     ("--pipeline-parallel-size", int, 1, "pipeline stages per engine (-pp)"),
     ("--distributed-init-address", str, None,
      "host:port of the workers' torch.distributed rendezvous (default: a free loopback port)"),
+    ("--distributed-executor-backend", str, "grpc",
+     "how the engine reaches its workers: grpc (worker services at --workers) or ray (Ray places and "
+     "starts them as actors; RAY_ADDRESS or a local Ray)"),
+    ("--worker-extension-cls", str, None,
+     "module:Class mixed into every worker; its public methods are callable through CollectiveRpc"),
+    ("--worker-recovery-timeout", float, 120.0,
+     "seconds a failed worker group may take to come back before in-flight requests fail "
+     "(0: a worker failure kills the engine)"),
 ]
 
 
@@ -55,6 +63,19 @@ def add_server_arguments(parser: argparse.ArgumentParser, default_port: Optional
                         help="gRPC port [GRIDSERVE_PORT]")
     parser.add_argument("--grace-period", type=float, default=env_default("--grace-period", 10.0, float),
                         help="seconds in-flight requests get on SIGTERM [GRIDSERVE_GRACE_PERIOD]")
+    parser.add_argument("--health-port", type=int, default=env_default("--health-port", None, int),
+                        help="also serve grpc.health.v1 alone, in plaintext, on this port (for Kubernetes' "
+                             "probes, which cannot speak TLS; default: off) [GRIDSERVE_HEALTH_PORT]")
+    add_tls_arguments(parser)
+
+
+def add_tls_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--tls-cert-file`` / ``--tls-key-file`` / ``--tls-ca-file``: mutual TLS on every gRPC link."""
+    helps = ("this role's certificate (PEM): with the key and the CA, mutual TLS on every gRPC link and "
+             "per-RPC authorization by role", "its private key (PEM)",
+             "the CA that signs every role's certificate (PEM)")
+    for flag, text in zip(("--tls-cert-file", "--tls-key-file", "--tls-ca-file"), helps):
+        parser.add_argument(flag, default=env_default(flag), help=f"{text} [{env_name(flag)}]")
 
 
 def add_observability_arguments(parser: argparse.ArgumentParser, metrics_port: bool = True) -> None:
@@ -131,8 +152,9 @@ def engine_config(args: argparse.Namespace, worker_addresses: list[str]):
         tensor_parallel_size=args.tensor_parallel_size,
         pipeline_parallel_size=args.pipeline_parallel_size,
         distributed_init_address=args.distributed_init_address or "",
+        worker_extension_cls=args.worker_extension_cls or "",
         enable_prefix_caching=not args.no_prefix_caching,
-        distributed_executor_backend="grpc",
+        distributed_executor_backend=args.distributed_executor_backend,
         worker_addresses=worker_addresses,
     ).finalize()
 

@@ -7,7 +7,9 @@ The edge of ``gridserve serve`` and the chart's edge are one config: this script
   endpoint, their headless Service (every ready replica's IP), instead of a static list of addresses;
 - the listener binds 0.0.0.0 on ``edge.port``; the transcoder reads the descriptor set that the
   edge pod's init container copies from the gateway image;
-- a ``health_check`` filter answers the kubelet's probes of the edge itself on /edge/healthz.
+- a ``health_check`` filter answers the kubelet's probes of the edge itself on /edge/healthz;
+- TLS comes and goes with the values: mutual TLS to the gateways (the edge's certificate from its
+  Secret at ``tls.mountPath``) with ``tls.enabled``, HTTPS for clients with ``edge.tls.secretName``.
 
 Helm fills the ``{{ ... }}`` placeholders (``tpl``). Run it after changing gridserve/edge.py
 (tests/deploy fails while the file is stale):
@@ -18,12 +20,14 @@ Helm fills the ``{{ ... }}`` placeholders (``tpl``). Run it after changing grids
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any
 
 TEMPLATE = Path(__file__).resolve().parent / "gridserve" / "files" / "envoy.json.tpl"
 DESCRIPTOR_PATH = "/etc/envoy/descriptors/protos.pb"
+HTTPS_DIR = "/etc/envoy/https"  # the edge.tls.secretName Secret (tls.crt, tls.key)
 HEALTH_PATH = "/edge/healthz"
 _HEALTH_CHECK = "type.googleapis.com/envoy.extensions.filters.http.health_check.v3.HealthCheck"
 
@@ -38,15 +42,22 @@ _PLACEHOLDERS = {
     '"@IDLE_TIMEOUT@"': '"{{ .Values.edge.streamIdleTimeout }}"',
     # Envoy's breakers are per cluster; the chart's cluster is every replica the HPA may run.
     '"@MAX_REQUESTS@"': "{{ mul .Values.edge.maxRequestsPerGateway .Values.gateway.autoscaling.maxReplicas }}",
+    "@TLS_DIR@": '{{ trimSuffix "/" .Values.tls.mountPath }}',
 }
+# Transport sockets present only with TLS on: (sentinel, the Helm condition).
+_CONDITIONAL = {"@UPSTREAM_TLS@": ".Values.tls.enabled", "@DOWNSTREAM_TLS@": ".Values.edge.tls.secretName"}
 
 
 def kubernetes_config() -> dict[str, Any]:
     """``edge.envoy_config()`` adapted to Kubernetes, with sentinels for the chart's values."""
     from gridserve import edge
 
-    config = edge.envoy_config("0.0.0.0", 0, ["gateways:1"], descriptor_set=Path(DESCRIPTOR_PATH))
+    config = edge.envoy_config("0.0.0.0", 0, ["gateways:1"], descriptor_set=Path(DESCRIPTOR_PATH),
+                               downstream_tls=(f"{HTTPS_DIR}/tls.crt", f"{HTTPS_DIR}/tls.key"),
+                               upstream_tls=("@TLS_DIR@/tls.crt", "@TLS_DIR@/tls.key", "@TLS_DIR@/ca.crt"))
     (listener,) = config["static_resources"]["listeners"]
+    _make_conditional(listener["filter_chains"], "@DOWNSTREAM_TLS@")
+    _make_conditional(config["static_resources"]["clusters"], "@UPSTREAM_TLS@")
     listener["address"]["socket_address"]["port_value"] = "@EDGE_PORT@"
     manager = listener["filter_chains"][0]["filters"][0]["typed_config"]
     manager["stream_idle_timeout"] = "@IDLE_TIMEOUT@"
@@ -76,8 +87,24 @@ def kubernetes_config() -> dict[str, Any]:
     return config
 
 
+_SOCKETS: dict[str, Any] = {}
+
+
+def _make_conditional(items: list[dict[str, Any]], sentinel: str) -> None:
+    """Each item's ``transport_socket`` becomes its first key, a sentinel ``render_template`` wraps
+    in ``{{ if }}`` (first: a comma always follows it, whether it is rendered or not)."""
+    for i, item in enumerate(items):
+        _SOCKETS[sentinel] = item.pop("transport_socket")
+        items[i] = {"transport_socket": sentinel, **item}
+
+
 def render_template() -> str:
     text = json.dumps(kubernetes_config(), indent=2) + "\n"
+    for sentinel, condition in _CONDITIONAL.items():
+        socket = json.dumps(_SOCKETS[sentinel], separators=(",", ":"))
+        text = re.sub(rf'\n( *)"transport_socket": "{sentinel}",',
+                      lambda m, c=condition, t=socket: f'\n{m.group(1)}{{{{- if {c} }}}}\n{m.group(1)}'
+                                                        f'"transport_socket": {t},\n{m.group(1)}{{{{- end }}}}', text)
     for sentinel, expression in _PLACEHOLDERS.items():
         text = text.replace(sentinel, expression)
     return text

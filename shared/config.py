@@ -10,13 +10,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
 from gridserve.shared.errors import ConfigError
+from gridserve.shared.model_registry import ModelRegistry
 from gridserve.shared.parallel import check_model_shardable, kv_head_shard, stage_layers
+from gridserve.shared.plugins import load_general_plugins
 
+_CLASS_TARGET = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 # vLLM's KV-cache dtypes; "auto" stores K/V in the weights' dtype. fp8 keeps a per-tensor scale.
@@ -26,7 +30,7 @@ KV_DTYPE_BYTES = {**DTYPE_BYTES, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
 # a pre-quantized checkpoint's config.json, never asked for.
 QUANTIZATION_METHODS = ("int8", "int4")
 DEVICES = ("auto", "cpu", "cuda")
-EXECUTORS = ("uni", "grpc")
+EXECUTORS = ("uni", "grpc", "ray")
 # Architectures whose model classes shard across tensor-parallel workers / split into pipeline stages.
 PARALLEL_ARCHITECTURES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM"})
 TENSOR_PARALLEL_ARCHITECTURES = PARALLEL_ARCHITECTURES | {"OPTForCausalLM", "LlavaForConditionalGeneration"}
@@ -253,10 +257,16 @@ class ParallelConfig:
     # host:port where the workers rendezvous for torch.distributed (rank 0 listens there). Empty:
     # the engine picks a free loopback port (workers on the engine's machine).
     distributed_init_address: str = ""
+    # "module:Class" mixed into every worker; its public methods are callable by name through
+    # ``collective_rpc`` (e.g. RLHF weight sync). Imported only by the workers.
+    worker_extension_cls: str = ""
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
             _positive("parallel", name, getattr(self, name), allow_none=False)
+        if self.worker_extension_cls and not _CLASS_TARGET.match(self.worker_extension_cls):
+            raise ConfigError("parallel.worker_extension_cls",
+                              f"must be 'package.module:Class', got {self.worker_extension_cls!r}")
         if self.executor_backend not in EXECUTORS:
             raise ConfigError(
                 "parallel.executor_backend", f"must be one of {EXECUTORS}, got {self.executor_backend!r}"
@@ -307,6 +317,8 @@ class GridserveConfig:
     def finalize(self) -> GridserveConfig:
         """Resolve the model and fill defaults that depend on it."""
         self.model.resolve()
+        load_general_plugins()  # a plugin may register the checkpoint's architecture
+        ModelRegistry.check_architecture(self.model.architecture)
         self.parallel.check_model(self.model.architecture, self.model.text_config)
         self.scheduler.finalize(self.max_model_len)
         return self

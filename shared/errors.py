@@ -30,3 +30,12 @@ class EngineDeadError(GridserveError, RuntimeError):
 
 class FailedPreconditionError(GridserveError, RuntimeError):
     """The operation is valid but not in the current state (e.g. sleeping with requests in flight)."""
+
+
+class PermissionDeniedError(GridserveError, PermissionError):
+    """The caller may not do this (e.g. call a worker method the extension does not define)."""
+
+
+class RequestFailedError(GridserveError, RuntimeError):
+    """One request failed inside the engine or a worker (e.g. its grammar); the others went on.
+    INTERNAL over gRPC, HTTP 500 over REST, with the reason."""

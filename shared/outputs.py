@@ -13,6 +13,7 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"
     LENGTH = "length"
     ABORT = "abort"
+    ERROR = "error"  # the request failed on its own (``EngineCoreOutput.error`` says why)
 
 
 @dataclass
@@ -27,6 +28,7 @@ class EngineCoreOutput:
     finish_reason: Optional[FinishReason] = None
     stop_reason: Union[int, str, None] = None
     num_cached_tokens: int = 0
+    error: Optional[str] = None  # with ``FinishReason.ERROR``: why the request failed
 
     @property
     def finished(self) -> bool:

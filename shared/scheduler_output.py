@@ -82,3 +82,6 @@ class ModelRunnerOutput:
     logprobs: list[Optional[TokenLogprobs]] = field(default_factory=list)
     # Prompt logprobs of the prompt positions computed this step, for requests that asked.
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    # Requests that failed on their own in the worker (request id -> error): the engine ends each
+    # one with finish reason ``error``; the rest of the batch is unaffected.
+    failed: dict[str, str] = field(default_factory=dict)

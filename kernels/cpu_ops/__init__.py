@@ -43,8 +43,12 @@ def load():
         start = time.perf_counter()
         # The source's hash in the name: checkouts with different sources never share a build.
         digest = hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:10]
+        name = f"gridserve_cpu_paged_attention_{digest}"
+        if _load_built(cpp_extension, name):
+            logger.info("C++ CPU paged attention ready (cached build, %.2f s)", time.perf_counter() - start)
+            return torch.ops.gridserve_cpu
         cpp_extension.load(
-            name=f"gridserve_cpu_paged_attention_{digest}",
+            name=name,
             sources=[str(_SOURCE)],
             extra_cflags=["-O3", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
@@ -56,6 +60,22 @@ def load():
         return None
     logger.info("C++ CPU paged attention ready (%.1f s)", time.perf_counter() - start)
     return torch.ops.gridserve_cpu
+
+
+def _load_built(cpp_extension, name: str) -> bool:
+    """Load the library an earlier process built for this source (same digest, same flags) without
+    running the extension builder: its ninja step takes seconds, and rebuilds whenever another
+    checkout of the same source built last (the build file names the source's path). A worker that
+    restarts (recovery) thus loads the kernel in milliseconds. False when there is none yet."""
+    try:
+        library = Path(cpp_extension._get_build_directory(name, False)) / f"{name}.so"
+        if not library.is_file():
+            return False
+        torch.ops.load_library(str(library))
+    except (OSError, RuntimeError, AttributeError) as exc:  # a partial or foreign file: build it
+        logger.info("cached C++ CPU kernel not usable (%s): building", exc)
+        return False
+    return True
 
 
 def paged_attention(

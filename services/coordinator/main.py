@@ -18,6 +18,7 @@ from gridserve.services.coordinator.load_table import LoadTable
 from gridserve.services.coordinator.servicer import CoordinatorServicer
 from gridserve.services.coordinator.waves import Waves
 from gridserve.shared.observability.metrics import start_metrics_server
+from gridserve.shared.plugins import load_general_plugins
 from gridserve.shared.readiness import State
 from gridserve.shared.rpc.server import RpcServer
 
@@ -42,13 +43,15 @@ class _LoadAge:
 
 
 def serve(host: str, port: int, grace_s: float = 5.0, metrics_port: Optional[int] = None,
-          data_parallel_size: int = 1) -> int:
-    server = RpcServer(host, port, grace_s=grace_s, role="coordinator")  # every handler is async: one loop
+          data_parallel_size: int = 1, health_port: Optional[int] = None) -> int:
+    load_general_plugins()  # plugins register in every process (lazy strings: no torch here)
+    server = RpcServer(host, port, grace_s=grace_s, role="coordinator", health_port=health_port)  # every handler is async: one loop
     table = LoadTable()
     servicer = CoordinatorServicer(table, Waves(data_parallel_size, on_change=table.bump))
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_LoadAge(table))
     metrics_server = start_metrics_server(registry, host, metrics_port)
+    server.register_metrics(registry)
     server.add_service(SERVICE, lambda s: coordinator_pb2_grpc.add_CoordinatorServicer_to_server(servicer, s))
     server.on_drain = lambda timeout: servicer.stopping.set()
     server.install_signal_handlers()

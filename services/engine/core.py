@@ -10,14 +10,14 @@ import logging
 from collections import deque
 from collections.abc import Iterable
 from concurrent.futures import Future
-from typing import Optional
+from typing import Any, Optional
 
 from gridserve.services.engine.executor import Executor
 from gridserve.services.engine.kv_cache_manager import KVCacheManager, num_blocks_for_memory
 from gridserve.services.engine.request import Request
 from gridserve.services.engine.scheduler import Scheduler
 from gridserve.shared.config import GridserveConfig
-from gridserve.shared.errors import ConfigError
+from gridserve.shared.errors import ConfigError, FailedPreconditionError
 from gridserve.shared.load import EngineLoad
 from gridserve.shared.outputs import EngineCoreOutput
 from gridserve.shared.scheduler_output import SchedulerOutput
@@ -57,6 +57,9 @@ class EngineCore:
         return num_blocks
 
     def add_request(self, request: Request) -> None:
+        if self.executor.is_sleeping:
+            raise FailedPreconditionError(
+                f"the engine is asleep ({', '.join(self.sleeping_tags)}): wake it up first")
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[str]:
@@ -87,6 +90,17 @@ class EngineCore:
         scheduler_output, future = self._batches.popleft()
         return self.scheduler.update_from_output(scheduler_output, future.result())
 
+    def requeue_after_worker_loss(self) -> int:
+        """The workers lost every request's KV: drop the batches in flight and send every running
+        request back to the waiting queue to be recomputed from prompt + the tokens it has (the
+        prefix cache is emptied too). Returns the number of requests that will resume."""
+        self._batches.clear()
+        return self.scheduler.requeue_all()
+
+    def reinitialize_workers(self, timeout_s: float) -> None:
+        """Rebuild the worker group (device, weights, a KV cache of the same number of blocks)."""
+        self.executor.reinitialize(self.config.cache.num_blocks, timeout_s)
+
     def execute_dummy_batch(self) -> None:
         """One empty step through the executor (an idle engine's part of an MoE wave)."""
         self.executor.execute_model(SchedulerOutput())
@@ -97,14 +111,26 @@ class EngineCore:
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()
 
-    def sleep(self, level: int = 1) -> None:
-        if self.scheduler.has_unfinished_requests():
-            raise RuntimeError("cannot sleep with requests in flight")
-        self.kv_cache_manager.reset_prefix_cache()
-        self.executor.sleep(level)
+    def sleep(self, level: int = 1) -> list[dict[str, int]]:
+        """Release the workers' KV cache and weights; each worker's memory before and after."""
+        if self.has_unfinished_requests():
+            raise FailedPreconditionError("cannot sleep with requests in flight")
+        self.kv_cache_manager.reset_prefix_cache()  # the cached blocks' contents are about to go
+        return self.executor.sleep(level)
 
-    def wake_up(self, tags: Optional[list[str]] = None) -> None:
-        self.executor.wake_up(tags)
+    def wake_up(self, tags: Optional[list[str]] = None) -> list[dict[str, int]]:
+        """Restore the sleeping ``tags`` (all when None); requests wait until nothing sleeps."""
+        return self.executor.wake_up(tags)
+
+    @property
+    def sleeping_tags(self) -> list[str]:
+        return sorted(self.executor.sleeping_tags)
+
+    def collective_rpc(self, method: str, args: tuple = (), kwargs: Optional[dict] = None,
+                       timeout: Optional[float] = None, unique_reply_rank: Optional[int] = None) -> Any:
+        """A worker method (a worker extension's, by name) on every worker."""
+        return self.executor.collective_rpc(method, timeout=timeout, args=args, kwargs=kwargs,
+                                            unique_reply_rank=unique_reply_rank)
 
     def shutdown(self) -> None:
         self.executor.shutdown()

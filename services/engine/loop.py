@@ -4,10 +4,15 @@ Every touch of the ``EngineCore`` happens on the loop thread: the engine's async
 work through an inbox and awaits the answer (each call returns a ``concurrent.futures.Future``, so
 it never blocks the event loop). Each iteration drains the inbox (adds, aborts, control calls), runs
 one ``EngineCore.step()`` when there is work, and hands each gateway's ``OutputSink`` one batch with
-the step's outputs of its requests (the sink hands it to the event loop). When a step fails (a
-worker died) the engine is dead: every gateway's stream ends with ``EngineDeadError``, later calls
-fail, and its ``Readiness`` goes DEAD. The loop keeps the ``Readiness`` (SLEEPING while asleep) and
-beats its watchdog every iteration: a loop thread that dies or hangs makes the engine not live.
+the step's outputs of its requests (the sink hands it to the event loop). When a step fails or a
+worker dies, the loop *recovers* (with ``recovery_timeout_s`` > 0): the ``Readiness`` goes
+RECOVERING, every request goes back to the waiting queue to be recomputed (their KV is gone; their
+gateway streams just pause), and the executor rebuilds the worker group once its workers are back;
+adds and aborts keep being taken meanwhile (new requests queue). When the group is not back in time
+(or the fault comes back after every recovery) the engine is dead: every gateway's stream ends with
+``EngineDeadError``, later calls fail, and its ``Readiness`` goes DEAD. The loop keeps the
+``Readiness`` (SLEEPING while asleep) and beats its watchdog every iteration, recovery included: a
+loop thread that dies or hangs makes the engine not live.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from gridserve.shared.readiness import Readiness, State
 logger = logging.getLogger(__name__)
 
 END = object()  # ends a gateway's output stream cleanly
+MAX_RECOVERIES_IN_ROW = 3  # recoveries with no successful step between them: the fault is not transient
 
 
 class OutputSink(Protocol):
@@ -48,7 +54,8 @@ class EngineLoop:
 
     def __init__(self, core: EngineCore, readiness: Readiness,
                  observer: Optional[EngineObserver] = None, waves: Optional[WaveClient] = None,
-                 on_load: Optional[Callable[[Optional[EngineLoad]], None]] = None) -> None:
+                 on_load: Optional[Callable[[Optional[EngineLoad]], None]] = None,
+                 recovery_timeout_s: float = 0.0) -> None:
         self.core = core
         self.readiness = readiness
         self.waves = waves  # MoE with DP > 1: step in lockstep with the other engines
@@ -57,6 +64,13 @@ class EngineLoop:
         self.observer = observer or EngineObserver()
         core.scheduler.take_step_stats()
         self.error: Optional[EngineDeadError] = None
+        # Worker recovery: how long to wait for a failed group to be back (0: a fault kills the engine).
+        self.recovery_timeout_s = recovery_timeout_s
+        self.recoveries = 0  # completed recoveries (gridserve:worker_recoveries_total)
+        self.last_recovery_s: Optional[float] = None
+        self.recovering = False
+        self._recoveries_in_row = 0
+        self._fault: Optional[Exception] = None  # a worker failure reported from another thread
         self.sleeping = False
         self.draining = False
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -102,22 +116,40 @@ class EngineLoop:
         return self.submit(self._load)
 
     def sleep(self, level: int) -> Future:
-        def go() -> None:
+        """The future's result: each worker's memory before and after."""
+        def go() -> list[dict[str, int]]:
+            if self.recovering:
+                raise FailedPreconditionError("the engine is recovering its workers")
             if self.core.has_unfinished_requests():
                 raise FailedPreconditionError("cannot sleep with requests in flight")
-            self.core.sleep(level)
+            reports = self.core.sleep(level)
             self.sleeping = True
             self.readiness.set(State.SLEEPING, f"sleep level {level}")
+            return reports
 
         return self.submit(go)
 
     def wake_up(self, tags: Optional[list[str]]) -> Future:
-        def go() -> None:
-            self.core.wake_up(tags)
-            self.sleeping = False
-            self.readiness.try_set(State.READY, "woken up")
+        """Restore ``tags`` (all when None). Requests are refused, and readiness stays SLEEPING,
+        until no tag sleeps: the KV cache is allocated again before the first request."""
+        def go() -> list[dict[str, int]]:
+            if self.recovering:
+                raise FailedPreconditionError("the engine is recovering its workers")
+            reports = self.core.wake_up(tags)
+            still = self.core.sleeping_tags
+            self.sleeping = bool(still)
+            if still:
+                self.readiness.try_set(State.SLEEPING, f"asleep: {', '.join(still)}")
+            else:
+                self.readiness.try_set(State.READY, "woken up")
+            return reports
 
         return self.submit(go)
+
+    def collective_rpc(self, method: str, args: tuple, kwargs: dict, timeout: Optional[float],
+                       unique_reply_rank: Optional[int]) -> Future:
+        """A worker extension method on every worker, between steps."""
+        return self.submit(lambda: self.core.collective_rpc(method, args, kwargs, timeout, unique_reply_rank))
 
     def drain(self, timeout: float) -> None:
         """Stop taking requests, let in-flight ones finish for ``timeout`` s, abort the rest, stop."""
@@ -138,8 +170,10 @@ class EngineLoop:
             self._thread.join(timeout=10)
 
     def fail(self, error: Exception) -> None:
-        """Mark the engine dead (from any thread, e.g. the executor noticing a dead worker)."""
-        self._inbox.put((lambda: self._die(error), Future()))
+        """A worker failed (from any thread, e.g. the executor noticing a dead worker): the loop
+        recovers, or, with no recovery timeout, the engine is dead."""
+        self._fault = error
+        self._inbox.put((lambda: None, Future()))  # wake the loop
 
     # ---- the loop thread ----------------------------------------------------------------------------
     def _run(self) -> None:
@@ -150,6 +184,9 @@ class EngineLoop:
                 self._offer_load()
             if self._stop.is_set() and self._inbox.empty():
                 return
+            if self._fault is not None and self.error is None:
+                self._on_fault(self._fault)
+                continue
             if not self._has_step():
                 continue
             if not self.core.has_unfinished_requests():
@@ -158,9 +195,11 @@ class EngineLoop:
             start = time.perf_counter()
             try:
                 outputs = self.core.step()
-            except Exception as exc:  # noqa: BLE001 - any step failure kills the engine
-                self._die(exc)
+            except Exception as exc:  # noqa: BLE001 - any step failure: recover the workers or die
+                self._on_fault(exc)
                 continue
+            if outputs:
+                self._recoveries_in_row = 0
             self._publish(outputs)
             self._observe(time.perf_counter() - start)
             self._offer_load()
@@ -178,8 +217,8 @@ class EngineLoop:
     def _dummy_step(self) -> None:
         try:
             self.core.execute_dummy_batch()
-        except Exception as exc:  # noqa: BLE001 - a step failure kills the engine
-            self._die(exc)
+        except Exception as exc:  # noqa: BLE001 - a step failure: recover the workers or die
+            self._on_fault(exc)
             return
         self.waves.after_step(self.core.has_unfinished_requests(), dummy=True)
 
@@ -260,6 +299,49 @@ class EngineLoop:
             logger.warning("gateway %s left: aborting %d requests", gateway_id, len(orphans))
             self._abort(orphans)
 
+    # ---- recovery -----------------------------------------------------------------------------------
+    def _on_fault(self, fault: Exception) -> None:
+        """A step failed or a worker died: rebuild the worker group, or die when recovery is off,
+        the engine is shutting down, or the fault came back after every recent recovery."""
+        self._fault = None
+        if self.recovery_timeout_s <= 0 or self.draining or self._stop.is_set():
+            self._die(fault)
+        elif self._recoveries_in_row >= MAX_RECOVERIES_IN_ROW:
+            self._die(EngineDeadError(f"the fault came back after {self._recoveries_in_row} recoveries: {fault}"))
+        else:
+            self._recover(fault)
+
+    def _recover(self, fault: Exception) -> None:
+        """Requeue every request, rebuild the workers in a helper thread (up to the timeout) while
+        this thread keeps beating and taking adds and aborts, then serve again."""
+        start = time.monotonic()
+        self._recoveries_in_row += 1
+        self.recovering = True
+        self.readiness.try_set(State.RECOVERING, f"worker failure: {fault}")
+        resumed = self.core.requeue_after_worker_loss()
+        logger.warning("worker group failed (%s): %d requests wait while it is rebuilt (up to %.0f s)",
+                       fault, resumed, self.recovery_timeout_s)
+        rebuilt: Future = Future()
+        threading.Thread(target=_run_into, args=(rebuilt, self.core.reinitialize_workers, self.recovery_timeout_s),
+                         name="worker-recovery", daemon=True).start()
+        while not rebuilt.done() and not self._stop.is_set():
+            self.readiness.beat()
+            self._drain_inbox(block=True)
+        self.recovering = False
+        error = rebuilt.exception() if rebuilt.done() else EngineDeadError("stopped while recovering")
+        if error is not None:
+            self._die(error)
+            return
+        if self.core.executor.healthy:
+            self._fault = None  # late reports of the replaced group's failure
+        self.sleeping = False  # a rebuilt group is awake
+        self.recoveries += 1
+        self.last_recovery_s = time.monotonic() - start
+        logger.warning("worker group recovered in %.2f s (recovery %d); %d requests resume",
+                       self.last_recovery_s, self.recoveries, len(self.core.scheduler.waiting))
+        self.readiness.try_set(State.READY, "worker group recovered")
+        self._offer_load()
+
     def _die(self, error: Exception) -> None:
         if self.error is not None:
             return
@@ -275,3 +357,11 @@ class EngineLoop:
     def _close_sinks(self) -> None:
         for sink in self._sinks.values():
             sink.put(END)
+
+
+def _run_into(future: Future, fn: Callable[..., Any], *args: Any) -> None:
+    """``fn(*args)``'s result or error into ``future`` (the body of a helper thread)."""
+    try:
+        future.set_result(fn(*args))
+    except BaseException as exc:  # noqa: BLE001 - delivered to the waiting thread
+        future.set_exception(exc)

@@ -3,7 +3,9 @@
 Connects to its worker services (GrpcExecutor), sizes and allocates the KV cache, starts the busy
 loop and serves ``EngineCore``. SERVING once the workers hold the model and the cache; NOT_SERVING
 when a worker dies or while draining on SIGTERM. With ``metrics_port`` it serves Prometheus
-``/metrics``; with an OTLP endpoint it exports a span per request (queue, prefill, decode).
+``/metrics``; with an OTLP endpoint it exports a span per request (queue, prefill, decode). When a
+worker dies the engine stays up and RECOVERING (NOT_SERVING) for up to ``worker_recovery_timeout_s``
+while the group is rebuilt (``EngineLoop``); ``gridserve:worker_recoveries_total`` counts recoveries.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import logging
 from typing import Optional
 
 from prometheus_client import CollectorRegistry
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from gridserve.api.engine.v1 import engine_pb2, engine_pb2_grpc
 from gridserve.services.engine.core import EngineCore
@@ -26,6 +28,7 @@ from gridserve.shared.config import GridserveConfig
 from gridserve.shared.load import EngineLoad
 from gridserve.shared.observability.metrics import start_metrics_server
 from gridserve.shared.observability.tracing import Tracing
+from gridserve.shared.plugins import load_general_plugins
 from gridserve.shared.readiness import State
 from gridserve.shared.rpc.server import RpcServer
 
@@ -38,12 +41,16 @@ LOOP_WATCHDOG_S = 30.0  # the busy loop beats every iteration (at least every 0.
 
 def serve(config: GridserveConfig, host: str, port: int, grace_s: float = 10.0, *,
           metrics_port: Optional[int] = None, otlp_traces_endpoint: Optional[str] = None,
-          coordinator: Optional[str] = None, data_parallel_rank: int = 0, data_parallel_size: int = 1) -> int:
+          coordinator: Optional[str] = None, data_parallel_rank: int = 0, data_parallel_size: int = 1,
+          worker_recovery_timeout_s: float = 0.0, health_port: Optional[int] = None) -> int:
     """Run the engine until SIGTERM; ``config`` must name its workers (executor ``grpc``)."""
+    load_general_plugins()  # plugins register in every process (lazy strings: no torch here)
     registry = CollectorRegistry(auto_describe=False)
     metrics_server = start_metrics_server(registry, host, metrics_port)
     tracing = Tracing.create("gridserve-engine", otlp_traces_endpoint)
-    server = RpcServer(host, port, grace_s=grace_s, role="engine")  # every handler is async: no pool work
+    server = RpcServer(host, port, grace_s=grace_s, role="engine", health_port=health_port)  # every handler is async: no pool work
+    if metrics_server is not None:
+        server.register_metrics(registry)
     servicer = EngineServicer(config, metrics_port=metrics_server.port if metrics_server else 0,
                               tracing=tracing is not None)
     server.add_service(SERVICE, lambda s: engine_pb2_grpc.add_EngineCoreServicer_to_server(servicer, s))
@@ -67,7 +74,10 @@ def serve(config: GridserveConfig, host: str, port: int, grace_s: float = 10.0, 
     if coordinator:
         reporter = server.call(lambda: LoadReporter(coordinator, data_parallel_rank, server.address))
     loop = EngineLoop(core, server.readiness, observer=observer, waves=waves,
-                      on_load=reporter.offer if reporter is not None else None)
+                      on_load=reporter.offer if reporter is not None else None,
+                      recovery_timeout_s=worker_recovery_timeout_s)
+    if metrics_server is not None:
+        registry.register(_RecoveryMetrics(loop, str(data_parallel_rank)))
     core.executor.on_failure = loop.fail
     servicer.loop = loop
 
@@ -105,6 +115,25 @@ class _WaveMetrics:
             family = CounterMetricFamily(name, doc, labels=["engine"])
             family.add_metric([self.engine], value)
             yield family
+
+
+class _RecoveryMetrics:
+    """``gridserve:worker_recoveries_total`` and the last recovery's duration."""
+
+    def __init__(self, loop: EngineLoop, engine: str) -> None:
+        self.loop, self.engine = loop, engine
+
+    def collect(self):
+        family = CounterMetricFamily("gridserve:worker_recoveries", "Worker-group failures the engine recovered from",
+                                     labels=["engine"])
+        family.add_metric([self.engine], self.loop.recoveries)
+        yield family
+        if self.loop.last_recovery_s is not None:
+            gauge = GaugeMetricFamily("gridserve:worker_recovery_seconds",
+                                      "Duration of the last worker-group recovery (failure to serving again)",
+                                      labels=["engine"])
+            gauge.add_metric([self.engine], self.loop.last_recovery_s)
+            yield gauge
 
 
 def _snapshot(servicer: EngineServicer) -> Optional[EngineLoad]:

@@ -18,6 +18,7 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH_CAPPED = enum.auto()
     FINISHED_ABORTED = enum.auto()
+    FINISHED_ERROR = enum.auto()  # failed on its own in the worker (``Request.error`` says why)
 
     @property
     def finished(self) -> bool:
@@ -32,6 +33,7 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
     RequestStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,
     RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+    RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
 }
 
 
@@ -78,6 +80,7 @@ class Request:
         self.num_preemptions = 0
         self.status = RequestStatus.WAITING
         self.stop_reason: Union[int, str, None] = None
+        self.error: Optional[str] = None  # why it failed (status FINISHED_ERROR)
         self.block_hashes: list[bytes] = []
         # Timeline (time.monotonic()) for metrics, logs and traces; None until it happens.
         self.scheduled_time: Optional[float] = None  # first admitted to the running batch

@@ -21,7 +21,7 @@ from gridserve.services.engine.kv_cache_manager import KVCacheManager
 from gridserve.services.engine.request import Request, RequestStatus
 from gridserve.shared.config import GridserveConfig
 from gridserve.shared.load import EngineLoad
-from gridserve.shared.outputs import EngineCoreOutput
+from gridserve.shared.outputs import EngineCoreOutput, FinishReason
 from gridserve.shared.scheduler_output import (
     CachedRequestData,
     ModelRunnerOutput,
@@ -214,6 +214,22 @@ class Scheduler:
         self._forget.add(request.request_id)
         self._worker_tokens.pop(request.request_id, None)
 
+    def requeue_all(self) -> int:
+        """Every request back to the waiting queue, in order, with nothing computed: the workers
+        were rebuilt and hold no KV (preemption by recompute for all); the prefix cache is emptied
+        and the workers have nothing to forget. Samples of the lost steps are recomputed (a seeded
+        row draws the same value: it depends only on the seed and the token index)."""
+        for request in reversed(self.running):
+            self._preempt(request)
+        self.running = []
+        for request in self.waiting:
+            request.num_computed_tokens = 0
+            request.num_output_placeholders = 0
+        self._forget = set()
+        self._worker_tokens.clear()
+        self.kv.reset_prefix_cache()
+        return len(self.waiting)
+
     # ---- results ---------------------------------------------------------------------------
     def update_from_output(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Append sampled tokens, apply stop conditions, free finished requests."""
@@ -245,9 +261,23 @@ class Scheduler:
                 )
             )
         self.num_generation_tokens += len(outputs)
+        outputs += self._fail_requests(result.failed)
         for request_id, entries in prompt_logprobs.items():  # prefill chunks that sampled nothing
             if request_id in self.requests:
                 outputs.append(EngineCoreOutput(request_id, [], new_prompt_logprobs=entries))
+        return outputs
+
+    def _fail_requests(self, failed: dict[str, str]) -> list[EngineCoreOutput]:
+        """End the requests that failed on their own in the worker, with finish reason ``error``."""
+        outputs = []
+        for request_id, error in failed.items():
+            request = self.requests.get(request_id)
+            if request is None or request.is_finished:
+                continue
+            request.error = error
+            self._remove_from_queue(request)
+            self._finish(request, RequestStatus.FINISHED_ERROR)
+            outputs.append(EngineCoreOutput(request_id, [], finish_reason=FinishReason.ERROR, error=error))
         return outputs
 
     def _stop_status(self, request: Request, token: int) -> RequestStatus | None:

@@ -14,19 +14,23 @@ from concurrent.futures import Future
 from typing import Any, Optional
 
 import grpc
+from google.protobuf import struct_pb2
 
 from gridserve.api.engine.v1 import engine_pb2, engine_pb2_grpc
+from gridserve.services.engine.executor.base import is_extension_method
 from gridserve.services.engine.loop import END, EngineLoop
 from gridserve.services.engine.request import Request
+from gridserve.services.engine.request_checks import check_request
 from gridserve.services.engine.status import EngineStatus
 from gridserve.shared.config import GridserveConfig
-from gridserve.shared.errors import EngineDeadError, InvalidArgumentError
+from gridserve.shared.errors import EngineDeadError, InvalidArgumentError, PermissionDeniedError
 from gridserve.shared.observability.tracing import traceparent_from_metadata
 from gridserve.shared.rpc.convert import (
     engine_output_to_pb,
     image_features_from_pb,
     sampling_params_from_pb,
 )
+from gridserve.shared.rpc.values import decode, encode
 
 logger = logging.getLogger(__name__)
 
@@ -69,15 +73,14 @@ class EngineServicer(engine_pb2_grpc.EngineCoreServicer):
     async def AddRequest(self, request: engine_pb2.AddRequestRequest, context: grpc.aio.ServicerContext):
         if not request.request_id:
             raise InvalidArgumentError("request_id", "must not be empty")
-        if not request.prompt_token_ids:
-            raise InvalidArgumentError("prompt_token_ids", "must not be empty")
         if request.mm_features and "vision_config" not in self.config.model.hf_config:
             raise InvalidArgumentError("mm_features", f"{self.config.model.architecture} takes text only")
-        params = sampling_params_from_pb(request.sampling_params)
+        prompt, params = list(request.prompt_token_ids), sampling_params_from_pb(request.sampling_params)
+        check_request(self.config, prompt, params)  # never trust the caller: ids, lengths, ranges
         _check_continuation(request, params, self.config.max_model_len, self.config.model.vocab_size)
         domain = Request(
             request.request_id,
-            list(request.prompt_token_ids),
+            prompt,
             params,
             eos_token_id=self.config.model.eos_token_id,
             cache_salt=request.cache_salt if request.HasField("cache_salt") else None,
@@ -142,12 +145,29 @@ class EngineServicer(engine_pb2_grpc.EngineCoreServicer):
     async def Sleep(self, request: engine_pb2.SleepRequest, context: grpc.aio.ServicerContext):
         if request.level not in (0, 1, 2):
             raise InvalidArgumentError("level", f"must be 1 or 2, got {request.level}")
-        await _done(self.loop.sleep(request.level or 1))
-        return engine_pb2.SleepResponse()
+        reports = await _done(self.loop.sleep(request.level or 1))
+        return engine_pb2.SleepResponse(sleeping_tags=self.loop.core.sleeping_tags,
+                                        worker_memory=[_struct(r) for r in reports])
 
     async def WakeUp(self, request: engine_pb2.WakeUpRequest, context: grpc.aio.ServicerContext):
-        await _done(self.loop.wake_up(list(request.tags) or None))
-        return engine_pb2.WakeUpResponse()
+        reports = await _done(self.loop.wake_up(list(request.tags) or None))
+        return engine_pb2.WakeUpResponse(sleeping_tags=self.loop.core.sleeping_tags,
+                                         worker_memory=[_struct(r) for r in reports])
+
+    async def CollectiveRpc(self, request: engine_pb2.CollectiveRpcRequest, context: grpc.aio.ServicerContext):
+        """A worker extension method on every worker (built-in worker methods have their own RPCs)."""
+        if not request.method:
+            raise InvalidArgumentError("method", "must not be empty")
+        if not is_extension_method(request.method):
+            raise PermissionDeniedError(f"{request.method!r} is a built-in worker method, not an extension's")
+        if request.HasField("timeout_s") and request.timeout_s <= 0:
+            raise InvalidArgumentError("timeout_s", f"must be positive, got {request.timeout_s}")
+        unique = request.unique_reply_rank if request.HasField("unique_reply_rank") else None
+        results = await _done(self.loop.collective_rpc(
+            request.method, tuple(decode(v) for v in request.args),
+            {k: decode(v) for k, v in request.kwargs.items()},
+            request.timeout_s if request.HasField("timeout_s") else None, unique))
+        return engine_pb2.CollectiveRpcResponse(results=[encode(r) for r in ([results] if unique is not None else results)])
 
     async def ResetPrefixCache(self, request: engine_pb2.ResetPrefixCacheRequest,
                                context: grpc.aio.ServicerContext):
@@ -165,6 +185,12 @@ class EngineServicer(engine_pb2_grpc.EngineCoreServicer):
             num_generation_tokens=stats.num_generation_tokens if stats else 0,
             num_prompt_tokens=stats.num_prompt_tokens if stats else 0,
         )
+
+
+def _struct(values: dict) -> struct_pb2.Struct:
+    message = struct_pb2.Struct()
+    message.update(values)
+    return message
 
 
 async def _done(future: Future) -> Any:

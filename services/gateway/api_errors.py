@@ -14,7 +14,7 @@ from typing import Optional
 from pydantic import ValidationError
 
 from gridserve.services.gateway.protocol import ErrorInfo, ErrorResponse
-from gridserve.shared.errors import EngineDeadError, InvalidArgumentError
+from gridserve.shared.errors import EngineDeadError, InvalidArgumentError, RequestFailedError
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +59,8 @@ def to_api_error(exc: BaseException, request_id: str = "") -> ApiError:
         return ApiError(400, f"{param}: {exc.message}", param)
     if isinstance(exc, EngineDeadError):
         return ApiError(503, str(exc), None, "ServiceUnavailableError")
+    if isinstance(exc, RequestFailedError):  # one request failed in a worker; the message says why
+        return ApiError(500, str(exc), None, "InternalServerError")
     request_id = request_id or uuid.uuid4().hex
     logger.error("request %s failed with an internal error", request_id, exc_info=exc)
     return ApiError(500, f"internal error ({type(exc).__name__}); request id {request_id}", None,

@@ -29,6 +29,7 @@ from gridserve.services.gateway.tokenizer import GatewayTokenizer
 from gridserve.shared.errors import EngineDeadError
 from gridserve.shared.observability.metrics import start_metrics_server
 from gridserve.shared.observability.tracing import Tracing
+from gridserve.shared.plugins import load_general_plugins
 from gridserve.shared.readiness import Readiness, State
 from gridserve.shared.rpc.engine_client import EngineClient
 from gridserve.shared.rpc.server import RpcServer
@@ -43,12 +44,14 @@ def serve(engine_addresses: list[str], host: str, port: int, grace_s: float = 10
           api_key: Optional[str] = None, metrics_port: Optional[int] = None,
           otlp_traces_endpoint: Optional[str] = None, coordinator: Optional[str] = None,
           limits: Optional[RequestLimits] = None, blocking_workers: int = 8,
-          media: Optional[MediaConfig] = None) -> int:
+          media: Optional[MediaConfig] = None, health_port: Optional[int] = None) -> int:
     """``limits``: the per-request caps; ``blocking_workers``: the threads that tokenize and render
     chat templates off the event loop; ``media``: where images may come from, how big and slow."""
+    load_general_plugins()  # plugins register in every process (lazy strings: no torch here)
     interceptors = [ApiKeyInterceptor(api_key)] if api_key else []
     # asyncio server: every RPC is ``async`` and shares its loop.
-    server = RpcServer(host, port, max_workers=32, grace_s=grace_s, interceptors=interceptors, role="gateway")
+    server = RpcServer(host, port, max_workers=32, grace_s=grace_s, interceptors=interceptors, role="gateway",
+                       health_port=health_port)
     gateway_id = f"gateway-{uuid.uuid4().hex[:8]}"
     # The engine clients (and the load watcher) run on the server's loop: build them there.
     engines = server.call(lambda: [EngineClient(a, gateway_id) for a in engine_addresses])
@@ -71,6 +74,7 @@ def serve(engine_addresses: list[str], host: str, port: int, grace_s: float = 10
         metrics.add_engines(lambda: [(e.metrics_url(), {"engine": str(i), "model_name": model_name})
                                      for i, e in enumerate(engines)])
         metrics_server = start_metrics_server(metrics.registry, host, metrics_port)
+        server.register_metrics(metrics.registry)
     for engine in engines:
         engine.on_state = lambda: _follow_engines(server.readiness, service)
     # DP > 1: route by the load every engine reports to the coordinator.

@@ -231,6 +231,11 @@ class OutputProcessor:
         for cid in samples:
             self.child_to_parent[cid] = request_id
 
+    def current(self, request_id: str) -> Optional[RequestOutput]:
+        """The request's output so far (cumulative, unfinished), or None when it is not here."""
+        parent = self.parents.get(request_id)
+        return parent.output() if parent else None
+
     def children_of(self, request_id: str) -> list[str]:
         parent = self.parents.get(request_id)
         return list(parent.samples) if parent else []

@@ -45,9 +45,9 @@ from gridserve.services.gateway.processor import (
     child_requests,
 )
 from gridserve.services.gateway.router import Router
-from gridserve.shared.errors import EngineDeadError
+from gridserve.shared.errors import EngineDeadError, RequestFailedError
 from gridserve.shared.observability.tracing import Tracing
-from gridserve.shared.outputs import Logprob, RequestOutput
+from gridserve.shared.outputs import FinishReason, Logprob, RequestOutput
 from gridserve.shared.rpc.engine_client import EngineClient, EngineLostError
 from gridserve.shared.sampling_params import SamplingParams
 
@@ -376,6 +376,12 @@ class _Stream:
         """The chunk one engine output adds (an exception from the engine client is raised)."""
         if isinstance(item, Exception):
             raise item
+        if item.finish_reason is FinishReason.ERROR:  # this request failed in the engine; others go on
+            sample = self.samples.get(item.request_id)
+            if sample is not None:
+                sample.finish_reason = FinishReason.ERROR.value
+            self.observation.on_sample_finished(FinishReason.ERROR.value)
+            raise RequestFailedError(f"request {self.request_id} failed: {item.error or 'unknown error'}")
         self.observation.on_output(item)
         done, to_abort = self.processor.process_outputs([item])
         if to_abort:

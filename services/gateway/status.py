@@ -27,7 +27,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gridserve.api.engine.v1 import engine_pb2, engine_pb2_grpc
 from gridserve.api.gateway.v1 import gateway_pb2
-from gridserve.shared.rpc.client import CHANNEL_OPTIONS
+from gridserve.shared.rpc.client import aio_channel
 
 logger = logging.getLogger(__name__)
 
@@ -148,7 +148,7 @@ class StatusCollector:
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         if address not in self._channels:
-            self._channels[address] = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            self._channels[address] = aio_channel(address)
         return self._channels[address]
 
     async def _health(self, address: str) -> str:

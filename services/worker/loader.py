@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from gridserve.services.worker.models import get_model_class
+from gridserve.services.worker.models import construct_model, get_model_class
 from gridserve.shared.config import GridserveConfig
 from gridserve.shared.errors import ModelNotFoundError
 
@@ -120,7 +120,7 @@ def load_model(config: GridserveConfig, device: torch.device) -> nn.Module:
     model_class = get_model_class(config.model.architecture)
     dtype = TORCH_DTYPES[config.model.resolved_dtype]
     with torch.device("meta"):
-        model = model_class(config=config)
+        model = construct_model(model_class, config)
     model = model.to_empty(device=device).to(dtype)
     report = LoadReport()
     weights = iterate_weights(config.model.model_path, report)

@@ -18,6 +18,7 @@ from gridserve.services.worker.observability import WorkerObserver
 from gridserve.services.worker.servicer import WorkerServicer
 from gridserve.shared.observability.metrics import start_metrics_server
 from gridserve.shared.observability.tracing import Tracing
+from gridserve.shared.plugins import load_general_plugins
 from gridserve.shared.readiness import State
 from gridserve.shared.rpc.server import RpcServer
 
@@ -27,12 +28,14 @@ SERVICE = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
 
 
 def serve(host: str, port: int, *, metrics_port: Optional[int] = None,
-          otlp_traces_endpoint: Optional[str] = None) -> int:
+          otlp_traces_endpoint: Optional[str] = None, health_port: Optional[int] = None) -> int:
+    load_general_plugins()  # plugins register in every process (lazy strings: no torch here)
     registry = CollectorRegistry(auto_describe=False) if metrics_port is not None else None
     metrics_server = start_metrics_server(registry, host, metrics_port) if registry is not None else None
     observer = WorkerObserver(registry, Tracing.create("gridserve-worker", otlp_traces_endpoint))
-    server = RpcServer(host, port, role="worker")  # the stream is async; worker methods run in the servicer's thread
+    server = RpcServer(host, port, role="worker", health_port=health_port)  # the stream is async; worker methods run in the servicer's thread
     servicer = WorkerServicer(on_ready=lambda ok: server.readiness.try_set(State.READY if ok else State.DRAINING), on_orphaned=_exit, observer=observer)
+    server.register_metrics(registry)
     server.add_service(SERVICE, lambda s: worker_pb2_grpc.add_WorkerServicer_to_server(servicer, s))
     server.install_signal_handlers()
     server.start()

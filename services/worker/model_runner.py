@@ -3,7 +3,9 @@ model and the sampler.
 
 The worker mirrors the engine's requests: a new request arrives whole (tokens, sampling params,
 blocks); afterwards only new blocks and the computed-token count travel. Tokens the worker
-samples are appended to its own copy, so the engine never sends them back.
+samples are appended to its own copy, so the engine never sends them back. A request that fails on
+its own (a token id out of range, its grammar) is reported in the output's ``failed`` and its samples
+withheld (``RequestFailures``); the rest of the batch goes on.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from gridserve.services.worker.attention import AttentionMetadata
 from gridserve.services.worker.encoder_cache import EncoderCache, ImageRows
 from gridserve.services.worker.loader import KV_CACHE_TORCH_DTYPES, TORCH_DTYPES, load_model
 from gridserve.services.worker.parallel_state import get_parallel_state
+from gridserve.services.worker.request_failures import RequestFailures, check_new_request
 from gridserve.services.worker.sampler import (
     Penalties,
     Sampler,
@@ -28,6 +31,7 @@ from gridserve.services.worker.sampler import (
 )
 from gridserve.services.worker.structured_output import StructuredOutputManager
 from gridserve.shared.config import GridserveConfig
+from gridserve.shared.errors import InvalidArgumentError
 from gridserve.shared.multimodal import ImageFeature
 from gridserve.shared.sampling_params import SamplingParams
 from gridserve.shared.scheduler_output import ModelRunnerOutput, SchedulerOutput
@@ -82,6 +86,7 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.structured_output: Optional[StructuredOutputManager] = None  # built on first use
         self.encoder_cache: Optional[EncoderCache] = None  # a vision-language model's image embeddings
+        self.failures = RequestFailures()
         self.parallel = get_parallel_state()
         # The rank that samples and answers the engine: TP rank 0 of the last pipeline stage.
         self.is_driver = self.parallel.layout.is_output_rank
@@ -115,15 +120,25 @@ class ModelRunner:
             layer.kv_cache = torch.empty(0, device=self.device)
         self.kv_caches = []
         self.requests.clear()
+        self.failures = RequestFailures()
         if self.structured_output is not None:
             self.structured_output.clear()
 
     # ---- one step ----------------------------------------------------------------------
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> Optional[ModelRunnerOutput]:
-        """One step; the samples on the driver rank, ``None`` on every other rank."""
+        """One step; the samples on the driver rank, ``None`` on every other rank. The driver's
+        output also names the requests that failed on their own since the last step."""
+        out = self._execute(sched)
+        failed = self.failures.take()
+        if out is not None:
+            out.failed = failed
+            out.prompt_logprobs = {r: v for r, v in out.prompt_logprobs.items() if r not in self.failures}
+        return out
+
+    def _execute(self, sched: SchedulerOutput) -> Optional[ModelRunnerOutput]:
         self._update_states(sched)
-        if sched.is_empty:
+        if sched.is_empty or all(r in self.failures.rejected for r in sched.num_scheduled_tokens):
             return ModelRunnerOutput() if self.is_driver else None
         inputs = self._prepare_inputs(sched)
         hidden = self._forward(inputs)
@@ -142,11 +157,15 @@ class ModelRunner:
         sampled, logprobs = self.sampler(logits, meta)
         tokens = self._keep_samples(inputs.sampling_req_ids, sampled)
         if self.structured_output is not None and self.structured_output.has_requests:
-            self.structured_output.accept_tokens(inputs.sampling_req_ids, tokens)
+            broken = self.structured_output.accept_tokens(inputs.sampling_req_ids, tokens)
+            for req_id, error in broken.items():
+                self.failures.fail(req_id, f"structured outputs: {error}")
+        logprobs = logprobs or [None] * len(tokens)
+        rows = [i for i, r in enumerate(inputs.sampling_req_ids) if r not in self.failures]
         return ModelRunnerOutput(
-            req_ids=inputs.sampling_req_ids,
-            sampled_token_ids=tokens,
-            logprobs=logprobs or [None] * len(tokens),
+            req_ids=[inputs.sampling_req_ids[i] for i in rows],
+            sampled_token_ids=[tokens[i] for i in rows],
+            logprobs=[logprobs[i] for i in rows],
             prompt_logprobs=prompt_logprobs,
         )
 
@@ -204,9 +223,15 @@ class ModelRunner:
             self.requests.pop(req_id, None)
             if self.encoder_cache is not None:
                 self.encoder_cache.drop(req_id)
+            self.failures.forget(req_id)
             if self.structured_output is not None:
                 self.structured_output.remove(req_id)
         for new in sched.scheduled_new_reqs:
+            try:
+                check_new_request(new, self.config.model.vocab_size)
+            except InvalidArgumentError as exc:  # every rank checks the same data: all leave it out
+                self.failures.reject(new.req_id, str(exc))
+                continue
             params = new.sampling_params
             stop_ids = list(params.stop_token_ids)
             if not params.ignore_eos and self.eos_token_id is not None:
@@ -221,22 +246,27 @@ class ModelRunner:
                 stop_ids=stop_ids,
                 images=list(new.mm_features),
             )
-            if state.images and self.encoder_cache is None:
-                raise ValueError(f"request {new.req_id!r} has images; {self.config.model.architecture} "
-                                 "takes text only")
+            if state.images and self.encoder_cache is None:  # every rank checks: all leave it out
+                self.failures.reject(new.req_id, f"images: {self.config.model.architecture} takes text only")
+                continue
             self.requests[new.req_id] = state
             if params.structured_outputs is not None and self.is_driver:
-                self._structured_output_manager().add_request(
-                    new.req_id, params.structured_outputs, new.output_token_ids
-                )
+                try:
+                    self._structured_output_manager().add_request(
+                        new.req_id, params.structured_outputs, new.output_token_ids
+                    )
+                except ValueError as exc:  # only this rank has grammars: the row stays in the batch
+                    self.failures.fail(new.req_id, f"structured outputs: {exc}")
         for cached in sched.scheduled_cached_reqs:
+            if cached.req_id in self.failures.rejected:
+                continue
             state = self.requests[cached.req_id]
             state.block_ids.extend(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
             state.token_ids.extend(cached.new_token_ids)
 
     def _prepare_inputs(self, sched: SchedulerOutput) -> StepInputs:
-        req_ids = list(sched.num_scheduled_tokens)
+        req_ids = [r for r in sched.num_scheduled_tokens if r not in self.failures.rejected]
         q_lens, starts, token_ids, tables, sampling, last_rows = [], [], [], [], [], []
         total = 0
         for req_id in req_ids:

@@ -1,6 +1,7 @@
 """The worker's gRPC servicer: ``Worker.CollectiveRPC``, one call at a time, in order.
 
-Each request names one method of the allow-list by its payload; the servicer converts the payload
+Each request names one method of the allow-list by its payload (``call_extension``: a public
+method of the worker extension, by name); the servicer converts the payload
 to domain objects, calls the ``Worker`` method and converts the result back. The first call must
 be ``init_device``: it carries the engine's configuration and creates the ``Worker``.
 
@@ -20,9 +21,11 @@ from typing import Optional
 import grpc
 
 from gridserve.api.worker.v1 import worker_pb2, worker_pb2_grpc
+from gridserve.services.worker.extension import call_extension, worker_class
 from gridserve.services.worker.observability import WorkerObserver
 from gridserve.services.worker.worker import Worker
 from gridserve.shared.errors import FailedPreconditionError
+from gridserve.shared.rpc.values import decode, encode
 from gridserve.shared.rpc.worker_convert import (
     config_from_pb,
     runner_output_to_pb,
@@ -89,8 +92,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     def _dispatch(self, method: Optional[str], args, response: worker_pb2.CollectiveRPCResponse) -> None:
         if method == "init_device":
-            self.worker = Worker(config_from_pb(args.config), rank=args.rank, local_rank=args.local_rank,
-                                 distributed_init_address=args.distributed_init_address)
+            config = config_from_pb(args.config)
+            self.worker = worker_class(config)(config, rank=args.rank, local_rank=args.local_rank,
+                                               distributed_init_address=args.distributed_init_address)
             if args.world_size and args.world_size != self.worker.world_size:
                 raise FailedPreconditionError(
                     f"world size {args.world_size} disagrees with the config's {self.worker.world_size}")
@@ -118,9 +122,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         elif method == "check_health":
             worker.check_health()
         elif method == "sleep":
-            worker.sleep(args.level or 1)
+            response.value.CopyFrom(encode(worker.sleep(args.level or 1)))
         elif method == "wake_up":
-            worker.wake_up(list(args.tags) or None)
+            response.value.CopyFrom(encode(worker.wake_up(list(args.tags) or None)))
+        elif method == "call_extension":
+            result = call_extension(worker, args.method, [decode(v) for v in args.args],
+                                    {k: decode(v) for k, v in args.kwargs.items()})
+            response.value.CopyFrom(encode(result))
         elif method == "shutdown":
             self._shut_down = True
             self.on_ready(False)

@@ -5,12 +5,18 @@ compiled once). Every step :meth:`StructuredOutputManager.apply_bitmask` fills o
 for the batch's structured rows (llguidance's thread pool when there are several) and sets the
 disallowed logits of those rows to ``-inf``; other rows are not touched. After sampling,
 :meth:`StructuredOutputManager.accept_tokens` advances the matchers. A matcher whose grammar is
-complete (or that hit an error) allows only EOS, so the request ends with finish reason ``stop``.
+complete allows only EOS, so the request ends with finish reason ``stop``. A spec that does not
+compile, or a token that breaks a grammar, is that request's failure (``add_request`` raises,
+``accept_tokens`` returns it): the model runner fails that request alone.
+
+``GRIDSERVE_TEST_GRAMMAR_FAULT`` (tests only) makes every request whose spec text contains that
+string fail on its first accepted token, as a grammar that breaks inside the worker would.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Sequence
 from typing import Any, Optional
 
@@ -19,12 +25,13 @@ import numpy as np
 import torch
 
 from gridserve.shared.sampling_params import StructuredOutputsParams
-from gridserve.shared.structured_output import compile_grammar, ll_tokenizer
+from gridserve.shared.structured_output import compile_grammar, ll_tokenizer, spec_key
 
 logger = logging.getLogger(__name__)
 
 _MAX_TEMPLATES = 256
 _NUMPY_DTYPES = (torch.float32, torch.float16, torch.float64)
+_TEST_FAULT = os.environ.get("GRIDSERVE_TEST_GRAMMAR_FAULT", "")
 
 
 class StructuredOutputManager:
@@ -41,6 +48,7 @@ class StructuredOutputManager:
         self._templates: dict[str, llguidance.LLMatcher] = {}  # grammar -> fresh matcher
         self._bitmask = torch.zeros((0, self.num_words), dtype=torch.int32)
         self._executor: Optional[llguidance.LLExecutor] = None
+        self._faulty: set[str] = set()  # GRIDSERVE_TEST_GRAMMAR_FAULT: requests made to fail
 
     @property
     def has_requests(self) -> bool:
@@ -51,23 +59,25 @@ class StructuredOutputManager:
     ) -> None:
         """Start ``req_id``'s matcher; replay ``prior_output_tokens`` for a request resumed after preemption.
 
-        A spec that does not compile (the gateway validates them, so only a bypass gets here) is
-        logged and gets a grammar that allows only EOS: the request ends, the batch goes on.
+        Raises ``ValueError`` when the spec does not compile (the gateway validates specs, so only a
+        client that bypassed it gets here) or the prior tokens break it; nothing is kept then.
         """
-        try:
-            template = self._template(compile_grammar(params))
-        except ValueError as e:  # InvalidArgumentError included
-            logger.error("request %s: invalid structured outputs, ending it: %s", req_id, e)
-            template = self._template(llguidance.LLMatcher.grammar_from_regex(""))
-        matcher = template.deep_copy()
-        self._matchers[req_id] = matcher
-        self.accept_tokens([req_id] * len(prior_output_tokens), prior_output_tokens)
+        template = self._template(compile_grammar(params))
+        self._matchers[req_id] = template.deep_copy()
+        if _TEST_FAULT and _TEST_FAULT in spec_key(params)[1]:
+            self._faulty.add(req_id)
+        failures = self.accept_tokens([req_id] * len(prior_output_tokens), prior_output_tokens)
+        if failures:
+            self.remove(req_id)
+            raise ValueError(failures[req_id])
 
     def remove(self, req_id: str) -> None:
         self._matchers.pop(req_id, None)
+        self._faulty.discard(req_id)
 
     def clear(self) -> None:
         self._matchers.clear()
+        self._faulty.clear()
 
     def apply_bitmask(self, logits: torch.Tensor, req_ids: Sequence[str]) -> None:
         """Mask, in place, the tokens each structured row's grammar forbids (row ``i`` is ``req_ids[i]``)."""
@@ -89,19 +99,21 @@ class StructuredOutputManager:
                 torch.from_numpy(forbidden).to(logits.device, non_blocking=True), float("-inf")
             )
 
-    def accept_tokens(self, req_ids: Sequence[str], token_ids: Sequence[int]) -> None:
-        """Advance each structured request's matcher by the token it just sampled."""
+    def accept_tokens(self, req_ids: Sequence[str], token_ids: Sequence[int]) -> dict[str, str]:
+        """Advance each structured request's matcher by the token it just sampled; the requests
+        whose grammar broke (request id -> why), whose matchers are dropped."""
+        failures: dict[str, str] = {}
         for req_id, token in zip(req_ids, token_ids):
             matcher = self._matchers.get(req_id)
-            if matcher is None or matcher.is_stopped():  # complete (or failed): only EOS is allowed
+            if matcher is None or req_id in failures or matcher.is_stopped():  # complete: only EOS is allowed
                 continue
-            if not matcher.consume_token(token):
-                logger.warning(
-                    "request %s: token %d breaks its grammar: %s",
-                    req_id,
-                    token,
-                    matcher.get_error(),
-                )
+            if req_id in self._faulty:
+                failures[req_id] = "injected grammar fault (GRIDSERVE_TEST_GRAMMAR_FAULT)"
+            elif not matcher.consume_token(token):
+                failures[req_id] = f"token {token} breaks its grammar: {matcher.get_error()}"
+        for req_id in failures:
+            self.remove(req_id)
+        return failures
 
     # ---- internals -----------------------------------------------------------------------
     def _template(self, grammar: str) -> llguidance.LLMatcher:

@@ -4,7 +4,7 @@ A worker of a tensor / pipeline parallel group joins its peers' torch.distribute
 ``init_device`` (NCCL on CUDA, gloo on CPU) before the model is built, so each rank builds its shard.
 
 The executor (in-process or over gRPC) calls these methods by name; each is one entry of the
-worker's fixed method allow-list.
+worker's fixed method allow-list, plus ``call_extension`` for the worker extension's methods.
 """
 
 from __future__ import annotations
@@ -12,11 +12,12 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
 from gridserve.kernels import dispatch
+from gridserve.services.worker.memory import MemoryUsage
 from gridserve.services.worker.model_runner import ModelRunner
 from gridserve.services.worker.parallel_state import (
     ParallelState,
@@ -50,6 +51,18 @@ def keep_large_allocations() -> None:
         libc.mallopt(_M_TRIM_THRESHOLD, 1 << 30)
     except (OSError, AttributeError):
         logger.debug("glibc mallopt unavailable; keeping the default allocator settings")
+
+
+def release_freed_memory(device: torch.device) -> None:
+    """Hand freed memory back: the CUDA caching allocator's blocks, or glibc's free heap pages
+    (``keep_large_allocations`` keeps them otherwise)."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        return
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        logger.debug("glibc malloc_trim unavailable")
 
 
 class Worker:
@@ -142,8 +155,13 @@ class Worker:
         if self.runner is None or self.runner.model is None:
             raise RuntimeError("worker has no model loaded")
 
-    def sleep(self, level: int = 1) -> None:
-        """Level 1: move weights to host memory and drop the KV cache. Level 2: drop weights too."""
+    def sleep(self, level: int = 1) -> dict[str, int]:
+        """Level 1: move weights to host memory and drop the KV cache. Level 2: drop weights too.
+
+        On CPU the weights already live in host memory: level 1 drops only the KV cache. Returns
+        the memory before and after (``MemoryUsage``); freed host memory goes back to the OS.
+        """
+        before = MemoryUsage.now(self.device)
         self.runner.release_cache()
         model = self.runner.model
         if level >= 2:
@@ -152,10 +170,17 @@ class Worker:
         elif self.device.type == "cuda":
             self._sleeping_weights = {k: v.to("cpu") for k, v in model.state_dict().items()}
             model.to_empty(device="meta")
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+        else:
+            logger.info("sleep level 1 on CPU: the weights already live in host memory; dropping the KV cache")
+        release_freed_memory(self.device)
+        report = before.report(MemoryUsage.now(self.device))
+        logger.info("sleep level %d: %s", level, report)
+        return report
 
-    def wake_up(self, tags: Optional[list[str]] = None) -> None:
+    def wake_up(self, tags: Optional[list[str]] = None) -> dict[str, int]:
+        """Restore what ``sleep`` released: ``"weights"`` (from host memory, or reloaded after
+        level 2) and ``"kv_cache"`` (reallocated, empty); no tags restores both."""
+        before = MemoryUsage.now(self.device)
         tags = tags or ["weights", "kv_cache"]
         model = self.runner.model
         if "weights" in tags and next(model.parameters()).is_meta:
@@ -167,6 +192,15 @@ class Worker:
                 self.runner.load_model()
         if "kv_cache" in tags and not self.runner.kv_caches:
             self.runner.initialize_cache(self.num_blocks)
+        report = before.report(MemoryUsage.now(self.device))
+        logger.info("wake up %s: %s", ",".join(tags), report)
+        return report
+
+    def call_extension(self, method: str, args: list, kwargs: dict[str, Any]) -> Any:
+        """A public method of the worker extension, by name (``extension.call_extension``)."""
+        from gridserve.services.worker.extension import call_extension
+
+        return call_extension(self, method, args, kwargs)
 
     def shutdown(self) -> None:
         if self.runner is not None and self.runner.model is not None:

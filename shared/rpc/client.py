@@ -2,7 +2,9 @@
 
 The roles talk to each other on ``grpc.aio`` channels (``aio_channel``, made on the event loop that
 uses it). ``make_channel`` and the health helpers are blocking, for callers that are not a role:
-the launcher, the CLI, benchmarks and tests.
+the launcher, the CLI, benchmarks and tests. With TLS configured (``shared.rpc.tls``) every channel
+is mutual TLS with this process's certificate; a role's channels are ``RotatingChannel``s, so calls
+made after the certificate files changed go out on a new connection with the new certificate.
 """
 
 from __future__ import annotations
@@ -10,9 +12,12 @@ from __future__ import annotations
 import logging
 import os
 import time
+from typing import Any, Optional
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from gridserve.shared.rpc import tls as tls_config
 
 logger = logging.getLogger(__name__)
 
@@ -53,11 +58,90 @@ def parse_addresses(value: str, what: str) -> list[str]:
 
 def aio_channel(address: str) -> grpc.aio.Channel:
     """A role's channel to another role; create it on the event loop that will use it."""
+    files = tls_config.active()
+    if files is not None:
+        return RotatingChannel(address, files)
     return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
 
 
-def make_channel(address: str) -> grpc.Channel:
-    """A blocking channel for tools (launcher, CLI, tests); roles use ``aio_channel``."""
+class RotatingChannel(grpc.aio.Channel):
+    """A mutual-TLS ``grpc.aio`` channel that follows certificate rotation.
+
+    Stubs built on it look the current channel up on every call: when the TLS files changed, the
+    next call opens a new channel with the new certificate, while streams already open go on over
+    the old one (closed with this one).
+    """
+
+    def __init__(self, address: str, files: tls_config.TlsFiles) -> None:
+        self.address = address
+        self.files = files
+        self._stamp = files.stamp()
+        self._current = grpc.aio.secure_channel(address, files.channel_credentials(), options=CHANNEL_OPTIONS)
+        self._old: list[grpc.aio.Channel] = []
+
+    def current(self) -> grpc.aio.Channel:
+        try:
+            stamp = self.files.stamp()
+            if stamp != self._stamp:
+                credentials = self.files.channel_credentials()
+                self._old.append(self._current)
+                self._current = grpc.aio.secure_channel(self.address, credentials, options=CHANNEL_OPTIONS)
+                self._stamp = stamp
+                logger.info("TLS: new connections to %s use the new certificate %s", self.address, self.files.cert)
+        except (OSError, ValueError) as exc:
+            logger.warning("TLS files %s not (yet) usable: %s; keeping the current ones", self.files.cert, exc)
+        return self._current
+
+    def unary_unary(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return _Bound(self, "unary_unary", method, args, kwargs)
+
+    def unary_stream(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return _Bound(self, "unary_stream", method, args, kwargs)
+
+    def stream_unary(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return _Bound(self, "stream_unary", method, args, kwargs)
+
+    def stream_stream(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return _Bound(self, "stream_stream", method, args, kwargs)
+
+    async def channel_ready(self) -> None:
+        await self.current().channel_ready()
+
+    def get_state(self, try_to_connect: bool = False) -> grpc.ChannelConnectivity:
+        return self.current().get_state(try_to_connect)
+
+    async def wait_for_state_change(self, last_observed_state: grpc.ChannelConnectivity) -> None:
+        await self._current.wait_for_state_change(last_observed_state)
+
+    async def close(self, grace: Optional[float] = None) -> None:
+        for channel in (*self._old, self._current):
+            await channel.close(grace)
+        self._old = []
+
+    async def __aenter__(self) -> RotatingChannel:
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+
+class _Bound:
+    """A stub's multicallable, made on the channel current at each call."""
+
+    def __init__(self, channel: RotatingChannel, kind: str, method: str, args: tuple, kwargs: dict) -> None:
+        self.channel, self.kind, self.method, self.args, self.kwargs = channel, kind, method, args, kwargs
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        make = getattr(self.channel.current(), self.kind)
+        return make(self.method, *self.args, **self.kwargs)(*args, **kwargs)
+
+
+def make_channel(address: str, tls: Optional[tls_config.TlsFiles] = None) -> grpc.Channel:
+    """A blocking channel for tools (launcher, CLI, tests); roles use ``aio_channel``. ``tls``: the
+    certificate to present (default: this process's, if any)."""
+    files = tls or tls_config.active()
+    if files is not None:
+        return grpc.secure_channel(address, files.channel_credentials(), options=CHANNEL_OPTIONS)
     return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
 
 
@@ -71,10 +155,11 @@ def health_status(channel: grpc.Channel, service: str = "", timeout: float = 2.0
     return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
 
 
-def wait_until_serving(address: str, timeout: float, service: str = "") -> None:
+def wait_until_serving(address: str, timeout: float, service: str = "",
+                       tls: Optional[tls_config.TlsFiles] = None) -> None:
     """Block until ``address`` reports SERVING; raise TimeoutError after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
-    with make_channel(address) as channel:
+    with make_channel(address, tls) as channel:
         status = "UNREACHABLE"
         while time.monotonic() < deadline:
             status = health_status(channel, service)

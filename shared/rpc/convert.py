@@ -29,6 +29,7 @@ FINISH_TO_PB = {
     FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
     FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
     FinishReason.ABORT: common_pb2.FINISH_REASON_ABORTED,
+    FinishReason.ERROR: common_pb2.FINISH_REASON_ERROR,
 }
 FINISH_FROM_PB = {v: k for k, v in FINISH_TO_PB.items()}
 FINISH_NAME_TO_PB = {k.value: v for k, v in FINISH_TO_PB.items() if k is not None}
@@ -156,6 +157,7 @@ def engine_output_to_pb(out: EngineCoreOutput) -> engine_pb2.EngineCoreOutput:
         new_token_ids=out.new_token_ids,
         finish_reason=FINISH_TO_PB[out.finish_reason],
         num_cached_tokens=out.num_cached_tokens,
+        error=out.error or "",
     )
     if out.new_logprobs:
         msg.new_logprobs.CopyFrom(logprobs_to_pb(out.new_logprobs))
@@ -177,4 +179,5 @@ def engine_output_from_pb(msg: engine_pb2.EngineCoreOutput) -> EngineCoreOutput:
         finish_reason=FINISH_FROM_PB[msg.finish_reason],
         stop_reason=msg.stop_token_id if msg.HasField("stop_token_id") else None,
         num_cached_tokens=msg.num_cached_tokens,
+        error=msg.error or None,
     )

@@ -2,8 +2,9 @@
 
 ``InvalidArgumentError`` -> INVALID_ARGUMENT (the message names the field), ``EngineDeadError``
 -> UNAVAILABLE, ``ModelNotFoundError`` -> NOT_FOUND, ``FailedPreconditionError`` ->
-FAILED_PRECONDITION; anything else -> INTERNAL (logged with its traceback). An ``RpcError`` from an
-upstream call keeps its code. A ``grpc.aio`` server interceptor (``RpcServer`` is the only server):
+FAILED_PRECONDITION, ``PermissionDeniedError`` -> PERMISSION_DENIED, ``RequestFailedError`` (one request
+failed in a worker) -> INTERNAL with its reason; anything else -> INTERNAL (logged with its
+traceback). An ``RpcError`` from an upstream call keeps its code. A ``grpc.aio`` server interceptor (``RpcServer`` is the only server):
 it wraps unary and streaming handlers alike, ``async def`` ones on the loop and plain ones, which
 that server runs in its thread pool.
 """
@@ -22,6 +23,8 @@ from gridserve.shared.errors import (
     FailedPreconditionError,
     InvalidArgumentError,
     ModelNotFoundError,
+    PermissionDeniedError,
+    RequestFailedError,
 )
 
 logger = logging.getLogger(__name__)
@@ -31,6 +34,8 @@ _CODES: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (EngineDeadError, grpc.StatusCode.UNAVAILABLE),
     (ModelNotFoundError, grpc.StatusCode.NOT_FOUND),
     (FailedPreconditionError, grpc.StatusCode.FAILED_PRECONDITION),
+    (PermissionDeniedError, grpc.StatusCode.PERMISSION_DENIED),
+    (RequestFailedError, grpc.StatusCode.INTERNAL),
 ]
 
 
@@ -47,7 +52,7 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
 def _logged_status(exc: Exception, method: str) -> tuple[grpc.StatusCode, str]:
     """``status_for(exc)``, logged (with the traceback when it is a bug)."""
     code, message = status_for(exc)
-    if code == grpc.StatusCode.INTERNAL:
+    if code == grpc.StatusCode.INTERNAL and not isinstance(exc, RequestFailedError):
         logger.exception("%s failed", method)
     else:
         logger.info("%s -> %s: %s", method, code.name, message)

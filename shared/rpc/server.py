@@ -11,6 +11,12 @@ Health follows the role's ``Readiness`` (``gridserve.shared.readiness``): readin
 ``""`` and every service the role added (SERVING only in READY); liveness is service ``"liveness"``
 (SERVING unless DEAD or the role's watchdog fired; checked every second).
 
+With TLS files (``shared.rpc.tls``: the role's ``--tls-*`` flags) the port takes only mutual TLS and
+every call passes ``AuthorizationInterceptor`` (``shared.rpc.authz``: the caller's certificate
+names a role the method's row allows); SIGHUP re-reads the files. Without them it is plaintext as
+before, with a warning when it binds a non-loopback address. ``health_port`` adds a plaintext port
+serving ``grpc.health.v1`` alone (the same statuses), for Kubernetes' probes, which cannot speak TLS.
+
 On SIGTERM the server goes DRAINING (NOT_SERVING for readiness), runs the role's ``on_drain`` hook (stop taking work,
 finish or abort in-flight requests, close the role's clients on the loop), then stops with a grace
 period, stops the loop, and ``wait()`` returns.
@@ -32,6 +38,8 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from gridserve.shared.readiness import LIVENESS_SERVICE, Readiness, State
+from gridserve.shared.rpc import tls as tls_config
+from gridserve.shared.rpc.authz import AuthorizationInterceptor
 from gridserve.shared.rpc.client import SERVER_OPTIONS
 from gridserve.shared.rpc.errors import ErrorInterceptor
 from gridserve.shared.rpc.loop_thread import LoopThread
@@ -42,29 +50,47 @@ T = TypeVar("T")
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 WATCHDOG_POLL_S = 1.0
+_LOOPBACK = ("127.", "localhost", "::1", "[::1]")
 
 
 class RpcServer:
     """One ``grpc.aio`` server with health, reflection and graceful shutdown.
 
     ``max_workers`` sizes the pool that runs plain (non-``async``) handlers, if a role has any.
+    ``tls``: this process's TLS files (default: those the CLI configured; None: plaintext).
     """
 
     def __init__(self, host: str, port: int, max_workers: int = 8, grace_s: float = 10.0,
-                 interceptors: Sequence[grpc.aio.ServerInterceptor] = (), role: str = "") -> None:
+                 interceptors: Sequence[grpc.aio.ServerInterceptor] = (), role: str = "",
+                 health_port: Optional[int] = None, tls: Optional[tls_config.TlsFiles] = None) -> None:
         self.grace_s = grace_s
         self.readiness = Readiness(role)
         self.runner = LoopThread("rpc-loop")
         self.loop = self.runner.loop
+        self.tls = tls or tls_config.active()
+        self.authorization = AuthorizationInterceptor(role) if self.tls is not None else None
+        first = [self.authorization] if self.authorization is not None else []
         self.server: grpc.aio.Server = self.runner.call(lambda: grpc.aio.server(
             futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rpc"),
-            interceptors=[*interceptors, ErrorInterceptor()],
+            interceptors=[*first, *interceptors, ErrorInterceptor()],
             options=SERVER_OPTIONS,
         ))
         self.health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        self.port = self.server.add_insecure_port(f"{host}:{port}")  # 0: a free port
+        if self.tls is not None:
+            self.port = self.server.add_secure_port(f"{host}:{port}", self.tls.server_credentials())
+        else:
+            self.port = self.server.add_insecure_port(f"{host}:{port}")  # 0: a free port
+            if not host.startswith(_LOOPBACK):
+                logger.warning("%s binds %s:%d in plaintext: anyone who reaches it can call it; pass "
+                               "--tls-cert-file/--tls-key-file/--tls-ca-file", role or "server", host, self.port)
         self.address = f"{host}:{self.port}"
+        self.health_server: Optional[grpc.aio.Server] = None
+        self.health_port: Optional[int] = None
+        if health_port is not None:  # plaintext, grpc.health.v1 alone: the probes' port
+            self.health_server = self.runner.call(lambda: grpc.aio.server(options=SERVER_OPTIONS))
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
+            self.health_port = self.health_server.add_insecure_port(f"{host}:{health_port}")
         self._services: list[str] = [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name]
         self._stopped = threading.Event()
         self._lock = threading.Lock()
@@ -91,8 +117,18 @@ class RpcServer:
     def start(self) -> None:
         reflection.enable_server_reflection([*self._services, reflection.SERVICE_NAME], self.server)
         self.run(self.server.start())
+        if self.health_server is not None:
+            self.run(self.health_server.start())
+            logger.info("health (plaintext, probes only) on %s:%d", self.address.rpartition(":")[0],
+                        self.health_port)
         self._watchdog_task = self.call(lambda: self.loop.create_task(self._watch_liveness()))
-        logger.info("listening on %s (%s)", self.address, ", ".join(self._services))
+        logger.info("listening on %s (%s)%s", self.address, ", ".join(self._services),
+                    " with mutual TLS" if self.tls is not None else "")
+
+    def register_metrics(self, registry: Any) -> None:
+        """Count refused calls (``gridserve:rpc_denied_total``) in the role's Prometheus registry."""
+        if registry is not None and self.authorization is not None:
+            registry.register(self.authorization)
 
     def _publish_health(self) -> None:
         """Readiness and liveness of the server and every service it added (from any thread)."""
@@ -127,6 +163,8 @@ class RpcServer:
     def install_signal_handlers(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda signum, _frame: self._on_signal(signum))
+        if self.tls is not None:  # re-read the certificate files now (they are also watched)
+            signal.signal(signal.SIGHUP, lambda _signum, _frame: self.tls.reload())
 
     def _on_signal(self, signum: int) -> None:
         logger.info("signal %d: draining", signum)
@@ -148,6 +186,8 @@ class RpcServer:
             if self._watchdog_task is not None:
                 self.call(self._watchdog_task.cancel)
             self.run(self.server.stop(self.grace_s))
+            if self.health_server is not None:
+                self.run(self.health_server.stop(0))
         finally:
             self.readiness.try_set(State.DEAD, "stopped")
             self.runner.stop()

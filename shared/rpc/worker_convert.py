@@ -153,6 +153,7 @@ def runner_output_to_pb(out: ModelRunnerOutput) -> worker_pb2.ModelRunnerOutput:
         msg.logprobs.CopyFrom(logprobs_to_pb(out.logprobs))
     for req_id, rows in out.prompt_logprobs.items():
         msg.prompt_logprobs[req_id].CopyFrom(logprobs_to_pb(rows))
+    msg.failed.update(out.failed)
     return msg
 
 
@@ -165,4 +166,5 @@ def runner_output_from_pb(msg: worker_pb2.ModelRunnerOutput) -> ModelRunnerOutpu
         sampled_token_ids=unpack(msg.sampled_token_ids),
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
+        failed=dict(msg.failed),
     )

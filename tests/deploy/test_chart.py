@@ -35,7 +35,7 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
                                                "dashboard": {"enabled": True,
                                                              "annotations": {"grafana_folder": "LLM"}}}},
     "engine-options": {"engine": {"maxModelLen": 4096, "kvCacheMemoryBytes": 8589934592, "seed": 7,
-                                  "enablePrefixCaching": False}},
+                                  "enablePrefixCaching": False, "workerRecoveryTimeout": 300}},
     "example-one-node-8gpu": EXAMPLE_8_GPU,
 }
 # Kinds from CRDs, whose schemas kubernetes-validate does not ship (checked by hand below; the
@@ -43,6 +43,10 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
 CRD_KINDS = {"ScaledObject", "ServiceMonitor", "PodMonitor"}
 MONITOR_SCHEMAS = json.loads((Path(__file__).with_name("crds") / "monitoring.coreos.com_v1.json").read_text())
 ROLE_PORTS = {"gateway": 50050, "engine": 50051, "coordinator": 50040, "worker": 50061}
+
+
+def values_health_port(rendered: Rendered) -> int:
+    return rendered.values.get("tls", {}).get("healthPort", 8086)
 
 
 def shape(values: dict[str, Any]) -> tuple[int, int, int, int]:
@@ -220,7 +224,11 @@ def test_every_container_has_probes_resources_and_a_non_root_context(render_char
             assert all(probes), f"{where} lacks a probe"
             if role in ROLE_PORTS:
                 port = ROLE_PORTS[role]
-                assert all(p["grpc"] == {"port": port} for p in probes), f"{where}: gRPC health probes"
+                # The plaintext health port (grpc.health.v1 alone): readiness "" and liveness "liveness".
+                health = values_health_port(rendered)
+                assert [p["grpc"] for p in probes] == [{"port": health}, {"port": health, "service": ""},
+                                                       {"port": health, "service": "liveness"}], where
+                assert health != port
                 startup = container["startupProbe"]
                 assert startup["periodSeconds"] * startup["failureThreshold"] >= 20 * 60, \
                     f"{where}: the startup probe must allow model loading"
@@ -290,11 +298,12 @@ def test_api_key_and_otlp_reach_the_roles(render_chart, name: str) -> None:
         secret_name = api_key.get("existingSecret") or f"{FULL}-api-key"
         key = api_key.get("secretKey", "api-key")
         assert env["GRIDSERVE_API_KEY"] == {"secretKeyRef": {"name": secret_name, "key": key}}
-        secrets = [s["metadata"]["name"] for s in rendered.of_kind("Secret")]
+        secrets = [s["metadata"]["name"] for s in rendered.of_kind("Secret") if "-tls-" not in s["metadata"]["name"]]
         assert secrets == ([] if api_key.get("existingSecret") else [secret_name])
         assert "s3cret" not in str(gateway), "the key lives in the Secret only"
     else:
-        assert "GRIDSERVE_API_KEY" not in env and not rendered.of_kind("Secret")
+        assert "GRIDSERVE_API_KEY" not in env
+        assert all("-tls-" in s["metadata"]["name"] for s in rendered.of_kind("Secret"))
     endpoint = values.get("otlp", {}).get("tracesEndpoint")
     for workload in rendered.workloads():
         if rendered.role_of(workload) in ROLE_PORTS:
@@ -331,6 +340,7 @@ def test_engine_options_become_environment_variables(render_chart) -> None:
     assert env["GRIDSERVE_KV_CACHE_MEMORY_BYTES"] == "8589934592"
     assert env["GRIDSERVE_SEED"] == "7"
     assert env["GRIDSERVE_NO_PREFIX_CACHING"] == "1"
+    assert env["GRIDSERVE_WORKER_RECOVERY_TIMEOUT"] == "300"
     assert "GRIDSERVE_MAX_NUM_SEQS" not in env
 
 

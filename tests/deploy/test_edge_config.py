@@ -47,11 +47,27 @@ def descriptor_set() -> Path:
 
 
 @pytest.mark.parametrize("values", [{}, {"edge": {"port": 9000, "healthCheckInterval": "5s"},
-                                         "gateway": {"port": 6000}}])
+                                         "gateway": {"port": 6000}},
+                                    {"tls": {"enabled": False}},
+                                    {"edge": {"tls": {"secretName": "public-cert"}}}])
 def test_envoy_accepts_the_chart_config(render_chart, descriptor_set: Path, tmp_path: Path, values) -> None:
+    from gridserve.certificates import LocalCA
+
     (config_map,) = render_chart(values).of_kind("ConfigMap")
     text = config_map["data"]["envoy.json"]
     assert CHART_DESCRIPTOR in text
+    tls_on = values.get("tls", {}).get("enabled", True)
+    https = bool(values.get("edge", {}).get("tls", {}).get("secretName"))
+    assert ("/etc/gridserve/tls/tls.crt" in text) == tls_on and ("DownstreamTlsContext" in text) == https
+    # The Secrets' files, as mounted in the pod (tls.crt, tls.key, ca.crt), made here for real.
+    ca = LocalCA(tmp_path / "tls")
+    edge_files = ca.issue("edge")
+    for folder in ("tls", "https"):
+        (tmp_path / folder).mkdir(exist_ok=True)
+        (tmp_path / folder / "tls.crt").write_bytes(edge_files.cert.read_bytes())
+        (tmp_path / folder / "tls.key").write_bytes(edge_files.key.read_bytes())
+    (tmp_path / "tls" / "ca.crt").write_bytes(ca.ca_pem)
+    text = text.replace("/etc/gridserve/tls", str(tmp_path / "tls")).replace("/etc/envoy/https", str(tmp_path / "https"))
     config_file = tmp_path / "envoy.json"
     config_file.write_text(text.replace(CHART_DESCRIPTOR, str(descriptor_set)))
     result = subprocess.run(edge.envoy_argv(config_file, validate=True, log_level="warning"),

@@ -7,6 +7,7 @@ runs it (supervised: dead roles restart), streaming completions over REST throug
   concatenated text and per-token chunks equal the fault-free run's (no duplicated or missing SSE
   chunk), usage counts are right. Prints the time to fail over (kill -> the last stalled stream's
   next token, which the other engine generated).
+- With DP = 1 the engine is SIGKILLed under 8 streams: they wait for its restart and complete.
 """
 
 from __future__ import annotations
@@ -172,9 +173,9 @@ def single(llama_tiny, tmp_path_factory):
 
 
 def test_with_one_engine_streams_wait_for_its_restart_and_continue(single):
-    """DP = 1: the worker dies, the launcher restarts the engine group, the streams pause and go on."""
+    """DP = 1: the engine dies, the launcher restarts it with its worker, the streams pause and go on."""
     requests = make_requests(8, MAX_TOKENS)
     clean = run_load(single.edge_address, single.model, requests, len(requests))
     results, _ = _load_with_kill(single, requests, lambda p: p.events >= 8 * MAX_TOKENS // 4,
-                                 _role(single, "worker"))
+                                 _role(single, "engine"))
     _same_as_fault_free(requests, clean, results)

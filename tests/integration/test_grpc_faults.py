@@ -17,7 +17,16 @@ from gridserve.api.common.v1 import common_pb2
 from gridserve.launcher import free_port
 from gridserve.shared.rpc.client import health_status, make_channel
 
-from .services import KV_BYTES, address, deployment, gateway_stub, greedy, pid, token_prompt
+from .services import (
+    ENGINE_ARGS,
+    KV_BYTES,
+    address,
+    deployment,
+    gateway_stub,
+    greedy,
+    pid,
+    token_prompt,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -30,10 +39,13 @@ def _alive(process_id: int) -> bool:
     return True
 
 
-def test_killed_worker_fails_in_flight_requests_with_unavailable_within_5s(llama_tiny, tmp_path, monkeypatch):
+def test_without_recovery_a_killed_worker_fails_in_flight_requests_with_unavailable_within_5s(llama_tiny, tmp_path, monkeypatch):
+    """``--worker-recovery-timeout 0``: fail-stop, as before recovery (tests/integration/test_worker_recovery.py)."""
+    engine_args = [*ENGINE_ARGS, "--worker-recovery-timeout", "0"]
     # Unsupervised and DP = 1: no engine comes back to continue on (tests/integration/test_failover.py)
     monkeypatch.setenv("GRIDSERVE_FAILOVER_TIMEOUT_S", "0")
-    with deployment(llama_tiny, tmp_path) as services, make_channel(address(services, "gateway")) as channel:
+    with deployment(llama_tiny, tmp_path, engine_args=engine_args) as services, \
+            make_channel(address(services, "gateway")) as channel:
         gateway = gateway_stub(channel)
         call = gateway.Generate(token_prompt([11, 12, 13], greedy(500, ignore_eos=True)), timeout=120)
         next(call)

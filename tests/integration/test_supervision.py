@@ -68,13 +68,16 @@ def _kill(launcher, role: str) -> int:
 @pytest.mark.parametrize("role", ["gateway", "worker", "engine", "edge"])
 def test_a_killed_role_is_restarted_and_the_deployment_serves_again(supervised, role):
     assert _complete(supervised, timeout=30) == 200
+    engine_pid = next(p.pid for p in supervised.processes if p.role == "engine")
     old = _kill(supervised, role)
     _serves_again(supervised)
     proc = next(p for p in supervised.processes if p.role == role)
     assert proc.pid != old and proc.process.poll() is None
-    if role in ("worker", "engine"):  # the engine and its workers restart together
+    if role in ("worker", "engine"):
         group = [p for p in supervised.processes if p.group == proc.group]
         assert all(p.process.poll() is None for p in group) and len(group) == 2
+    if role == "worker":  # restarted alone: its engine stayed up and rebuilt the group
+        assert next(p.pid for p in supervised.processes if p.role == "engine") == engine_pid
 
 
 def test_a_role_that_keeps_failing_at_start_ends_supervision(llama_tiny, tmp_path, monkeypatch):
@@ -86,3 +89,20 @@ def test_a_role_that_keeps_failing_at_start_ends_supervision(llama_tiny, tmp_pat
         failing = launcher.supervise(poll_s=0.05)
         assert failing is gateway
         assert failing.quick_failures == launcher_module.CRASH_LOOP_RESTARTS + 1
+
+
+def test_an_engine_whose_workers_do_not_come_back_is_restarted_with_them(llama_tiny, tmp_path, monkeypatch):
+    """Recovery off (``--worker-recovery-timeout 0``): the worker's death kills the engine, which
+    stays up but not live; supervise() finds it by its liveness health and restarts the group."""
+    monkeypatch.setattr(launcher_module, "RESTART_BACKOFF_S", (0.2, 1.0))
+    monkeypatch.setattr(launcher_module, "LIVENESS_PERIOD_S", 0.5)
+    engine_args = ["--kv-cache-memory-bytes", str(32 << 20), "--worker-recovery-timeout", "0"]
+    with deployment(llama_tiny, tmp_path, edge_port=free_port(), engine_args=engine_args) as launcher:
+        thread = threading.Thread(target=launcher.supervise, kwargs={"poll_s": 0.05}, daemon=True)
+        thread.start()
+        assert _complete(launcher, timeout=30) == 200
+        engine_pid = next(p.pid for p in launcher.processes if p.role == "engine")
+        _kill(launcher, "worker")
+        _serves_again(launcher)
+        engine = next(p for p in launcher.processes if p.role == "engine")
+        assert engine.pid != engine_pid and engine.process.poll() is None

@@ -140,3 +140,26 @@ def test_seeded_samples_wrap_within_the_engines_64_bit_seed():
 
     children = child_requests("r", SamplingParams(n=2, seed=2**63 - 1))
     assert [params.seed for _, _, params in children] == [2**63 - 1, -(2**63)]
+
+
+def test_a_request_the_engine_ended_with_an_error_raises_it_and_leaves_nothing_behind():
+    from gridserve.services.gateway.api_errors import to_api_error
+    from gridserve.shared.errors import RequestFailedError
+    from gridserve.shared.rpc.errors import status_for
+
+    async def go():
+        service, tokenizer, engine = _service()
+        tokenizer.release.set()
+        task = asyncio.ensure_future(_consume(service.generate("hi", SamplingParams(max_tokens=4))))
+        await _until_added(engine, task)
+        engine.emit(engine.added[0], 3)
+        engine.queues[engine.added[0]].put_nowait(EngineCoreOutput(
+            engine.added[0], [], finish_reason=FinishReason.ERROR, error="structured outputs: broken"))
+        error = (await asyncio.gather(task, return_exceptions=True))[0]
+        assert isinstance(error, RequestFailedError) and "structured outputs: broken" in str(error)
+        assert (service.in_flight, engine.num_in_flight) == (0, 0)
+        assert status_for(error)[0].name == "INTERNAL" and "broken" in status_for(error)[1]
+        api = to_api_error(error)
+        assert api.status == 500 and "structured outputs: broken" in api.message
+
+    asyncio.run(go())

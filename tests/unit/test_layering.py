@@ -25,7 +25,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 ROLES = ("gateway", "engine", "worker", "coordinator")
-TOP_LEVEL = ("edge", "launcher", "cli", "llm", "llm_engine", "roles", "protos_build", "demo", "benchmarks")
+TOP_LEVEL = ("edge", "launcher", "cli", "llm", "llm_engine", "async_llm", "local_engine_client", "roles",
+             "protos_build", "demo", "benchmarks")
 TORCH_FREE = ("gateway", "engine", "coordinator")
 
 

@@ -79,7 +79,8 @@ def test_scheduler_and_runner_outputs_round_trip():
     )
     assert scheduler_output_from_pb(scheduler_output_to_pb(sched)) == sched
     lp = TokenLogprobs([7, 8, 9], [-0.5, -1.25, -2.0], 1)
-    out = ModelRunnerOutput(["a", "b"], [7, 3], [lp, None], prompt_logprobs={"a": [lp, lp]})
+    out = ModelRunnerOutput(["a", "b"], [7, 3], [lp, None], prompt_logprobs={"a": [lp, lp]},
+                            failed={"e": "structured outputs: broken"})
     assert runner_output_from_pb(runner_output_to_pb(out)) == out
 
 
@@ -113,3 +114,5 @@ def test_engine_output_round_trips():
     lp = TokenLogprobs([7, 8], [-0.5, -1.0], 1)
     out = EngineCoreOutput("r", [7], [lp], [lp], FinishReason.STOP, stop_reason=7, num_cached_tokens=16)
     assert engine_output_from_pb(engine_output_to_pb(out)) == out
+    failed = EngineCoreOutput("f", [], finish_reason=FinishReason.ERROR, error="token id 9 is out of range")
+    assert engine_output_from_pb(engine_output_to_pb(failed)) == failed

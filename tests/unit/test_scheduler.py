@@ -11,6 +11,7 @@ from gridserve.services.engine.kv_cache_manager import KVCacheManager
 from gridserve.services.engine.request import Request, RequestStatus
 from gridserve.services.engine.scheduler import Scheduler
 from gridserve.shared.config import GridserveConfig, ModelConfig, SchedulerConfig
+from gridserve.shared.outputs import FinishReason
 from gridserve.shared.sampling_params import SamplingParams
 from gridserve.shared.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
@@ -214,3 +215,37 @@ def test_sample_of_a_request_that_stopped_while_in_flight_is_discarded():
     assert req.output_token_ids == [EOS]
     assert "a" in s.schedule().finished_req_ids
     assert s.kv.num_free_blocks == s.kv.num_total_blocks
+
+
+def test_requeue_all_sends_every_request_back_in_order_to_recompute_with_its_tokens():
+    s = make_scheduler(budget=128)
+    for rid in ("a", "b", "c"):
+        s.add_request(make_request(rid, 20, max_tokens=10, first_token=100 + 30 * ord(rid)))
+    run_step(s)
+    run_step(s)
+    s.schedule()  # a step in flight whose samples are lost with the workers
+    assert [r.num_output_placeholders for r in s.running] == [1, 1, 1]
+    assert s.requeue_all() == 3
+    assert [r.request_id for r in s.waiting] == ["a", "b", "c"] and s.running == []
+    assert all(r.num_computed_tokens == 0 and r.num_output_placeholders == 0 for r in s.waiting)
+    assert s.kv.num_free_blocks == s.kv.num_total_blocks  # every block freed, none cached
+    out, outputs = run_step(s)
+    new = {n.req_id: n for n in out.scheduled_new_reqs}
+    assert set(new) == {"a", "b", "c"} and out.finished_req_ids == set()
+    assert all(n.output_token_ids == [7, 7] and n.num_computed_tokens == 0 for n in new.values())
+    assert [o.new_token_ids for o in outputs] == [[7]] * 3  # the lost third token, sampled again
+
+
+def test_a_request_the_worker_failed_ends_with_an_error_and_the_others_go_on():
+    s = make_scheduler()
+    s.add_request(make_request("good", 5, max_tokens=3))
+    s.add_request(make_request("bad", 5, max_tokens=3))
+    out = s.schedule()
+    outputs = s.update_from_output(out, ModelRunnerOutput(req_ids=["good"], sampled_token_ids=[7], logprobs=[None],
+                                                          failed={"bad": "structured outputs: broken"}))
+    by_id = {o.request_id: o for o in outputs}
+    assert by_id["good"].new_token_ids == [7] and not by_id["good"].finished
+    assert by_id["bad"].finish_reason == FinishReason.ERROR and by_id["bad"].error == "structured outputs: broken"
+    assert "bad" not in s.requests and [r.request_id for r in s.running] == ["good"]
+    out, _ = run_step(s)
+    assert "bad" in out.finished_req_ids and list(out.num_scheduled_tokens) == ["good"]

@@ -22,6 +22,9 @@
         },
         "filter_chains": [
           {
+            {{- if .Values.edge.tls.secretName }}
+            "transport_socket": {"name":"envoy.transport_sockets.tls","typed_config":{"@type":"type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.DownstreamTlsContext","common_tls_context":{"alpn_protocols":["h2","http/1.1"],"tls_certificates":[{"certificate_chain":{"filename":"/etc/envoy/https/tls.crt"},"private_key":{"filename":"/etc/envoy/https/tls.key"},"watched_directory":{"path":"/etc/envoy/https"}}]}}},
+            {{- end }}
             "filters": [
               {
                 "name": "envoy.filters.network.http_connection_manager",
@@ -249,6 +252,9 @@
     ],
     "clusters": [
       {
+        {{- if .Values.tls.enabled }}
+        "transport_socket": {"name":"envoy.transport_sockets.tls","typed_config":{"@type":"type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext","common_tls_context":{"alpn_protocols":["h2"],"tls_certificates":[{"certificate_chain":{"filename":"{{ trimSuffix "/" .Values.tls.mountPath }}/tls.crt"},"private_key":{"filename":"{{ trimSuffix "/" .Values.tls.mountPath }}/tls.key"},"watched_directory":{"path":"{{ trimSuffix "/" .Values.tls.mountPath }}"}}],"validation_context":{"trusted_ca":{"filename":"{{ trimSuffix "/" .Values.tls.mountPath }}/ca.crt"},"watched_directory":{"path":"{{ trimSuffix "/" .Values.tls.mountPath }}"},"match_typed_subject_alt_names":[{"san_type":"DNS","matcher":{"exact":"gateway.gridserve.internal"}}]}}}},
+        {{- end }}
         "name": "gateways",
         "type": "STRICT_DNS",
         "connect_timeout": "1s",
@@ -317,6 +323,9 @@
         ]
       },
       {
+        {{- if .Values.tls.enabled }}
+        "transport_socket": {"name":"envoy.transport_sockets.tls","typed_config":{"@type":"type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext","common_tls_context":{"alpn_protocols":["h2"],"tls_certificates":[{"certificate_chain":{"filename":"{{ trimSuffix "/" .Values.tls.mountPath }}/tls.crt"},"private_key":{"filename":"{{ trimSuffix "/" .Values.tls.mountPath }}/tls.key"},"watched_directory":{"path":"{{ trimSuffix "/" .Values.tls.mountPath }}"}}],"validation_context":{"trusted_ca":{"filename":"{{ trimSuffix "/" .Values.tls.mountPath }}/ca.crt"},"watched_directory":{"path":"{{ trimSuffix "/" .Values.tls.mountPath }}"},"match_typed_subject_alt_names":[{"san_type":"DNS","matcher":{"exact":"gateway.gridserve.internal"}}]}}}},
+        {{- end }}
         "name": "gateways_any_state",
         "type": "STRICT_DNS",
         "connect_timeout": "1s",

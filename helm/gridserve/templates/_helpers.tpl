@@ -121,12 +121,61 @@ helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version }}
   value: {{ printf "%s/hf" (trimSuffix "/" .root.Values.model.mountPath) | quote }}
 - name: HF_HUB_OFFLINE
   value: "1"
+- name: GRIDSERVE_HEALTH_PORT
+  value: {{ .root.Values.tls.healthPort | quote }}
+{{- if .root.Values.tls.enabled }}
+{{- $dir := trimSuffix "/" .root.Values.tls.mountPath }}
+- name: GRIDSERVE_TLS_CERT_FILE
+  value: {{ printf "%s/tls.crt" $dir | quote }}
+- name: GRIDSERVE_TLS_KEY_FILE
+  value: {{ printf "%s/tls.key" $dir | quote }}
+- name: GRIDSERVE_TLS_CA_FILE
+  value: {{ printf "%s/ca.crt" $dir | quote }}
+{{- end }}
 {{- end -}}
 
-{{/* The container ports of a role: gRPC, plus metrics. */}}
+{{/* The Secret holding a role's certificate, key and CA (dict "root" $ "role" "engine"). */}}
+{{- define "gridserve.tlsSecretName" -}}
+{{- printf "%s-tls-%s" (include "gridserve.fullname" .root) .role -}}
+{{- end -}}
+
+{{/* A role's TLS volume and its read-only mount (nothing when tls.enabled is false). */}}
+{{- define "gridserve.tlsVolume" -}}
+{{- if .root.Values.tls.enabled }}
+- name: tls
+  secret:
+    secretName: {{ include "gridserve.tlsSecretName" . }}
+    defaultMode: 0440
+{{- end }}
+{{- end -}}
+
+{{- define "gridserve.tlsMount" -}}
+{{- if .root.Values.tls.enabled }}
+- name: tls
+  mountPath: {{ .root.Values.tls.mountPath }}
+  readOnly: true
+{{- end }}
+{{- end -}}
+
+{{/* DNS names a role's certificate carries: <role>.gridserve.internal (its identity) and the
+     Service / pod names its clients dial (hostname verification). */}}
+{{- define "gridserve.tlsDnsNames" -}}
+{{- $full := include "gridserve.fullname" .root -}}
+{{- $suffix := include "gridserve.svcSuffix" .root -}}
+{{- $names := list (printf "%s.gridserve.internal" .role) -}}
+{{- range $svc := list (printf "%s-%s" $full .role) (printf "%s-%s-headless" $full .role) -}}
+{{- $names = concat $names (list $svc (printf "%s.%s" $svc $suffix) (printf "*.%s" $svc) (printf "*.%s.%s" $svc $suffix)) -}}
+{{- end -}}
+{{- toJson $names -}}
+{{- end -}}
+
+{{/* The container ports of a role: gRPC, the plaintext health port of the probes, plus metrics. */}}
 {{- define "gridserve.ports" -}}
 - name: grpc
   containerPort: {{ .port }}
+  protocol: TCP
+- name: health
+  containerPort: {{ .root.Values.tls.healthPort }}
   protocol: TCP
 {{- if .root.Values.metrics.enabled }}
 - name: metrics
@@ -135,24 +184,29 @@ helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version }}
 {{- end }}
 {{- end -}}
 
-{{/* Native gRPC probes on grpc.health.v1 (the server's overall status, service ""). */}}
+{{/* Native gRPC probes on the plaintext health port (grpc.health.v1 alone; kubelet's probes cannot
+     speak TLS): startup and readiness ask service "" (READY), liveness asks service "liveness"
+     (alive: not DEAD, the loop's watchdog beating), so a sleeping or recovering role is taken out of
+     rotation without being restarted. */}}
 {{- define "gridserve.probes" -}}
 {{- $p := .root.Values.probes -}}
 startupProbe:
   grpc:
-    port: {{ .port }}
+    port: {{ .root.Values.tls.healthPort }}
   periodSeconds: {{ $p.startup.periodSeconds }}
   failureThreshold: {{ $p.startup.failureThreshold }}
   timeoutSeconds: 5
 readinessProbe:
   grpc:
-    port: {{ .port }}
+    port: {{ .root.Values.tls.healthPort }}
+    service: ""
   periodSeconds: {{ $p.readiness.periodSeconds }}
   failureThreshold: {{ $p.readiness.failureThreshold }}
   timeoutSeconds: 5
 livenessProbe:
   grpc:
-    port: {{ .port }}
+    port: {{ .root.Values.tls.healthPort }}
+    service: liveness
   periodSeconds: {{ $p.liveness.periodSeconds }}
   failureThreshold: {{ $p.liveness.failureThreshold }}
   timeoutSeconds: 5

@@ -16,7 +16,12 @@ from concurrent.futures import Future
 from typing import Any, Optional, Union
 
 from gridserve.shared.config import GridserveConfig
-from gridserve.shared.errors import ConfigError, InvalidArgumentError
+from gridserve.shared.errors import (
+    ConfigError,
+    EngineDeadError,
+    InvalidArgumentError,
+    PermissionDeniedError,
+)
 from gridserve.shared.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
 # The fixed allow-list of worker methods an executor may call.
@@ -34,14 +39,28 @@ WORKER_METHODS = frozenset(
     }
 )
 
+# What sleep releases and wake_up restores, by tag.
+SLEEP_TAGS = ("weights", "kv_cache")
+
+
 def check_worker_method(method: str) -> None:
-    """Refuse any method outside the worker allow-list."""
-    if method not in WORKER_METHODS:
-        raise InvalidArgumentError("method", f"{method!r} is not a worker method")
+    """A built-in worker method, or a name the worker extension may define (the worker decides)."""
+    if method in WORKER_METHODS:
+        return
+    if not method.isidentifier():
+        raise InvalidArgumentError("method", f"{method!r} is not a method name")
+    if method.startswith("_"):
+        raise PermissionDeniedError(f"{method!r} is private: only the extension's public methods are callable")
+
+
+def is_extension_method(method: str) -> bool:
+    """Whether ``collective_rpc(method)`` goes to the worker extension (not a built-in method)."""
+    return method not in WORKER_METHODS
 
 
 _BACKENDS = {
     "grpc": "gridserve.services.engine.executor.grpc_executor:GrpcExecutor",
+    "ray": "gridserve.services.engine.executor.ray_executor:RayExecutor",
 }
 
 
@@ -50,7 +69,7 @@ class Executor(ABC):
 
     def __init__(self, config: GridserveConfig) -> None:
         self.config = config
-        self.is_sleeping = False
+        self.sleeping_tags: set[str] = set()  # what sleep released and wake_up has not restored
         self._init_executor()
 
     @staticmethod
@@ -83,8 +102,12 @@ class Executor(ABC):
         args: tuple = (),
         kwargs: Optional[dict[str, Any]] = None,
         non_block: bool = False,
-    ) -> Union[list[Any], Future]:
-        """Run ``method`` (from ``WORKER_METHODS``) on every worker; one result per worker."""
+        unique_reply_rank: Optional[int] = None,
+    ) -> Union[list[Any], Any, Future]:
+        """Run ``method`` on every worker; one result per worker (rank order), or only rank
+        ``unique_reply_rank``'s. A built-in method (``WORKER_METHODS``) takes its domain arguments;
+        any other name is a method of the worker extension, with plain data and ``TensorData``
+        (``shared/rpc/values.py``) in and out, refused by the worker unless the extension defines it."""
 
     def execute_model(
         self, scheduler_output: SchedulerOutput, non_block: bool = False
@@ -105,15 +128,43 @@ class Executor(ABC):
     def check_health(self) -> None:
         self.collective_rpc("check_health", timeout=10.0)
 
-    def sleep(self, level: int = 1) -> None:
-        if not self.is_sleeping:
-            self.collective_rpc("sleep", kwargs={"level": level})
-            self.is_sleeping = True
+    @property
+    def is_sleeping(self) -> bool:
+        return bool(self.sleeping_tags)
 
-    def wake_up(self, tags: Optional[list[str]] = None) -> None:
-        if self.is_sleeping:
-            self.collective_rpc("wake_up", kwargs={"tags": tags})
-            self.is_sleeping = False
+    @property
+    def healthy(self) -> bool:
+        """No worker failure is known since the group was (re)built."""
+        return True
+
+    def reinitialize(self, num_blocks: int, timeout_s: float) -> None:
+        """Rebuild the worker group after a failure (device, weights, a KV cache of ``num_blocks``),
+        waiting up to ``timeout_s`` for its workers to be back; ``EngineDeadError`` when it cannot."""
+        raise EngineDeadError(f"the {type(self).__name__} cannot rebuild its workers")
+
+    def sleep(self, level: int = 1) -> list[dict[str, int]]:
+        """Release the KV cache and the weights (offloaded at level 1, dropped at level 2); each
+        worker's memory before and after. Asleep already: nothing to do."""
+        if level not in (1, 2):
+            raise InvalidArgumentError("level", f"must be 1 or 2, got {level}")
+        if self.sleeping_tags:
+            return []
+        reports = self.collective_rpc("sleep", kwargs={"level": level})
+        self.sleeping_tags = set(SLEEP_TAGS)
+        return reports
+
+    def wake_up(self, tags: Optional[list[str]] = None) -> list[dict[str, int]]:
+        """Restore the sleeping ``tags`` (all when None); tags already awake are skipped."""
+        tags = list(tags or SLEEP_TAGS)
+        unknown = sorted(set(tags) - set(SLEEP_TAGS))
+        if unknown:
+            raise InvalidArgumentError("tags", f"unknown {unknown}; known: {list(SLEEP_TAGS)}")
+        waking = [tag for tag in SLEEP_TAGS if tag in tags and tag in self.sleeping_tags]
+        if not waking:
+            return []
+        reports = self.collective_rpc("wake_up", kwargs={"tags": waking})
+        self.sleeping_tags -= set(waking)
+        return reports
 
     @abstractmethod
     def shutdown(self) -> None:

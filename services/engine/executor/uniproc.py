@@ -11,9 +11,13 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, Optional, Union
 
-from gridserve.services.engine.executor import Executor, check_worker_method
+from gridserve.services.engine.executor.base import (
+    Executor,
+    check_worker_method,
+    is_extension_method,
+)
 from gridserve.shared.config import GridserveConfig
-from gridserve.shared.errors import ConfigError
+from gridserve.shared.errors import ConfigError, InvalidArgumentError
 
 
 class UniProcExecutor(Executor):
@@ -44,11 +48,18 @@ class UniProcExecutor(Executor):
         args: tuple = (),
         kwargs: Optional[dict[str, Any]] = None,
         non_block: bool = False,
-    ) -> Union[list[Any], Future]:
+        unique_reply_rank: Optional[int] = None,
+    ) -> Union[list[Any], Any, Future]:
         check_worker_method(method)
+        if unique_reply_rank not in (None, 0):
+            raise InvalidArgumentError("unique_reply_rank", f"rank {unique_reply_rank} of 1 worker")
         future: Future = Future()
         try:
-            future.set_result([getattr(self.worker, method)(*args, **(kwargs or {}))])
+            if is_extension_method(method):
+                result = self.worker.call_extension(method, list(args), dict(kwargs or {}))
+            else:
+                result = getattr(self.worker, method)(*args, **(kwargs or {}))
+            future.set_result(result if unique_reply_rank is not None else [result])
         except Exception as exc:  # noqa: BLE001 - delivered through the future, like a remote worker
             if not non_block:
                 raise

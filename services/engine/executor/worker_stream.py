@@ -21,8 +21,14 @@ from typing import Any, Optional
 import grpc
 
 from gridserve.api.worker.v1 import worker_pb2, worker_pb2_grpc
-from gridserve.shared.errors import EngineDeadError
+from gridserve.shared.errors import (
+    EngineDeadError,
+    FailedPreconditionError,
+    InvalidArgumentError,
+    PermissionDeniedError,
+)
 from gridserve.shared.rpc.client import aio_channel
+from gridserve.shared.rpc.values import decode
 from gridserve.shared.rpc.worker_convert import runner_output_from_pb
 
 logger = logging.getLogger(__name__)
@@ -114,14 +120,27 @@ class WorkerStream:
         await self._channel.close()
 
 
+# Typed errors a worker method may raise on purpose, raised again here with the same type.
+_TYPED_ERRORS = {cls.__name__: cls for cls in (PermissionDeniedError, FailedPreconditionError)}
+
+
 def _resolve(address: str, method: str, response: worker_pb2.CollectiveRPCResponse, future: Future) -> None:
     if response.HasField("error"):
-        future.set_exception(
-            RuntimeError(f"worker {address} {method}: {response.error.type}: {response.error.message}")
-        )
+        typed = _TYPED_ERRORS.get(response.error.type)
+        if typed is not None:
+            future.set_exception(typed(f"worker {address}: {response.error.message}"))
+        elif response.error.type in ("InvalidArgumentError", "ConfigError"):
+            field, _, message = response.error.message.partition(": ")
+            future.set_exception(InvalidArgumentError(field, f"{message} (worker {address})"))
+        else:
+            future.set_exception(
+                RuntimeError(f"worker {address} {method}: {response.error.type}: {response.error.message}")
+            )
     elif response.HasField("model_runner_output"):
         future.set_result(runner_output_from_pb(response.model_runner_output))
     elif response.HasField("available_memory_bytes"):
         future.set_result(response.available_memory_bytes)
+    elif response.HasField("value"):
+        future.set_result(decode(response.value))
     else:
         future.set_result(None)

@@ -1,13 +1,27 @@
-"""Model implementations, looked up by the ``architectures`` entry of the checkpoint's config.json."""
+"""Model implementations, looked up by the ``architectures`` entry of the checkpoint's config.json.
+
+The built-in architectures map to modules of this package; a plugin's (``ModelRegistry``) to its
+``"module:Class"`` string, imported here, in the worker, the first time it is built. Every model is
+built with the uniform ``cls(*, config, prefix)``; a class written for the old positional signature
+``cls(config, prefix)`` is adapted, with a warning once per class.
+"""
 
 from __future__ import annotations
 
 import importlib
+import inspect
+import logging
+import threading
+import warnings
 
-from gridserve.shared.errors import ConfigError
+from gridserve.shared.config import GridserveConfig
+from gridserve.shared.model_registry import ModelRegistry
+from gridserve.shared.plugins import load_general_plugins
 
-# architecture name -> "module:Class", imported only when used
-_REGISTRY = {
+logger = logging.getLogger(__name__)
+
+# built-in architecture name (``BUILTIN_ARCHITECTURES``) -> "module:Class" here, imported when used
+_BUILTIN = {
     "LlamaForCausalLM": "llama:LlamaForCausalLM",
     "MistralForCausalLM": "llama:MistralForCausalLM",
     "MixtralForCausalLM": "mixtral:MixtralForCausalLM",
@@ -18,16 +32,48 @@ _REGISTRY = {
 
 
 def supported_architectures() -> list[str]:
-    return sorted(_REGISTRY)
+    load_general_plugins()
+    return ModelRegistry.get_supported_archs()
 
 
 def get_model_class(architecture: str) -> type:
-    target = _REGISTRY.get(architecture)
+    """The class for ``architecture``: a plugin's registration first, then the built-ins."""
+    load_general_plugins()
+    ModelRegistry.check_architecture(architecture)
+    target = ModelRegistry.registered(architecture)
+    if isinstance(target, type):
+        return target
     if target is None:
-        raise ConfigError(
-            "model.architecture",
-            f"{architecture!r} is not supported; supported: {', '.join(supported_architectures())}",
-        )
-    module_name, class_name = target.split(":")
-    module = importlib.import_module(f"{__name__}.{module_name}")
-    return getattr(module, class_name)
+        module_name, class_name = _BUILTIN[architecture].split(":")
+        module_name = f"{__name__}.{module_name}"
+    else:
+        module_name, class_name = target.split(":")
+    return getattr(importlib.import_module(module_name), class_name)
+
+
+_warned: set[type] = set()
+_warned_lock = threading.Lock()
+
+
+def construct_model(model_class: type, config: GridserveConfig, prefix: str = ""):
+    """Build ``model_class`` for ``config``: ``cls(*, config, prefix)``, or the old positional
+    ``cls(config, prefix)`` (a model written before the keyword-only signature), with a warning."""
+    if _takes_keyword_config(model_class):
+        return model_class(config=config, prefix=prefix)
+    with _warned_lock:
+        first = model_class not in _warned
+        _warned.add(model_class)
+    if first:
+        message = (f"{model_class.__qualname__} uses the old constructor __init__(self, config, prefix); "
+                   "adapted for now: declare __init__(self, *, config, prefix='')")
+        logger.warning("%s", message)
+        warnings.warn(message, DeprecationWarning, stacklevel=2)
+    parameters = list(inspect.signature(model_class.__init__).parameters.values())[1:]
+    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return model_class(config, prefix) if len(positional) >= 2 else model_class(config)
+
+
+def _takes_keyword_config(model_class: type) -> bool:
+    parameters = inspect.signature(model_class.__init__).parameters
+    config = parameters.get("config")
+    return config is not None and config.kind == inspect.Parameter.KEYWORD_ONLY
