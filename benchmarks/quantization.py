@@ -33,6 +33,9 @@ MODES: dict[str, dict[str, Any]] = {
     "int8+kv-bf16": {"quantization": "int8", "kv_cache_dtype": "bfloat16"},
     "int8-weight-only": {"quantization_config": {"method": "int8", "weight_only": True}},
     "int8-fp32-head": {"quantization_config": {"method": "int8", "ignore": ["lm_head"]}},
+    "int8-1row": {"quantization_config": {"method": "int8", "activation_rows": 1}},
+    "int8-1row+kv-bf16": {"quantization_config": {"method": "int8", "activation_rows": 1},
+                          "kv_cache_dtype": "bfloat16"},
     "int4": {"quantization": "int4"},
     "int4+kv-fp8": {"quantization": "int4", "kv_cache_dtype": "fp8_e4m3"},
 }
@@ -46,6 +49,8 @@ BARS: dict[str, tuple[float, Optional[float]]] = {
     "int8+kv-bf16": (0.02, 0.9),
     "int8-weight-only": (0.02, 0.9),
     "int8-fp32-head": (0.02, 0.9),
+    "int8-1row": (0.02, 0.9),
+    "int8-1row+kv-bf16": (0.02, 0.9),
     "int4": (0.15, None),
 }
 DEFAULT_OUTPUT_JSON = str(Path(__file__).parent / "results" / "quantization.json")

@@ -267,6 +267,8 @@ BENCHMARKS = {
     "plot": ("plot", "throughput and latency vs concurrency from bench serve JSON", "add_arguments", "run"),
     "fuzz": ("fuzz", "hostile generated requests through the edge: never a 5xx, a hang or a leak",
              "add_arguments", "run"),
+    "chaos": ("chaos", "DP=2 streaming load while engines / coordinator / workers are SIGKILLed",
+              "add_arguments", "run"),
 }
 
 

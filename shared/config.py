@@ -90,7 +90,7 @@ class ModelConfig:
                 raise ConfigError("model.quantization_config", f"is not valid JSON: {exc}") from None
         if not isinstance(qc, dict):
             raise ConfigError("model.quantization_config", f"must be a JSON object, got {qc!r}")
-        unknown = set(qc) - {"method", "ignore", "group_size", "weight_only"}
+        unknown = set(qc) - {"method", "ignore", "group_size", "weight_only", "activation_rows"}
         if unknown:
             raise ConfigError("model.quantization_config", f"unknown keys {sorted(unknown)}")
         ignore = qc.get("ignore", [])
@@ -100,6 +100,10 @@ class ModelConfig:
         if not isinstance(qc.get("weight_only", False), bool):
             raise ConfigError("model.quantization_config.weight_only",
                               f"must be true or false, got {qc['weight_only']!r}")
+        rows = qc.get("activation_rows", 2)
+        if rows not in (1, 2) or isinstance(rows, bool):
+            raise ConfigError("model.quantization_config.activation_rows",
+                              f"must be 1 (one int8 row per activation: faster, coarser) or 2, got {rows!r}")
         group = qc.get("group_size", 128)
         if not isinstance(group, int) or isinstance(group, bool) or group < 1:
             raise ConfigError("model.quantization_config.group_size",

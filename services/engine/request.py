@@ -56,6 +56,7 @@ class Request:
         parent_request_id: Optional[str] = None,
         admit_always: bool = False,
         mm_features: Optional[list[ImageFeature]] = None,
+        output_token_ids: Optional[list[int]] = None,
     ) -> None:
         self.request_id = request_id
         # The id the client sees (the gateway's request id): logs and spans name the request by it.
@@ -70,8 +71,9 @@ class Request:
         self.admit_always = admit_always
         # Images in the prompt (pixels and token positions), in prompt order; empty for text.
         self.mm_features: list[ImageFeature] = list(mm_features or [])
-        self.output_token_ids: list[int] = []
-        self.all_token_ids: list[int] = list(prompt_token_ids)
+        # A continuation (failover from a dead engine) arrives with the tokens already generated.
+        self.output_token_ids: list[int] = list(output_token_ids or [])
+        self.all_token_ids: list[int] = [*prompt_token_ids, *self.output_token_ids]
         self.num_computed_tokens = 0
         # Tokens a step still in flight will sample: the next step may already compute them (the
         # worker holds their value), so the scheduler counts them as known but not yet here.

@@ -175,8 +175,8 @@ class Scheduler:
             request.num_computed_tokens = num_hit
             if request.scheduled_time is None:
                 request.scheduled_time = time.monotonic()
-            if request.num_cached_tokens < 0:
-                request.num_cached_tokens = num_hit
+            if request.num_cached_tokens < 0:  # prompt tokens (a continuation may hit its output too)
+                request.num_cached_tokens = min(num_hit, request.num_prompt_tokens)
             out.scheduled_new_reqs.append(
                 NewRequestData(
                     req_id=request.request_id,

@@ -35,6 +35,21 @@ from gridserve.shared.rpc.values import decode, encode
 logger = logging.getLogger(__name__)
 
 
+def _check_continuation(request: engine_pb2.AddRequestRequest, params: Any, max_model_len: int,
+                        vocab_size: int) -> None:
+    """A continuation's tokens so far must be token ids and leave room for at least one more."""
+    done = len(request.output_token_ids)
+    if not done:
+        return
+    bad = next((t for t in request.output_token_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise InvalidArgumentError("output_token_ids", f"token id {bad} is outside [0, {vocab_size})")
+    if params.max_tokens is not None and done >= params.max_tokens:
+        raise InvalidArgumentError("output_token_ids", f"{done} tokens already reach max_tokens={params.max_tokens}")
+    if len(request.prompt_token_ids) + done >= max_model_len:
+        raise InvalidArgumentError("output_token_ids", f"prompt + {done} output tokens reach max_model_len={max_model_len}")
+
+
 class EngineServicer(engine_pb2_grpc.EngineCoreServicer):
     """Translates RPCs into ``EngineLoop`` calls."""
 
@@ -62,6 +77,7 @@ class EngineServicer(engine_pb2_grpc.EngineCoreServicer):
             raise InvalidArgumentError("mm_features", f"{self.config.model.architecture} takes text only")
         prompt, params = list(request.prompt_token_ids), sampling_params_from_pb(request.sampling_params)
         check_request(self.config, prompt, params)  # never trust the caller: ids, lengths, ranges
+        _check_continuation(request, params, self.config.max_model_len, self.config.model.vocab_size)
         domain = Request(
             request.request_id,
             prompt,
@@ -70,7 +86,9 @@ class EngineServicer(engine_pb2_grpc.EngineCoreServicer):
             cache_salt=request.cache_salt if request.HasField("cache_salt") else None,
             parent_request_id=request.parent_request_id if request.HasField("parent_request_id") else None,
             mm_features=image_features_from_pb(request.mm_features, len(request.prompt_token_ids)),
+            output_token_ids=list(request.output_token_ids),
         )
+        domain.admit_always = request.continuation
         if self.tracing:
             domain.traceparent = traceparent_from_metadata(context.invocation_metadata())
         await _done(self.loop.add_request(domain, request.gateway_id))

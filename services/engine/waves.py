@@ -8,6 +8,11 @@ receives a request asks the coordinator to start a wave (``StartWave``); the oth
 wave in the coordinator's snapshots (``WatchLoad``) and join it at step 0. Dense models skip all
 of this (the engine creates no ``WaveClient``).
 
+When the coordinator dies the engine keeps serving: a barrier that fails ends this engine's wave
+(it steps alone until the coordinator returns), a wave that cannot start is skipped, and a
+restarted coordinator, whose wave numbers begin again at 0, is recognised on the first snapshot
+after the subscription reconnects, so the engine joins its waves.
+
 The client is created on the server's event loop, where its subscription and calls run; ``poll``,
 ``on_request`` and ``after_step`` are called from the engine's loop thread, which waits for the
 coordinator's answer (a barrier is exactly that wait).
@@ -49,9 +54,11 @@ class WaveClient:
         self.waves_completed = 0
         self._seen = (0, False)  # the coordinator's latest (wave, running)
         self._seen_lock = threading.Lock()
+        self._reconnected = False  # the subscription broke; the next snapshot may be a new coordinator's
+        self._restarted_at: Optional[int] = None  # a new coordinator's wave number, for the engine thread
         self._loop = asyncio.get_running_loop()
         self._subscription = LoadSubscription(coordinator, f"engine-{dp_rank}", self._on_snapshot,
-                                              name="wave-watcher")
+                                              on_lost=self._on_lost, name="wave-watcher")
         self._stub = self._subscription.stub
 
     def poll(self) -> bool:
@@ -59,6 +66,10 @@ class WaveClient:
         if self.wave is None:
             with self._seen_lock:
                 wave, running = self._seen
+                restarted_at, self._restarted_at = self._restarted_at, None
+            if restarted_at is not None and restarted_at < self.next_wave:
+                logger.info("the coordinator restarted (wave %d, was %d)", restarted_at, self.next_wave)
+                self.next_wave = restarted_at
             if running and wave >= self.next_wave:
                 self._join(wave)
         return self.wave is not None
@@ -105,6 +116,12 @@ class WaveClient:
     def _on_snapshot(self, snapshot: coordinator_pb2.WatchLoadResponse) -> None:
         with self._seen_lock:
             self._seen = (snapshot.wave, snapshot.wave_running)
+            if self._reconnected:
+                self._reconnected, self._restarted_at = False, snapshot.wave
+
+    def _on_lost(self) -> None:
+        with self._seen_lock:
+            self._reconnected = True
 
     async def close(self) -> None:
         await self._subscription.close()

@@ -3,7 +3,8 @@ one log line per request.
 
 ``GatewayMetrics`` holds vLLM's client-side histograms (TTFT, inter-token latency, end-to-end
 latency), ``vllm:request_success_total`` by finish reason (the gateway knows stop-string stops,
-which reach the engine as aborts) and ``gridserve:gateway_requests_in_flight`` per engine. Its
+which reach the engine as aborts), ``gridserve:gateway_requests_in_flight`` per engine and
+``gridserve:engine_failovers_total`` per dead engine. Its
 ``/metrics`` also carries every engine's metrics (scraped at collect time with a short timeout,
 parsed and merged, labels ``engine`` = the engine's index in ``--engines`` and ``model_name`` =
 the served model name), so the edge's ``GET /metrics`` reads like ``vllm serve``'s.
@@ -69,6 +70,13 @@ class GatewayMetrics:
         self._in_flight = Gauge("gridserve:gateway_requests_in_flight",
                                 "Requests this gateway is streaming, per engine.", [*labels, "engine"],
                                 registry=self.registry)
+
+        self._failovers = Counter("gridserve:engine_failovers",
+                                  "Samples continued on another engine after theirs died, by the dead engine.",
+                                  [*labels, "engine"], registry=self.registry)
+
+    def failover(self, engine: str) -> None:
+        self._failovers.labels(self.model_name, engine).inc()
 
     def success(self, finished_reason: str) -> None:
         self._success.labels(self.model_name, finished_reason).inc()

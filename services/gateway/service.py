@@ -15,6 +15,14 @@ Deadlines: each request ends by the earlier of the caller's deadline (gRPC) and 
 at expiry it fails with ``DeadlineExceededError`` (DEADLINE_EXCEEDED / HTTP 504) and its engine
 requests are aborted. The expiry is one timer per request that drops the error into the request's
 output queue: the served path pays nothing per token.
+
+Failover: when an engine's output stream breaks (it died), each of its unfinished samples goes on
+as a *continuation* on a live engine (the same engine id, the prompt, the tokens the gateway
+already has as output, the same seed — the gateway draws one for every unseeded sampled request,
+so the continuation samples the same stream) while this request's ``OutputProcessor`` keeps the
+detokenizer, stop-string, logprob and usage state: the client sees a pause, not a duplicated or
+missing token. ``n > 1`` samples fail over one by one; without a live engine within
+``FAILOVER_TIMEOUT_S`` the request ends with UNAVAILABLE.
 """
 
 from __future__ import annotations
@@ -22,11 +30,16 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import os
+import secrets
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional, TypeVar
+
+import grpc
 
 from gridserve.services.gateway.limits import RequestLimits
 from gridserve.services.gateway.media_loader import MediaLoader
@@ -48,12 +61,17 @@ from gridserve.shared.errors import (
 )
 from gridserve.shared.observability.tracing import Tracing
 from gridserve.shared.outputs import FinishReason, Logprob, RequestOutput
-from gridserve.shared.rpc.engine_client import EngineClient
+from gridserve.shared.rpc.engine_client import EngineClient, EngineLostError
 from gridserve.shared.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+# How long a sample whose engine died waits for a live engine to continue on (the launcher or
+# Kubernetes restarts a dead one; with DP >= 2 another one usually serves at once).
+FAILOVER_TIMEOUT_S = float(os.environ.get("GRIDSERVE_FAILOVER_TIMEOUT_S", "60"))
+FAILOVER_POLL_S = 0.05
 
 
 @dataclass
@@ -165,7 +183,11 @@ class GatewayService:
             with stream.observation.phase("generate_and_detokenize"):
                 await stream.send()
                 while not stream.finished:
-                    yield stream.on_item(await stream.outputs.get())
+                    item = await stream.outputs.get()
+                    if isinstance(item, EngineLostError):
+                        await stream.fail_over(item)
+                        continue
+                    yield stream.on_item(item)
         except BaseException as exc:
             error = exc if not isinstance(exc, (GeneratorExit, asyncio.CancelledError)) else None
             raise
@@ -260,9 +282,10 @@ class _Request:
 
 
 class _Stream:
-    """One processed request on its way through the engine: fanned out into its ``n`` engine
-    requests on the engine the router picks, each engine output turned into a ``StreamChunk``.
-    Built on the loop without awaiting; ``close`` undoes everything it registers."""
+    """One processed request on its way through the engines: fanned out into its ``n`` engine
+    requests on the engine the router picks, each engine output turned into a ``StreamChunk``;
+    a sample whose engine dies continues on another one (``fail_over``). Built on the loop without
+    awaiting; ``close`` undoes everything it registers."""
 
     def __init__(self, request: _Request, processed: ProcessedPrompt, data_parallel_rank: Optional[int],
                  outputs: asyncio.Queue) -> None:
@@ -277,13 +300,17 @@ class _Stream:
         except Exception as exc:
             self.observation.end({}, 0, exc)
             raise
+        _draw_seed(processed.sampling_params)
         self.engine_ids = child_requests(self.parent_id, processed.sampling_params)
         self.processor = OutputProcessor(service.tokenizer)
         self.processor.add_request(self.parent_id, processed, self.engine_ids)
         self.samples = self.processor.parents[self.parent_id].samples
+        self.engine_of: dict[str, EngineClient] = {}  # each sample's engine now
+        self.session_of: dict[str, int] = {}  # ... and its output stream then (older losses are stale)
         for child_id, _, _ in self.engine_ids:
-            self.engine.register(child_id, outputs)
+            self._register(child_id, self.engine)
         self.sent = {child_id: _SentState() for child_id, _, _ in self.engine_ids}
+        self.failovers = 0
         self.finished = False
         self.data_parallel_rank = data_parallel_rank
         self.timer: Optional[asyncio.TimerHandle] = None  # the deadline's
@@ -314,27 +341,111 @@ class _Stream:
         added = []
         try:
             for child_id, _, child_params in self.engine_ids:
-                await self.engine.add_request(child_id, self.processed.prompt_token_ids, child_params,
-                                              parent_request_id=self.request_id,
-                                              traceparent=self.observation.traceparent,
-                                              mm_features=self.processed.mm_features)
+                engine = self.engine_of[child_id]
+                try:
+                    await self._add(engine, child_id, child_params)
+                except EngineDeadError as exc:  # the engine died before it took the request
+                    await self.fail_over(EngineLostError(str(exc), engine, child_id, engine.sessions))
                 added.append(child_id)
         except ResourceExhaustedError:
             if added:  # n > 1: the samples it took are given back
                 self.abort(added)
             raise
 
-    def _move(self, engine: Any) -> None:
-        """Listen for the request's outputs on ``engine`` instead."""
+    def _move(self, engine: EngineClient) -> None:
+        """Listen for the request's outputs on ``engine`` instead (its queue had room)."""
         for child_id in self.sent:
-            self.engine.unregister(child_id)
-            engine.register(child_id, self.outputs)
+            self.engine_of[child_id].unregister(child_id)
+            self._register(child_id, engine)
         self.engine = engine
         self.observation.on_engine(self.service._engine_labels.get(id(engine), engine.address))
 
-    def abort(self, request_ids: list[str]) -> None:
-        """Abort engine requests without waiting (from the loop or any thread)."""
-        asyncio.run_coroutine_threadsafe(self.engine.abort(request_ids), self.engine.loop)
+    def _register(self, child_id: str, engine: EngineClient) -> None:
+        engine.register(child_id, self.outputs)
+        self.engine_of[child_id] = engine
+        self.session_of[child_id] = engine.sessions
+
+    async def _add(self, engine: EngineClient, child_id: str, params: SamplingParams,
+                   output_token_ids: Optional[list[int]] = None) -> None:
+        """Add one engine request; an unreachable engine raises ``EngineDeadError``."""
+        continued = {} if output_token_ids is None else {"output_token_ids": output_token_ids, "continuation": True}
+        try:
+            await engine.add_request(child_id, self.processed.prompt_token_ids, params,
+                                     parent_request_id=self.request_id,
+                                     traceparent=self.observation.traceparent,
+                                     mm_features=self.processed.mm_features, **continued)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                                  grpc.StatusCode.CANCELLED):
+                raise
+            raise EngineDeadError(f"engine {engine.address}: {exc.code().name}") from None
+
+    async def fail_over(self, lost: EngineLostError) -> None:
+        """Continue the sample ``lost`` names on a live engine, from the tokens the gateway has.
+
+        Stale news (the sample already moved or finished) is ignored; without a live engine within
+        ``FAILOVER_TIMEOUT_S`` the request fails with ``lost``."""
+        child_id = lost.request_id
+        sample = self.samples.get(child_id)
+        if (self.engine_of.get(child_id) is not lost.engine or lost.session < self.session_of[child_id]
+                or sample is None or sample.finish_reason is not None):
+            return
+        lost.engine.unregister(child_id)
+        params = self._continuation_params(child_id)
+        deadline = time.monotonic() + FAILOVER_TIMEOUT_S
+        while True:
+            engine = await self._live_engine(deadline, lost)
+            # In case only the stream broke and the engine still runs the sample: abort it there
+            # (first, when the sample goes back to that same engine).
+            if engine is lost.engine:
+                await engine.abort([child_id])
+            else:
+                self.abort([child_id], lost.engine)
+            self._register(child_id, engine)
+            try:
+                await self._add(engine, child_id, params, list(sample.token_ids))
+            except EngineDeadError as exc:
+                engine.unregister(child_id)
+                logger.info("request %s: failover to %s failed (%s); trying again", self.request_id,
+                            engine.address, exc)
+                await asyncio.sleep(FAILOVER_POLL_S)
+                continue
+            self.failovers += 1
+            if self.service.metrics is not None:
+                self.service.metrics.failover(self.service._engine_labels.get(id(lost.engine), lost.engine.address))
+            logger.warning("request %s: sample %d continues on engine %s after %d tokens (%s)",
+                           self.request_id, sample.index, engine.address, len(sample.token_ids), lost)
+            return
+
+    def _continuation_params(self, child_id: str) -> SamplingParams:
+        """The sample's parameters; prompt logprobs the gateway already has are not asked again."""
+        params = next(p for cid, _, p in self.engine_ids if cid == child_id)
+        parent = self.processor.parents.get(self.parent_id)
+        if params.prompt_logprobs is None or parent is None or parent.prompt_logprobs is None:
+            return params
+        if len(parent.prompt_logprobs) >= len(self.processed.prompt_token_ids):
+            return replace(params, prompt_logprobs=None)
+        parent.prompt_logprobs[1:] = []  # a prefill cut short: the continuation reports them all
+        return params
+
+    async def _live_engine(self, deadline: float, lost: EngineLostError) -> EngineClient:
+        while True:
+            try:
+                return self.service._pick_engine()
+            except EngineDeadError:
+                if time.monotonic() >= deadline:
+                    raise lost from None
+                await asyncio.sleep(FAILOVER_POLL_S)
+
+    def abort(self, request_ids: list[str], engine: Optional[EngineClient] = None) -> None:
+        """Abort engine requests without waiting (from the loop or any thread), each on its engine
+        (or all on ``engine``)."""
+        by_engine: dict[int, tuple[EngineClient, list[str]]] = {}
+        for request_id in request_ids:
+            target = engine or self.engine_of.get(request_id, self.engine)
+            by_engine.setdefault(id(target), (target, []))[1].append(request_id)
+        for target, ids in by_engine.values():
+            asyncio.run_coroutine_threadsafe(target.abort(ids), target.loop)
 
     def on_item(self, item: Any) -> StreamChunk:
         """The chunk one engine output adds (an exception from the engine client is raised)."""
@@ -362,8 +473,8 @@ class _Stream:
         """Stop listening; abort the engine requests if the request did not finish."""
         if self.timer is not None:
             self.timer.cancel()
-        for child_id in self.sent:
-            self.engine.unregister(child_id)
+        for child_id, engine in self.engine_of.items():
+            engine.unregister(child_id)
         if not self.finished and not self.refused:
             self.abort(list(self.sent))
         self.service._exit()
@@ -380,6 +491,13 @@ async def _by(deadline: float, awaitable: Any, timeout: float) -> Any:
         return await asyncio.wait_for(awaitable, deadline - asyncio.get_running_loop().time())
     except asyncio.TimeoutError:
         raise _expired(timeout) from None
+
+
+def _draw_seed(params: SamplingParams) -> None:
+    """Give an unseeded sampled request a seed (recorded in its params) so that a continuation on
+    another engine samples the same stream; greedy requests need none."""
+    if params.seed is None and not params.greedy:
+        params.seed = secrets.randbits(63)
 
 
 def _delta(sample: Any, sent: _SentState) -> Optional[SampleDelta]:

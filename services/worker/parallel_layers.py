@@ -45,9 +45,10 @@ class QuantizableLinear(nn.Module):
         self.qweight: Optional[QuantizedWeight] = None
         self.keeps_float_weight = False  # True where the float weight has another use (tied embedding)
 
-    def quantize(self, method: str, group_size: int = 128, activations: bool = True) -> None:
+    def quantize(self, method: str, group_size: int = 128, activations: bool = True,
+                 activation_rows: int = 2) -> None:
         """Swap the loaded float weight for its ``method`` form (call once the weight is loaded)."""
-        self.qweight = quantize_weight(self.weight.data, method, group_size, activations)
+        self.qweight = quantize_weight(self.weight.data, method, group_size, activations, activation_rows)
         if not self.keeps_float_weight:
             self.weight = None
 

@@ -3,8 +3,9 @@
 A ``ReconnectingStream`` keeps the engine's ``StreamOutputs`` open on the gateway's event loop and
 hands each request's outputs to the sink its caller registered (``put_nowait``: an ``asyncio.Queue``
 read on the loop, or a ``queue.SimpleQueue`` read by a thread). When the stream fails, every
-registered request gets ``EngineDeadError`` (UNAVAILABLE for the client) and the engine counts as
-not ready until the stream is open again. A second stream watches the engine's readiness
+registered request gets an ``EngineLostError`` naming the engine and the request (the gateway fails
+the request over to another engine, or ends it with UNAVAILABLE) and the engine counts as not ready
+until the stream is open again. A second stream watches the engine's readiness
 (``grpc.health.v1`` ``Watch`` of service ``""``): ``serving`` is False while the engine is not READY
 (sleeping, loading, draining, recovering, dead), and the router sends it nothing new. An add the
 engine refuses because its waiting queue is full raises ``ResourceExhaustedError``. Every unary call
@@ -42,6 +43,17 @@ ABORT_DEADLINE_S = 5.0
 INFO_DEADLINE_S = 2.0
 
 
+class EngineLostError(EngineDeadError):
+    """The output stream of ``engine`` broke while ``request_id`` was registered on it;
+    ``session``: which of the engine's streams (``EngineClient.sessions`` when it opened) broke."""
+
+    def __init__(self, message: str, engine: EngineClient, request_id: str, session: int) -> None:
+        super().__init__(message)
+        self.engine = engine
+        self.request_id = request_id
+        self.session = session
+
+
 class OutputSink(Protocol):
     """Where one engine request's outputs go (``EngineCoreOutput``, or an ``EngineDeadError``)."""
 
@@ -61,6 +73,7 @@ class EngineClient:
         self.ready = threading.Event()
         self._sinks: dict[str, OutputSink] = {}  # one dict operation at a time: safe across threads
         self._metrics_port: Optional[int] = None
+        self.sessions = 0  # output streams opened so far (a request added now rides on this one)
         self._stream = ReconnectingStream(f"engine-{address}", self._session, self._lost)
         self.serving = True  # the engine's readiness, as its health service last said
         self._health = ReconnectingStream(f"engine-health-{address}", self._watch_health, self._health_lost)
@@ -82,9 +95,11 @@ class EngineClient:
 
     async def add_request(self, request_id: str, token_ids: list[int], params: SamplingParams,
                           parent_request_id: str = "", traceparent: str = "",
-                          mm_features: Optional[list[ImageFeature]] = None) -> None:
+                          mm_features: Optional[list[ImageFeature]] = None,
+                          output_token_ids: Optional[list[int]] = None, continuation: bool = False) -> None:
         """``parent_request_id``: the id the client sees; ``traceparent``: the gateway span (W3C),
-        sent as gRPC metadata; ``mm_features``: the prompt's preprocessed images."""
+        sent as gRPC metadata; ``mm_features``: the prompt's preprocessed images; ``continuation``:
+        a failover from a dead engine, which had already generated ``output_token_ids``."""
         if not self.ready.is_set():
             raise EngineDeadError(f"engine {self.address} is not reachable")
         try:
@@ -96,6 +111,8 @@ class EngineClient:
                     sampling_params=sampling_params_to_pb(params),
                     parent_request_id=parent_request_id or None,
                     mm_features=image_features_to_pb(mm_features or []),
+                    output_token_ids=output_token_ids or [],
+                    continuation=continuation,
                 ),
                 timeout=DEFAULT_DEADLINE_S,
                 metadata=((TRACEPARENT, traceparent),) if traceparent else None,
@@ -142,6 +159,7 @@ class EngineClient:
                 self._metrics_port = (await self.info(timeout=INFO_DEADLINE_S)).metrics_port
             except grpc.RpcError as exc:
                 logger.info("engine %s: no GetInfo (%s)", self.address, exc.code().name)
+        self.sessions += 1
         self.ready.set()
         self.on_state()
 
@@ -172,5 +190,5 @@ class EngineClient:
             logger.debug("%s", error)
         self.ready.clear()
         self.on_state()
-        for outputs in list(self._sinks.values()):
-            outputs.put_nowait(error)
+        for request_id, outputs in list(self._sinks.items()):
+            outputs.put_nowait(EngineLostError(str(error), self, request_id, self.sessions))

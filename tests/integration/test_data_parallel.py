@@ -123,20 +123,18 @@ def test_killing_an_engine_keeps_the_others_serving(dp):
     engines = _engines(dp)
     victim = engines[1]
     gateway = dp.gateway_addresses[0]
+    survivor_before = _finished(engines[0])
     with ThreadPoolExecutor(max_workers=4) as pool:
-        doomed = [pool.submit(_generate, gateway, _prompt(900 + i), 480, data_parallel_rank=1) for i in range(2)]
+        moved = [pool.submit(_generate, gateway, _prompt(900 + i), 480, data_parallel_rank=1) for i in range(2)]
         deadline = time.monotonic() + 60
         while _running(victim) < 2:
-            assert time.monotonic() < deadline and not any(f.done() for f in doomed)
+            assert time.monotonic() < deadline and not any(f.done() for f in moved)
             time.sleep(0.05)
         os.kill(victim.pid, signal.SIGKILL)
-        killed_at = time.monotonic()
-        for future in doomed:
-            with pytest.raises(grpc.RpcError) as err:
-                future.result(timeout=30)
-            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-            assert "engine" in err.value.details()
-        assert time.monotonic() - killed_at < 10
+        # Its in-flight requests continue on the surviving engine (failover) and complete.
+        for future in moved:
+            assert len(future.result(timeout=120)) == 480
+    assert _finished(engines[0]) - survivor_before == 2
     # New requests (through the edge, to either gateway) all succeed on the surviving engine.
     for i in range(10):
         assert len(_generate(dp.edge_address, _prompt(950 + i), 3)) == 3

@@ -39,9 +39,11 @@ def _alive(process_id: int) -> bool:
     return True
 
 
-def test_without_recovery_a_killed_worker_fails_in_flight_requests_with_unavailable_within_5s(llama_tiny, tmp_path):
+def test_without_recovery_a_killed_worker_fails_in_flight_requests_with_unavailable_within_5s(llama_tiny, tmp_path, monkeypatch):
     """``--worker-recovery-timeout 0``: fail-stop, as before recovery (tests/integration/test_worker_recovery.py)."""
     engine_args = [*ENGINE_ARGS, "--worker-recovery-timeout", "0"]
+    # Unsupervised and DP = 1: no engine comes back to continue on (tests/integration/test_failover.py)
+    monkeypatch.setenv("GRIDSERVE_FAILOVER_TIMEOUT_S", "0")
     with deployment(llama_tiny, tmp_path, engine_args=engine_args) as services, \
             make_channel(address(services, "gateway")) as channel:
         gateway = gateway_stub(channel)

@@ -131,7 +131,8 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.slow
-def test_killing_one_rank_of_a_tp_group_fails_in_flight_requests_within_5s(llama_tiny, tmp_path):
+def test_killing_one_rank_of_a_tp_group_fails_in_flight_requests_within_5s(llama_tiny, tmp_path, monkeypatch):
+    monkeypatch.setenv("GRIDSERVE_FAILOVER_TIMEOUT_S", "0")  # unsupervised: no engine to continue on
     with deployment(llama_tiny, tmp_path, tensor_parallel_size=2) as services, \
             make_channel(address(services, "gateway")) as channel:
         assert "workers: N = DP x PP x TP = 1 x 1 x 2 = 2" in services.table()
@@ -158,6 +159,7 @@ def test_killing_one_rank_of_a_tp_group_fails_in_flight_requests_within_5s(llama
 @pytest.mark.slow
 def test_a_silent_rank_fails_its_group_after_the_collective_timeout(llama_tiny, tmp_path, monkeypatch):
     monkeypatch.setenv("GRIDSERVE_DIST_TIMEOUT_S", "10")  # inherited by the worker processes
+    monkeypatch.setenv("GRIDSERVE_FAILOVER_TIMEOUT_S", "0")  # unsupervised: no engine to continue on
     with deployment(llama_tiny, tmp_path, tensor_parallel_size=2) as services, \
             make_channel(address(services, "gateway")) as channel:
         workers = [p for p in services.processes if p.role == "worker"]

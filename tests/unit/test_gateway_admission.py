@@ -46,6 +46,7 @@ class _Engine:
         self.address = name
         self.full = full
         self.serving = serving
+        self.sessions = 0
         self.ready = threading.Event()
         self.ready.set()
         self.queues: dict = {}
@@ -64,7 +65,7 @@ class _Engine:
         self.queues.pop(request_id, None)
 
     async def add_request(self, request_id, token_ids, params, parent_request_id="", traceparent="",
-                          mm_features=None):
+                          mm_features=None, output_token_ids=None, continuation=False):
         if not self.serving:
             raise FailedPreconditionError(f"{self.address} is sleeping")
         if self.full:

@@ -38,6 +38,7 @@ class _FakeEngine:
     """An engine client that records calls; ``emit`` plays an engine output."""
 
     address = "fake:1"
+    sessions = 0
 
     def __init__(self) -> None:
         self.ready = threading.Event()

@@ -32,6 +32,10 @@ from gridserve.shared.errors import ConfigError
             "model.quantization_config.method",
         ),
         ({"quantization_config": {"method": "int8", "bits": 3}}, "model.quantization_config"),
+        (
+            {"quantization_config": {"method": "int8", "activation_rows": 3}},
+            "model.quantization_config.activation_rows",
+        ),
     ],
 )
 def test_bad_quantization_values_are_errors_naming_the_field(kwargs, field):
@@ -114,6 +118,8 @@ def test_int8_cpu_matmul_keeps_activations_exact_enough_to_match_weight_only():
     one_row = (torch.round(x / rows) * rows) @ q.dequantize().T  # the single-row (q8_0) scheme
     err_one_row = ((one_row - weight_only).norm() / weight_only.norm()).item()
     assert err < 1e-3 and err < err_one_row / 50
+    fast = Int8Weight.from_float(w, activation_rows=1)  # the q8_0 scheme, on request
+    assert torch.allclose(fast(x), one_row, rtol=1e-4, atol=1e-4)
 
 
 def test_int4_weight_uses_group_scales():

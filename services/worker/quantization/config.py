@@ -37,6 +37,9 @@ class QuantizationConfig:
     # and int8 stays weight-only (no activation quantization) when ``activations`` is False.
     only: set[str] | None = None
     activations: bool = True
+    # int8 on CPU: int8 rows per activation row (2: ~15-bit activations, the accuracy of weight-only;
+    # 1: llama.cpp q8_0's scheme, half the GEMM work, coarser).
+    activation_rows: int = 2
     _matched: set[str] = field(default_factory=set, repr=False)
 
     @classmethod
@@ -48,6 +51,7 @@ class QuantizationConfig:
             list(raw.get("ignore", [])),
             int(raw.get("group_size", 128)),
             activations=not raw.get("weight_only", False),
+            activation_rows=int(raw.get("activation_rows", 2)),
         )
 
     def method_for(self, prefix: str) -> str | None:

@@ -55,19 +55,22 @@ class Int8Weight(QuantizedWeight):
     method = "int8"
 
     def __init__(
-        self, qweight: torch.Tensor, scales: torch.Tensor, activations: bool = True
+        self, qweight: torch.Tensor, scales: torch.Tensor, activations: bool = True,
+        activation_rows: int = 2,
     ) -> None:
         super().__init__()
         self.activations = activations  # quantize activation rows too (the fast CPU path)
+        self.activation_rows = activation_rows  # 2: rounding + remainder; 1: rounding only (q8_0)
         self.register_buffer("qweight", qweight.contiguous())  # [out, in] int8
         self.register_buffer("scales", scales.float().contiguous())  # [out]
 
     @classmethod
-    def from_float(cls, weight: torch.Tensor, activations: bool = True) -> Int8Weight:
+    def from_float(cls, weight: torch.Tensor, activations: bool = True,
+                   activation_rows: int = 2) -> Int8Weight:
         w = weight.float()
         scales = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
         q = torch.round(w / scales[:, None]).clamp_(-127, 127).to(torch.int8)
-        return cls(q, scales, activations)
+        return cls(q, scales, activations, activation_rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if (
@@ -81,6 +84,9 @@ class Int8Weight(QuantizedWeight):
         # that left over, so activations carry ~15 bits and only the weights' rounding remains.
         # Both go through one int8 GEMM (2n rows): the weight is read once, as at n rows.
         high, high_scales = _int8_rows(rows)
+        if self.activation_rows == 1:
+            acc = torch._int_mm(high, self.qweight.t())
+            return (acc.float() * high_scales * self.scales).to(x.dtype).reshape(*shape[:-1], -1)
         low, low_scales = _int8_rows(rows - high.float() * high_scales)
         acc = torch._int_mm(torch.cat((high, low)), self.qweight.t())  # [2n, out] int32
         y = (acc[:n].float() * high_scales + acc[n:].float() * low_scales) * self.scales
@@ -158,13 +164,14 @@ def unpack_int4(packed: torch.Tensor, in_features: int) -> torch.Tensor:
 
 
 def quantize_weight(
-    weight: torch.Tensor, method: str, group_size: int = 128, activations: bool = True
+    weight: torch.Tensor, method: str, group_size: int = 128, activations: bool = True,
+    activation_rows: int = 2,
 ) -> Optional[QuantizedWeight]:
     """``weight`` quantized by ``method`` ("int8", "int4"); None for no quantization.
 
     ``activations=False`` keeps int8 weight-only (a W8A16 checkpoint's semantics)."""
     if method == "int8":
-        return Int8Weight.from_float(weight, activations)
+        return Int8Weight.from_float(weight, activations, activation_rows)
     if method == "int4":
         return Int4Weight.from_float(weight, group_size)
     return None
