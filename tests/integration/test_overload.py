@@ -31,7 +31,7 @@ from .services import address, deployment, engine_stub, gateway_stub, greedy, pi
 pytestmark = pytest.mark.slow
 
 ENGINE_ARGS = ["--kv-cache-memory-bytes", str(32 << 20), "--max-num-seqs", "1", "--max-waiting-requests", "4"]
-REQUEST_TIMEOUT_S = 8.0
+REQUEST_TIMEOUT_S = 3.0
 LONG = 480  # tokens: n=4 of these on a serial engine take far longer than any deadline below
 
 
