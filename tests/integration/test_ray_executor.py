@@ -31,7 +31,8 @@ def _greedy(llm: LLM) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
 
 
-def test_tp2_through_ray_matches_tp1_and_a_killed_actor_kills_the_engine(local_ray, llama_tiny):
+def test_tp2_through_ray_matches_tp1_and_a_killed_actor_is_a_worker_death_the_group_recovers_from(
+        local_ray, llama_tiny):
     single = LLM(model=str(llama_tiny), kv_cache_memory_bytes=KV_BYTES, device="cpu")
     try:
         expected = _greedy(single)
@@ -45,9 +46,17 @@ def test_tp2_through_ray_matches_tp1_and_a_killed_actor_kills_the_engine(local_r
         table = ray.util.placement_group_table(executor.placement_group)
         assert table["strategy"] == "STRICT_PACK" and len(table["bundles"]) == 2
         assert _greedy(llm) == expected
+        old_addresses = list(executor.config.parallel.worker_addresses)
         ray.kill(executor.actors[1])  # its worker process dies with it
-        with pytest.raises(EngineDeadError):
+        with pytest.raises(EngineDeadError):  # the offline LLM has no recovery loop: the step fails
             _greedy(llm)
+        # What the serving engine's recovery does next (EngineLoop._recover): requeue, rebuild.
+        core = llm.llm_engine.core
+        core.requeue_after_worker_loss()
+        core.reinitialize_workers(120.0)
+        assert len(executor.actors) == 2 and executor.config.parallel.worker_addresses != old_addresses
+        assert executor.healthy
+        assert _greedy(llm) == expected
     finally:
         llm.shutdown()
 

@@ -6,7 +6,8 @@ group shares a node, ``PACK`` otherwise) and starts one actor per bundle. Each a
 ordinary worker service (``python -m gridserve worker``) on its node, as its child: the actor
 holds the devices Ray gave it (``CUDA_VISIBLE_DEVICES``), the worker process inherits them and dies
 with the actor. From there it is ``GrpcExecutor``: the same ``CollectiveRPC`` streams, and a killed
-actor is a worker death like any other (the whole group fails). ``ray`` is an optional extra
+actor is a worker death like any other: the whole group fails, and the engine's recovery rebuilds it
+(``reinitialize``: new actors in a new placement group, since Ray restarts none at its old address). ``ray`` is an optional extra
 (``pip install 'gridserve[ray]'``), imported only here; ``ray.init()`` joins ``RAY_ADDRESS`` or starts
 a local instance unless the caller already did.
 """
@@ -18,6 +19,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from typing import Any
 
 from gridserve.services.engine.executor.grpc_executor import GrpcExecutor
@@ -71,6 +73,28 @@ class RayExecutor(GrpcExecutor):
     """``GrpcExecutor`` over workers that Ray places and starts."""
 
     def _init_executor(self) -> None:
+        self._own_rendezvous = not self.config.parallel.distributed_init_address
+        self._place_and_start()
+        try:
+            super()._init_executor()
+        except BaseException:
+            self._release()
+            raise
+
+    def reinitialize(self, num_blocks: int, timeout_s: float) -> None:
+        """Ray does not bring a killed actor back at its address: the group gets new actors (a new
+        placement group, new worker addresses and rendezvous), then is rebuilt as any worker group
+        (device, weights, a KV cache of ``num_blocks``) within ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        self._release()
+        if self._own_rendezvous:
+            self.config.parallel.distributed_init_address = None
+        self._place_and_start()
+        super().reinitialize(num_blocks, max(deadline - time.monotonic(), 1.0))
+
+    def _place_and_start(self) -> None:
+        """Reserve the placement group, start one worker-hosting actor per bundle, record the
+        workers' addresses (and a rendezvous address on the first actor's node)."""
         ray = _import_ray()
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -96,7 +120,6 @@ class RayExecutor(GrpcExecutor):
             if parallel.world_size > 1 and not parallel.distributed_init_address:
                 parallel.distributed_init_address = ray.get(self.actors[0].rendezvous_address.remote(), timeout=60)
             logger.info("ray workers (%s): %s", strategy, ", ".join(parallel.worker_addresses))
-            super()._init_executor()
         except BaseException:
             self._release()
             raise
@@ -117,9 +140,14 @@ class RayExecutor(GrpcExecutor):
                 ray.get(actor.stop.remote(), timeout=15)
             except Exception as exc:  # noqa: BLE001 - the actor may be gone already
                 logger.info("ray worker stop: %s", exc)
-            ray.kill(actor)
+            try:
+                ray.kill(actor)
+            except Exception as exc:  # noqa: BLE001 - already dead
+                logger.info("ray kill: %s", exc)
         self.actors = []
-        self._remove_placement_group(self.placement_group)
+        if getattr(self, "placement_group", None) is not None:
+            self._remove_placement_group(self.placement_group)
+            self.placement_group = None
 
 
 def _node_ip() -> str:
