@@ -240,8 +240,9 @@ class GatewayService:
         return self.engines[self.router.choose(candidates, in_flight, data_parallel_rank)]
 
     def is_ready(self) -> bool:
-        """Whether some engine can take a new request now (reachable and READY)."""
-        return not self.draining and any(e.ready.is_set() and e.serving for e in self.engines)
+        """Whether some engine can take a new request now: reachable and READY, or RECOVERING (it
+        queues requests while its workers are rebuilt: they pause, as its streams do)."""
+        return not self.draining and any(e.ready.is_set() and (e.serving or e.recovering) for e in self.engines)
 
     @property
     def in_flight(self) -> int:

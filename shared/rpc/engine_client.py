@@ -7,7 +7,9 @@ registered request gets an ``EngineLostError`` naming the engine and the request
 the request over to another engine, or ends it with UNAVAILABLE) and the engine counts as not ready
 until the stream is open again. A second stream watches the engine's readiness
 (``grpc.health.v1`` ``Watch`` of service ``""``): ``serving`` is False while the engine is not READY
-(sleeping, loading, draining, recovering, dead), and the router sends it nothing new. An add the
+(sleeping, loading, draining, recovering, dead), and the router sends it nothing new while another
+engine is READY; ``recovering`` tells the one case that still takes requests (it queues them while
+its workers are rebuilt, so a gateway whose engines only recover stays ready). An add the
 engine refuses because its waiting queue is full raises ``ResourceExhaustedError``. Every unary call
 has a deadline. Create it on the loop
 it runs on; ``register`` / ``unregister`` / ``ready`` / ``num_in_flight`` are safe from any thread.
@@ -28,6 +30,7 @@ from gridserve.api.engine.v1 import engine_pb2, engine_pb2_grpc
 from gridserve.shared.errors import EngineDeadError, ResourceExhaustedError
 from gridserve.shared.multimodal import ImageFeature
 from gridserve.shared.observability.tracing import TRACEPARENT
+from gridserve.shared.readiness import State
 from gridserve.shared.rpc.client import DEFAULT_DEADLINE_S, aio_channel
 from gridserve.shared.rpc.convert import (
     engine_output_from_pb,
@@ -41,6 +44,7 @@ logger = logging.getLogger(__name__)
 
 ABORT_DEADLINE_S = 5.0
 INFO_DEADLINE_S = 2.0
+STATE_DEADLINE_S = 2.0
 
 
 class EngineLostError(EngineDeadError):
@@ -76,6 +80,7 @@ class EngineClient:
         self.sessions = 0  # output streams opened so far (a request added now rides on this one)
         self._stream = ReconnectingStream(f"engine-{address}", self._session, self._lost)
         self.serving = True  # the engine's readiness, as its health service last said
+        self.recovering = False  # not ready because it rebuilds its workers: adds queue there meanwhile
         self._health = ReconnectingStream(f"engine-health-{address}", self._watch_health, self._health_lost)
 
     async def info(self, timeout: float = DEFAULT_DEADLINE_S) -> engine_pb2.GetInfoResponse:
@@ -170,7 +175,9 @@ class EngineClient:
                 serving = response.status == health_pb2.HealthCheckResponse.SERVING
                 if serving != self.serving:
                     self.serving = serving
-                    logger.info("engine %s %s", self.address, "ready" if serving else "not ready")
+                    self.recovering = not serving and await self._state() == State.RECOVERING.value
+                    logger.info("engine %s %s", self.address,
+                                "ready" if serving else "recovering" if self.recovering else "not ready")
                     self.on_state()
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
@@ -178,9 +185,17 @@ class EngineClient:
             raise
         return True
 
+    async def _state(self) -> str:
+        """The engine's readiness state by name ("" when it cannot say within a short deadline)."""
+        try:
+            return (await self.stub.GetLoad(engine_pb2.GetLoadRequest(), timeout=STATE_DEADLINE_S)).state
+        except grpc.RpcError:
+            return ""
+
     def _health_lost(self, reason: str) -> None:
         logger.info("engine %s: health watch lost (%s)", self.address, reason)
         self.serving = False
+        self.recovering = False
 
     def _lost(self, reason: str) -> None:
         error = EngineDeadError(f"engine {self.address}: {reason}")

@@ -133,6 +133,7 @@ def _alive(pid: int) -> bool:
 @pytest.mark.slow
 def test_killing_one_rank_of_a_tp_group_fails_in_flight_requests_within_5s(llama_tiny, tmp_path, monkeypatch):
     monkeypatch.setenv("GRIDSERVE_FAILOVER_TIMEOUT_S", "0")  # unsupervised: no engine to continue on
+    monkeypatch.setenv("GRIDSERVE_WORKER_RECOVERY_TIMEOUT", "0")  # fail-stop (recovery: test_worker_recovery.py)
     with deployment(llama_tiny, tmp_path, tensor_parallel_size=2) as services, \
             make_channel(address(services, "gateway")) as channel:
         assert "workers: N = DP x PP x TP = 1 x 1 x 2 = 2" in services.table()
@@ -160,6 +161,7 @@ def test_killing_one_rank_of_a_tp_group_fails_in_flight_requests_within_5s(llama
 def test_a_silent_rank_fails_its_group_after_the_collective_timeout(llama_tiny, tmp_path, monkeypatch):
     monkeypatch.setenv("GRIDSERVE_DIST_TIMEOUT_S", "10")  # inherited by the worker processes
     monkeypatch.setenv("GRIDSERVE_FAILOVER_TIMEOUT_S", "0")  # unsupervised: no engine to continue on
+    monkeypatch.setenv("GRIDSERVE_WORKER_RECOVERY_TIMEOUT", "0")  # fail-stop (recovery: test_worker_recovery.py)
     with deployment(llama_tiny, tmp_path, tensor_parallel_size=2) as services, \
             make_channel(address(services, "gateway")) as channel:
         workers = [p for p in services.processes if p.role == "worker"]

@@ -46,6 +46,7 @@ class _Engine:
         self.address = name
         self.full = full
         self.serving = serving
+        self.recovering = False
         self.sessions = 0
         self.ready = threading.Event()
         self.ready.set()
@@ -149,6 +150,21 @@ def test_an_engine_that_is_not_ready_gets_no_new_request_while_another_is():
             engine.ready.clear()  # and none reachable: no engine at all
         with pytest.raises(EngineDeadError, match="no engine is available"):
             await service.complete("hi", SamplingParams(max_tokens=1))
+
+    asyncio.run(go())
+
+
+def test_a_gateway_whose_engines_only_recover_stays_ready_and_a_sleeping_one_does_not():
+    """A RECOVERING engine queues what it is sent while its workers are rebuilt (the request pauses,
+    as streams do); a SLEEPING one refuses. Only the first keeps the gateway ready for the edge."""
+    async def go():
+        engine = _Engine("e", serving=False)
+        service = _service([engine])
+        assert not service.is_ready()  # not ready, and not recovering: sleeping, loading, draining
+        engine.recovering = True
+        assert service.is_ready()
+        engine.ready.clear()  # unreachable: nothing can take it
+        assert not service.is_ready()
 
     asyncio.run(go())
 

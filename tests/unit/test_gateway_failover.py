@@ -42,6 +42,7 @@ class _Engine:
         self.address = name
         self.sessions = 1
         self.serving = True  # READY, as its health Watch says
+        self.recovering = False
         self.ready = threading.Event()
         self.ready.set()
         self.queues: dict = {}

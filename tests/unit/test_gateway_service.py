@@ -44,6 +44,7 @@ class _FakeEngine:
         self.ready = threading.Event()
         self.ready.set()
         self.serving = True
+        self.recovering = False
         self.queues: dict = {}
         self.added: list[str] = []
         self.aborted: list[str] = []
