@@ -174,8 +174,8 @@ class EngineClient:
             async for response in stub.Watch(health_pb2.HealthCheckRequest(service=""), wait_for_ready=True):
                 serving = response.status == health_pb2.HealthCheckResponse.SERVING
                 if serving != self.serving:
-                    self.serving = serving
-                    self.recovering = not serving and await self._state() == State.RECOVERING.value
+                    recovering = not serving and await self._state() == State.RECOVERING.value
+                    self.serving, self.recovering = serving, recovering  # together: no window between
                     logger.info("engine %s %s", self.address,
                                 "ready" if serving else "recovering" if self.recovering else "not ready")
                     self.on_state()
