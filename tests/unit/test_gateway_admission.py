@@ -6,7 +6,6 @@ engine that is not READY gets nothing, and a request past its deadline is aborte
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 
 import pytest
@@ -24,6 +23,7 @@ from gridserve.shared.errors import (
 )
 from gridserve.shared.outputs import EngineCoreOutput, FinishReason
 from gridserve.shared.sampling_params import SamplingParams
+from tests.unit.fake_engine_client import FakeEngineClient
 
 
 class _Tokenizer:
@@ -39,31 +39,12 @@ class _Tokenizer:
         return self.backend_tokenizer.decode(ids)
 
 
-class _Engine:
+class _Engine(FakeEngineClient):
     """An engine client whose queue is ``full`` or not; records adds and aborts."""
 
     def __init__(self, name: str, full: bool = False, serving: bool = True) -> None:
-        self.address = name
+        super().__init__(name, serving=serving)
         self.full = full
-        self.serving = serving
-        self.recovering = False
-        self.sessions = 0
-        self.ready = threading.Event()
-        self.ready.set()
-        self.queues: dict = {}
-        self.added: list[str] = []
-        self.aborted: list[str] = []
-        self.loop = asyncio.get_running_loop()
-
-    @property
-    def num_in_flight(self) -> int:
-        return len(self.queues)
-
-    def register(self, request_id, outputs):
-        self.queues[request_id] = outputs
-
-    def unregister(self, request_id):
-        self.queues.pop(request_id, None)
 
     async def add_request(self, request_id, token_ids, params, parent_request_id="", traceparent="",
                           mm_features=None, output_token_ids=None, continuation=False):
@@ -72,9 +53,6 @@ class _Engine:
         if self.full:
             raise ResourceExhaustedError(f"{self.address} is full")
         self.added.append(request_id)
-
-    async def abort(self, request_ids):
-        self.aborted += request_ids
 
     def finish(self, request_id):
         self.queues[request_id].put_nowait(

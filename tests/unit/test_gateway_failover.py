@@ -6,7 +6,6 @@ ignored, and without a live engine the request ends with ``EngineDeadError``."""
 from __future__ import annotations
 
 import asyncio
-import threading
 
 import pytest
 from tokenizers import Tokenizer
@@ -20,6 +19,7 @@ from gridserve.shared.errors import EngineDeadError
 from gridserve.shared.outputs import EngineCoreOutput, FinishReason
 from gridserve.shared.rpc.engine_client import EngineLostError
 from gridserve.shared.sampling_params import SamplingParams
+from tests.unit.fake_engine_client import FakeEngineClient
 
 
 class _Tokenizer:
@@ -37,37 +37,16 @@ class _Tokenizer:
         return self.backend_tokenizer.decode(ids)
 
 
-class _Engine:
+class _Engine(FakeEngineClient):
     def __init__(self, name: str) -> None:
-        self.address = name
-        self.sessions = 1
-        self.serving = True  # READY, as its health Watch says
-        self.recovering = False
-        self.ready = threading.Event()
-        self.ready.set()
-        self.queues: dict = {}
+        super().__init__(name, sessions=1)
         self.added: list[tuple] = []  # (request_id, params, output_token_ids, continuation)
-        self.aborted: list[str] = []
-        self.loop = asyncio.get_running_loop()
-
-    @property
-    def num_in_flight(self) -> int:
-        return len(self.queues)
-
-    def register(self, request_id, outputs):
-        self.queues[request_id] = outputs
-
-    def unregister(self, request_id):
-        self.queues.pop(request_id, None)
 
     async def add_request(self, request_id, token_ids, params, parent_request_id="", traceparent="",
                           mm_features=None, output_token_ids=None, continuation=False):
         if not self.ready.is_set():
             raise EngineDeadError(f"engine {self.address} is not reachable")
         self.added.append((request_id, params, output_token_ids, continuation))
-
-    async def abort(self, request_ids):
-        self.aborted += request_ids
 
     def emit(self, request_id, *tokens, finished=False):
         out = EngineCoreOutput(request_id=request_id, new_token_ids=list(tokens),
