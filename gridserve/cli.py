@@ -217,7 +217,8 @@ def _serve(args: argparse.Namespace) -> int:
 
     def on_signal(signum: int, _frame) -> None:
         stopping.append(signum)
-        raise KeyboardInterrupt
+        if len(stopping) == 1:  # a second SIGTERM (e.g. forwarded by a wrapper) must not cut the shutdown
+            raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_signal)
     try:
