@@ -11,9 +11,9 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT
 $PY -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/device.txt"
 
 echo "== 1+2: Triton on CUDA and LLM vs transformers on CUDA"
-timeout 300 $PY -m pytest -q -p no:cacheprovider tests/gpu -rA 2>&1 | tee "$OUT/pytest_gpu.log" | tail -40
+timeout 240 $PY -m pytest -q -p no:cacheprovider tests/gpu -rA $($PY -c "import pytest_timeout" 2>/dev/null && echo --timeout=90) 2>&1 | tee "$OUT/pytest_gpu.log" | tail -40
 echo "pytest exit: ${PIPESTATUS[0]}" | tee -a "$OUT/pytest_gpu.log"
 
 echo "== 3: paged-attention bandwidth"
-timeout 200 $PY -m gridserve.benchmarks.gpu_attention_bandwidth ${SWEEP:+--sweep-plans} --output-json "$OUT/gpu_attention_bandwidth.json" 2>&1 \
+timeout 150 $PY -m gridserve.benchmarks.gpu_attention_bandwidth ${SWEEP:+--sweep-plans} --output-json "$OUT/gpu_attention_bandwidth.json" 2>&1 \
   | tee "$OUT/bandwidth.log" | tail -40

@@ -12,4 +12,6 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 else
   export PYTHONPATH=$PWD
 fi
+# Checkpoints built here by the recipe can travel in .gpu_models/ (saves the recipe's build there).
+if [ -d .gpu_models ]; then export GRIDSERVE_MODEL_CACHE=$PWD/.gpu_models; fi
 $PY -m gridserve.protos_build >/dev/null 2>&1 || echo "protos_build failed"
