@@ -10,6 +10,7 @@ shape, with the request id in the message and the traceback in the log.
 from __future__ import annotations
 
 import logging
+import re
 import uuid
 from typing import Optional
 
@@ -45,16 +46,45 @@ class ApiError(Exception):
         return ErrorResponse(error=info).dumps()
 
 
+# Parts of a pydantic error location that name a union member (``str``, ``list[ContentPart]``,
+# ``function-after[...]``, a model class), not a field: OpenAI's fields are all snake_case.
+_UNION_TAG = re.compile(r"^(str|int|float|bool|none|list|dict|[A-Z]\w*|.*\[.*)$")
+
+
+def _field_path(loc: tuple) -> list[str]:
+    """Field names and list indices, union members dropped; an index joins its field as ``[i]``."""
+    path: list[str] = []
+    for part in loc:
+        if isinstance(part, int) and path:
+            path[-1] += f"[{part}]"
+        elif not (isinstance(part, str) and _UNION_TAG.match(part)):
+            path.append(str(part))
+    return path
+
+
 def from_validation_error(exc: ValidationError) -> ApiError:
-    """The first problem pydantic found, naming the field (``param`` is the top-level one)."""
-    error = exc.errors(include_url=False, include_input=False)[0]
-    loc = [str(part) for part in error["loc"]]
-    if error["type"] == "json_invalid":
-        return ApiError(400, f"the request body is not valid JSON: {error['msg']}")
+    """The problem pydantic found, naming the field (``param`` is the top-level one).
+
+    A field that takes a union (``content``: a string or a list of parts) fails once per member; the
+    member tags are dropped from the path and the deepest failure is the one reported (a bad image
+    part names ``messages[0].content[0].image_url``); failures that all stop at the union itself (a
+    number where a string or list belongs) are reported together."""
+    errors = exc.errors(include_url=False, include_input=False)
+    first = errors[0]
+    if first["type"] == "json_invalid":
+        return ApiError(400, f"the request body is not valid JSON: {first['msg']}")
+    if not first["loc"]:
+        return ApiError(400, f"the request body must be a JSON object: {first['msg']}")
+    paths = [_field_path(e["loc"]) for e in errors]
+    depths = [sum(1 for part in e["loc"] if not (isinstance(part, str) and _UNION_TAG.match(part)))
+              for e in errors]
+    deepest = max(range(len(errors)), key=lambda i: (depths[i], -i))
+    loc = paths[deepest]
+    same = [e for e, p in zip(errors, paths) if p == loc]
+    messages = list(dict.fromkeys(str(e["msg"]).removeprefix("Value error, ") for e in same))
     if not loc:
-        return ApiError(400, f"the request body must be a JSON object: {error['msg']}")
-    message = str(error["msg"]).removeprefix("Value error, ")
-    return ApiError(400, f"{'.'.join(loc)}: {message}", loc[0])
+        loc = [str(part) for part in first["loc"]]
+    return ApiError(400, f"{'.'.join(loc)}: {' or '.join(messages)}", loc[0].split("[")[0])
 
 
 def to_api_error(exc: BaseException, request_id: str = "") -> ApiError:

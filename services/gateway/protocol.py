@@ -263,6 +263,8 @@ class ContentPart(OpenAIBaseModel):
     def _image_part_has_url(self) -> ContentPart:
         if self.type == "image_url" and self.image_url is None:
             raise ValueError("an image_url part needs image_url.url")
+        if self.type == "text" and self.text is None:
+            raise ValueError("a text part needs text (a string)")
         return self
 
     def for_template(self) -> dict[str, Any]:

@@ -100,6 +100,23 @@ def test_wrong_types_are_400_naming_the_field(body, param):
     assert body["message"].startswith(param)
 
 
+@pytest.mark.parametrize("content, path", [
+    ([{"type": "image_url"}], "messages[0].content[0]: an image_url part needs"),
+    ([{"type": "image_url", "image_url": {"url": ""}}], "messages[0].content[0].image_url.url: "),
+    ([{"type": "text", "text": "a"}, {"type": "text", "text": None}], "messages[0].content[1]: a text part"),
+    ([{"type": "text"}], "messages[0].content[0]: a text part needs text"),
+    ([{"type": "audio"}], "messages[0].content[0].type: "),
+    (5, "messages[0].content: Input should be a valid string or Input should be a valid "),
+])
+def test_a_bad_content_part_is_named_by_its_path_not_by_the_union_member(content, path):
+    # `content` is a string or a list of parts: pydantic fails it once per member ("str",
+    # "list[...]"); the error names the part that is wrong, never a member's type name.
+    error = _refusal(ChatCompletionRequest, {"model": "m", "messages": [{"role": "user", "content": content}]})
+    assert error.status == 400 and error.param == "messages"
+    assert error.message.startswith(path), error.message
+    assert ".str" not in error.message and "list[" not in error.message
+
+
 def test_a_body_that_is_not_an_object_or_not_json_is_400_without_a_field():
     for data in (b"{not json", b"[1]", b"\xff\xfe"):
         with pytest.raises(ValidationError) as err:
