@@ -47,7 +47,10 @@ STARTUP_TIMEOUT_S = float(os.environ.get("GRIDSERVE_STARTUP_TIMEOUT_S", "600"))
 RESTART_BACKOFF_S = (1.0, 30.0)  # first delay, cap: doubles with each failure in a row
 CRASH_LOOP_RESTARTS = 5  # restarts in a row, each dying within CRASH_LOOP_WINDOW_S of its start
 CRASH_LOOP_WINDOW_S = 60.0
-LIVENESS_PERIOD_S = 5.0  # how often supervise() asks each engine's liveness (a dead engine is restarted)
+LIVENESS_PERIOD_S = 5.0  # how often supervise() asks each role's liveness (a dead or hung one is restarted)
+# Checks in a row a role that once answered may miss before it counts as hung (SIGSTOPped, deadlocked)
+# and is killed and restarted: Kubernetes' liveness failureThreshold (3 x 5 s).
+LIVENESS_FAILURE_THRESHOLD = 3
 
 
 @dataclass
@@ -62,6 +65,8 @@ class RoleProcess:
     group: Optional[int] = None  # DP rank of an engine and its workers: restarted together
     started_at: float = 0.0
     quick_failures: int = 0  # deaths in a row that came soon after a (re)start
+    live_seen: bool = False  # its liveness answered since its last (re)start
+    liveness_misses: int = 0  # liveness checks in a row it did not answer (a hung process)
 
     @property
     def pid(self) -> int:
@@ -385,14 +390,14 @@ class Launcher:
         """
         while self.processes and not self._stopping.is_set():
             dead = next((p for p in self.processes if p.process.poll() is not None), None)
-            dead = dead or self._dead_engine()
+            dead = dead or self._not_live()
             if dead is None:
                 time.sleep(poll_s)
                 continue
             quick = time.monotonic() - dead.started_at < CRASH_LOOP_WINDOW_S
             dead.quick_failures = dead.quick_failures + 1 if quick else 1
             logger.error("%s (pid %d) %s%s", dead.role, dead.pid,
-                         "is not live (its liveness health says NOT_SERVING)" if dead.process.poll() is None
+                         "is not live (its liveness check failed)" if dead.process.poll() is None
                          else f"exited with {dead.process.returncode}", self._log_hint(dead))
             if dead.quick_failures > CRASH_LOOP_RESTARTS:
                 logger.error("%s keeps failing at start (%d times in a row): giving up", dead.role,
@@ -406,19 +411,31 @@ class Launcher:
                     self._restart(group or [dead], delay, dead.quick_failures)
         return None
 
-    def _dead_engine(self) -> Optional[RoleProcess]:
-        """An engine whose process runs but whose liveness says NOT_SERVING (it is DEAD: e.g. its
-        worker group did not come back in time), as a Kubernetes liveness probe would find it;
-        asked every ``LIVENESS_PERIOD_S``. An engine that does not answer is left to its exit."""
+    def _not_live(self) -> Optional[RoleProcess]:
+        """A role whose process runs but is not live, as a Kubernetes liveness probe would find it;
+        asked every ``LIVENESS_PERIOD_S``: an engine whose liveness says NOT_SERVING (it is DEAD:
+        e.g. its worker group did not come back in time), or any gRPC role that answered once and
+        then missed ``LIVENESS_FAILURE_THRESHOLD`` checks in a row (hung: SIGSTOPped, deadlocked —
+        its peers' keepalive pings notice it within seconds, but only a restart frees its port)."""
         now = time.monotonic()
         if now < self._next_liveness_check:
             return None
         self._next_liveness_check = now + LIVENESS_PERIOD_S
         for proc in self.processes:
-            if proc.role == "engine" and proc.process.poll() is None:
-                with make_channel(proc.address, self.admin_tls) as channel:
-                    if health_status(channel, LIVENESS_SERVICE, timeout=1.0) == "NOT_SERVING":
-                        return proc
+            if proc.role == "edge" or proc.process.poll() is not None:
+                continue
+            with make_channel(proc.address, self.admin_tls) as channel:
+                status = health_status(channel, LIVENESS_SERVICE, timeout=1.0)
+            if status == "UNREACHABLE":
+                proc.liveness_misses += proc.live_seen
+                if proc.liveness_misses >= LIVENESS_FAILURE_THRESHOLD:
+                    logger.error("%s (pid %d) did not answer its liveness check %d times in a row",
+                                 proc.role, proc.pid, proc.liveness_misses)
+                    return proc
+                continue
+            proc.live_seen, proc.liveness_misses = True, 0
+            if proc.role == "engine" and status == "NOT_SERVING":
+                return proc
         return None
 
     def _restart(self, procs: list[RoleProcess], delay: float, failures: int) -> None:
@@ -440,6 +457,7 @@ class Launcher:
                         logger.warning("%s", exc)  # its death is handled on the next round
             proc.process = _popen(list(proc.argv), proc.log, proc.env)
             proc.started_at = time.monotonic()
+            proc.live_seen, proc.liveness_misses = False, 0
             proc.quick_failures = failures
             logger.info("restarted %s (pid %d) on %s", proc.role, proc.pid, proc.address)
 

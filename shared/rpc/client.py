@@ -28,7 +28,10 @@ CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", _MAX_MESSAGE),
     ("grpc.max_receive_message_length", _MAX_MESSAGE),
     ("grpc.keepalive_time_ms", 2000),
-    ("grpc.keepalive_timeout_ms", 2000),
+    ("grpc.keepalive_timeout_ms", 5000),
+    # gRPC core enforces the ping-ack wait through this one (keepalive_timeout_ms alone is not
+    # applied): without it a SIGSTOPped peer holds a stream open for minutes.
+    ("grpc.http2.ping_timeout_ms", 5000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
 ]
@@ -40,7 +43,8 @@ SERVER_OPTIONS = [
     ("grpc.http2.min_recv_ping_interval_without_data_ms", 1000),
     ("grpc.http2.max_ping_strikes", 0),
     ("grpc.keepalive_time_ms", 2000),
-    ("grpc.keepalive_timeout_ms", 2000),
+    ("grpc.keepalive_timeout_ms", 5000),
+    ("grpc.http2.ping_timeout_ms", 5000),
 ]
 
 

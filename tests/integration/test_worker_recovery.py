@@ -184,3 +184,41 @@ def test_a_worker_that_hangs_then_comes_back_is_reinitialized_in_place(llama_tin
         assert outputs == reference
         assert states[-1] == "SERVING" and _recoveries(launcher) == 1.0
         assert worker.process.poll() is None and next(p for p in launcher.processes if p.role == "worker") is worker
+
+
+def test_a_hung_worker_is_noticed_by_keepalive_and_restarted_by_its_liveness(
+        llama_tiny, tmp_path, fast_restarts, monkeypatch):
+    """SIGSTOP and no SIGCONT, with the default 120 s step timeout: the engine's keepalive pings go
+    unanswered, so its worker stream breaks within seconds and it recovers; the launcher finds the
+    worker's liveness unanswered ``LIVENESS_FAILURE_THRESHOLD`` times in a row, kills and restarts it
+    (as a Kubernetes liveness probe would), and every request completes unchanged."""
+    monkeypatch.setattr(launcher_module, "LIVENESS_PERIOD_S", 1.0)
+    engine_args = [*ENGINE_ARGS, "--worker-recovery-timeout", "90"]
+    with deployment(llama_tiny, tmp_path, engine_args=engine_args) as launcher:
+        supervisor = threading.Thread(target=launcher.supervise, kwargs={"poll_s": 0.02}, daemon=True)
+        supervisor.start()
+        gateway = address(launcher, "gateway")
+        reference = _Streams(gateway).join()
+        health = _HealthLog(address(launcher, "engine"))
+        streams = _Streams(gateway)
+        streams.wait_for(4)
+        worker = next(p for p in launcher.processes if p.role == "worker")
+        hung = worker.process
+        os.kill(hung.pid, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        try:
+            deadline = stopped_at + 20
+            while "NOT_SERVING" not in health.states:  # keepalive, not the 120 s step timeout
+                assert time.monotonic() < deadline, health.states
+                time.sleep(0.05)
+            noticed = time.monotonic() - stopped_at
+            outputs = streams.join()
+        finally:
+            if hung.poll() is None:
+                os.kill(hung.pid, signal.SIGCONT)
+        states = health.stop()
+        logger.warning("hung worker: noticed by the engine after %.1f s; restarted pid %d -> %d", noticed,
+                       hung.pid, worker.pid)
+        assert outputs == reference
+        assert hung.poll() is not None and worker.process is not hung, "the hung worker was restarted"
+        assert states[-1] == "SERVING" and _recoveries(launcher) == 1.0
