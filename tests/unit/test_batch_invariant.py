@@ -1,0 +1,165 @@
+"""Batch-invariant mode (``batch_invariant=True``): a sequence's logits are bitwise the same alone or
+in any batch, at any place of it, and whether its tokens were prefilled in one chunk, in several,
+or decoded one by one; seeded sampling then gives the same tokens in any batch mix.
+
+The tiny Llama runs in-process: the model with a paged KV cache and hand-built step metadata (each
+sequence copy gets its own blocks), and ``LLM`` for sampling.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gridserve.services.worker.attention import AttentionMetadata
+from gridserve.services.worker.batch_invariant import BLOCK_ROWS, fixed_row_blocks
+from gridserve.services.worker.model_runner import ModelRunner
+from gridserve.services.worker.parallel_state import ParallelState, set_parallel_state
+from gridserve.shared.config import GridserveConfig
+from gridserve.shared.errors import ConfigError
+
+BLOCK = 16
+BLOCKS_PER_SEQ = 8  # 128 positions per sequence copy
+
+
+def _runner(model_path, batch_invariant: bool) -> ModelRunner:
+    set_parallel_state(ParallelState.single())
+    config = GridserveConfig.from_kwargs(model=str(model_path), device="cpu", block_size=BLOCK,
+                                         batch_invariant=batch_invariant).finalize()
+    runner = ModelRunner(config, torch.device("cpu"))
+    runner.load_model()
+    runner.initialize_cache(64 * BLOCKS_PER_SEQ)
+    return runner
+
+
+@pytest.fixture(scope="module")
+def invariant(llama_tiny):
+    return _runner(llama_tiny, True)
+
+
+class Seq:
+    """One sequence copy: its tokens, how many are in the cache, its own blocks."""
+
+    def __init__(self, tokens: list[int], slot: int) -> None:
+        self.tokens = tokens
+        self.done = 0
+        self.blocks = list(range(slot * BLOCKS_PER_SEQ, (slot + 1) * BLOCKS_PER_SEQ))
+
+
+def _step(runner: ModelRunner, work: list[tuple[Seq, int]]) -> list[torch.Tensor]:
+    """One forward over ``(sequence, new tokens)`` pairs packed in this order; each one's last logits."""
+    ids, positions, slots, qsl, lens, last = [], [], [], [0], [], []
+    for seq, n in work:
+        for p in range(seq.done, seq.done + n):
+            ids.append(seq.tokens[p])
+            positions.append(p)
+            slots.append(seq.blocks[p // BLOCK] * BLOCK + p % BLOCK)
+        qsl.append(qsl[-1] + n)
+        lens.append(seq.done + n)
+        last.append(qsl[-1] - 1)
+        seq.done += n
+    meta = AttentionMetadata(
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32), seq_lens=torch.tensor(lens, dtype=torch.int32),
+        block_table=torch.tensor([s.blocks for s, _ in work], dtype=torch.int32),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64), max_query_len=max(n for _, n in work))
+    with torch.inference_mode():
+        hidden = runner.model(torch.tensor(ids), torch.tensor(positions), meta)
+        logits = runner.model.compute_logits(hidden[torch.tensor(last)])
+    return list(logits)
+
+
+def _prompt(seed: int, length: int) -> list[int]:
+    return torch.randint(4, 4096, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+TARGET = _prompt(0, 40)
+
+
+def _alone(runner, tokens: list[int], slot: int = 0, decode: int = 0) -> list[torch.Tensor]:
+    """Prefill ``tokens[:len - decode]`` alone, then decode the rest one by one; every step's logits."""
+    seq = Seq(tokens, slot)
+    out = _step(runner, [(seq, len(tokens) - decode)])
+    for _ in range(decode):
+        out += _step(runner, [(seq, 1)])
+    return out
+
+
+@pytest.mark.parametrize("batch_size,place", [(2, 0), (2, 1), (5, 3), (16, 0), (16, 9), (33, 32)])
+def test_prefill_logits_do_not_depend_on_the_batch(invariant, batch_size, place):
+    expected = _alone(invariant, TARGET)[0]
+    target = Seq(TARGET, 0)
+    others = [(Seq(_prompt(100 + i, 3 + 7 * i % 50), 1 + i), 3 + 7 * i % 50) for i in range(batch_size - 1)]
+    work = others[:place] + [(target, len(TARGET))] + others[place:]
+    assert torch.equal(_step(invariant, work)[place], expected)
+
+
+@pytest.mark.parametrize("batch_size,place", [(4, 2), (17, 0), (64, 40)])
+def test_decode_logits_do_not_depend_on_the_batch(invariant, batch_size, place):
+    expected = _alone(invariant, TARGET, decode=3)
+    target = Seq(TARGET, 0)
+    _step(invariant, [(target, len(TARGET) - 3)])
+    others = [Seq(_prompt(200 + i, 60), 1 + i) for i in range(batch_size - 1)]
+    _step(invariant, [(s, 50 + i % 7) for i, s in enumerate(others)])
+    for k in range(3):  # decodes next to other decodes (and, at k = 1, a prefill chunk too)
+        mix = [(s, 1 if k != 1 or i % 3 else 2) for i, s in enumerate(others)]
+        work = mix[:place] + [(target, 1)] + mix[place:]
+        assert torch.equal(_step(invariant, work)[place], expected[1 + k]), k
+
+
+@pytest.mark.parametrize("split", [[40], [7, 33], [16, 16, 8], [1] * 40, [20] + [1] * 20, [3, 1, 30, 1, 5]])
+def test_chunked_prefill_and_decode_give_the_same_last_logits(invariant, split):
+    expected = _alone(invariant, TARGET)[0]
+    seq = Seq(TARGET, 0)
+    logits = [_step(invariant, [(seq, n)])[0] for n in split]
+    assert torch.equal(logits[-1], expected)
+
+
+def test_the_kv_written_by_prefill_and_by_decode_is_the_same(invariant):
+    whole = _alone(invariant, TARGET + [9, 9, 9], slot=0)[0]
+    decoded = _alone(invariant, TARGET + [9, 9, 9], slot=1, decode=20)[-1]
+    assert torch.equal(whole, decoded)
+    for cache in invariant.kv_caches:  # [2, blocks, BLOCK, kv heads, d]: the 43 positions of each copy
+        first = cache[:, :BLOCKS_PER_SEQ].flatten(1, 2)[:, :43]
+        second = cache[:, BLOCKS_PER_SEQ : 2 * BLOCKS_PER_SEQ].flatten(1, 2)[:, :43]
+        assert torch.equal(first, second)
+
+
+def test_fixed_row_blocks_is_the_function_applied_per_block():
+    weight = torch.randn(48, 32)
+    x = torch.randn(2 * BLOCK_ROWS + 3, 32)
+    out = fixed_row_blocks(lambda t: t @ weight.T, x)
+    assert out.shape == (x.shape[0], 48)
+    torch.testing.assert_close(out, x @ weight.T)
+    assert torch.equal(out[5], fixed_row_blocks(lambda t: t @ weight.T, x[5:6])[0])
+    assert fixed_row_blocks(lambda t: t @ weight.T, x[:0]).shape == (0, 48)
+
+
+def test_the_mode_is_off_by_default_and_cpu_only(llama_tiny, monkeypatch):
+    monkeypatch.delenv("GRIDSERVE_BATCH_INVARIANT", raising=False)
+    assert GridserveConfig.from_kwargs(model=str(llama_tiny)).device.batch_invariant is False
+    monkeypatch.setenv("GRIDSERVE_BATCH_INVARIANT", "1")
+    assert GridserveConfig.from_kwargs(model=str(llama_tiny)).device.batch_invariant is True
+    with pytest.raises(ConfigError, match="device.batch_invariant"):
+        GridserveConfig.from_kwargs(model=str(llama_tiny), device="cuda", batch_invariant=True)
+
+
+def test_seeded_sampling_is_the_same_in_any_batch_mix(llama_tiny):
+    from gridserve import LLM, SamplingParams
+
+    llm = LLM(model=str(llama_tiny), batch_invariant=True, kv_cache_memory_bytes=16 << 20,
+              max_num_batched_tokens=64, max_model_len=256)
+    try:
+        prompts = [{"prompt_token_ids": _prompt(300 + i, 5 + 11 * i % 37)} for i in range(12)]
+        params = [SamplingParams(temperature=1.3, seed=7 + i, max_tokens=24, ignore_eos=True) for i in range(12)]
+
+        def tokens(order: list[int]) -> dict[int, list[int]]:
+            outs = llm.generate([prompts[i] for i in order], [params[i] for i in order], use_tqdm=False)
+            return {i: list(o.outputs[0].token_ids) for i, o in zip(order, outs)}
+
+        alone = {i: tokens([i])[i] for i in (0, 5, 11)}
+        everything = tokens(list(range(12)))  # chunked prefills (64-token budget) next to decodes
+        reversed_mix = tokens(list(reversed(range(12))))
+        assert everything == reversed_mix
+        assert all(everything[i] == alone[i] for i in alone)
+    finally:
+        llm.llm_engine.shutdown()
