@@ -163,3 +163,17 @@ def test_seeded_sampling_is_the_same_in_any_batch_mix(llama_tiny):
         assert all(everything[i] == alone[i] for i in alone)
     finally:
         llm.llm_engine.shutdown()
+
+
+def test_the_sampler_treats_each_row_alone():
+    from gridserve.services.worker.sampler import apply_top_k_top_p
+
+    logits = torch.randn(64, 4096, generator=torch.Generator().manual_seed(3)) * 3
+
+    def probs(x: torch.Tensor) -> torch.Tensor:  # what a seeded draw reads: the row's CDF
+        top_k, top_p = torch.full((x.shape[0],), 50), torch.full((x.shape[0],), 0.9)
+        return apply_top_k_top_p(x / 0.9, top_k, top_p).softmax(-1).cumsum(-1)
+
+    for row in (0, 17, 63):
+        assert torch.equal(probs(logits)[row], probs(logits[row : row + 1])[0])
+        assert torch.equal(torch.log_softmax(logits, -1)[row], torch.log_softmax(logits[row : row + 1], -1)[0])
