@@ -27,6 +27,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from gridserve.shared.errors import ConfigError
+
 BLOCK_ROWS = 16  # rows per GEMM call; any fixed count works, 16 measured cheapest at batch 1-64
 
 
@@ -41,6 +43,18 @@ def fixed_row_blocks(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor
         flat = torch.cat([flat, flat.new_zeros(pad or rows, width)])
     out = torch.cat([fn(flat[i : i + rows]) for i in range(0, flat.shape[0], rows)])
     return out[:count].reshape(*lead, out.shape[-1])
+
+
+def check_available(device: torch.device) -> None:
+    """Refuse the mode (naming the setting) where it cannot hold: off the CPU, or without the C++
+    attention kernel (built now, at load, rather than failing the first step)."""
+    if device.type != "cpu":
+        raise ConfigError("device.batch_invariant", f"batch-invariant mode is implemented for the CPU only, not {device}")
+    from gridserve.kernels import cpu_ops
+
+    if cpu_ops.load() is None:
+        raise ConfigError("device.batch_invariant",
+                          "batch-invariant mode needs the C++ CPU paged-attention kernel, which did not build (see the log)")
 
 
 def enable(model: nn.Module) -> int:

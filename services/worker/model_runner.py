@@ -32,7 +32,7 @@ from gridserve.services.worker.sampler import (
 )
 from gridserve.services.worker.structured_output import StructuredOutputManager
 from gridserve.shared.config import GridserveConfig
-from gridserve.shared.errors import ConfigError, InvalidArgumentError
+from gridserve.shared.errors import InvalidArgumentError
 from gridserve.shared.multimodal import ImageFeature
 from gridserve.shared.sampling_params import SamplingParams
 from gridserve.shared.scheduler_output import ModelRunnerOutput, SchedulerOutput
@@ -99,8 +99,7 @@ class ModelRunner:
     def load_model(self) -> None:
         self.model = load_model(self.config, self.device)
         if self.config.device.batch_invariant:
-            if self.device.type != "cpu":
-                raise ConfigError("device.batch_invariant", "batch-invariant mode is implemented for the CPU only")
+            batch_invariant.check_available(self.device)
             batch_invariant.enable(self.model)
         if hasattr(self.model, "encode_images"):
             self.encoder_cache = EncoderCache(self.model, self.device)

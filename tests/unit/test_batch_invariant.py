@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from gridserve.services.worker.attention import AttentionMetadata
-from gridserve.services.worker.batch_invariant import BLOCK_ROWS, fixed_row_blocks
+from gridserve.services.worker.batch_invariant import BLOCK_ROWS, check_available, fixed_row_blocks
 from gridserve.services.worker.model_runner import ModelRunner
 from gridserve.services.worker.parallel_state import ParallelState, set_parallel_state
 from gridserve.shared.config import GridserveConfig
@@ -141,6 +141,8 @@ def test_the_mode_is_off_by_default_and_cpu_only(llama_tiny, monkeypatch):
     assert GridserveConfig.from_kwargs(model=str(llama_tiny)).device.batch_invariant is True
     with pytest.raises(ConfigError, match="device.batch_invariant"):
         GridserveConfig.from_kwargs(model=str(llama_tiny), device="cuda", batch_invariant=True)
+    with pytest.raises(ConfigError, match="CPU only"):  # device "auto" that resolved to a GPU
+        check_available(torch.device("cuda", 0))
 
 
 def test_seeded_sampling_is_the_same_in_any_batch_mix(llama_tiny):
