@@ -179,3 +179,13 @@ def test_the_sampler_treats_each_row_alone():
     for row in (0, 17, 63):
         assert torch.equal(probs(logits)[row], probs(logits[row : row + 1])[0])
         assert torch.equal(torch.log_softmax(logits, -1)[row], torch.log_softmax(logits[row : row + 1], -1)[0])
+
+
+@pytest.mark.parametrize("arch", ["qwen2_tiny", "mistral_tiny"])  # Qwen2: biases on Q/K/V
+def test_other_llama_family_models_are_invariant_too(request, arch):
+    runner = _runner(request.getfixturevalue(arch), True)
+    expected = _alone(runner, TARGET)[0]
+    by_token = Seq(TARGET, 1)
+    assert torch.equal([_step(runner, [(by_token, 1)])[0] for _ in TARGET][-1], expected)
+    others = [(Seq(_prompt(400 + i, 9 + i), 2 + i), 9 + i) for i in range(5)]
+    assert torch.equal(_step(runner, others[:2] + [(Seq(TARGET, 0), len(TARGET))] + others[2:])[2], expected)
