@@ -189,3 +189,41 @@ def test_other_llama_family_models_are_invariant_too(request, arch):
     assert torch.equal([_step(runner, [(by_token, 1)])[0] for _ in TARGET][-1], expected)
     others = [(Seq(_prompt(400 + i, 9 + i), 2 + i), 9 + i) for i in range(5)]
     assert torch.equal(_step(runner, others[:2] + [(Seq(TARGET, 0), len(TARGET))] + others[2:])[2], expected)
+
+
+def test_the_flag_travels_from_serve_to_the_engine_and_in_the_worker_config(llama_tiny, monkeypatch):
+    import argparse
+
+    from gridserve.roles import add_batch_invariant_argument, add_engine_arguments, engine_argv, engine_config
+    from gridserve.shared.rpc.worker_convert import config_from_pb, config_to_pb
+
+    monkeypatch.delenv("GRIDSERVE_BATCH_INVARIANT", raising=False)
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model")
+    add_engine_arguments(parser)
+    args = parser.parse_args(["--model", str(llama_tiny), "--batch-invariant"])
+    assert "--batch-invariant" in engine_argv(args)  # serve -> its engines
+    assert "--batch-invariant" not in engine_argv(parser.parse_args(["--model", str(llama_tiny)]))
+    config = engine_config(args, ["127.0.0.1:1"])
+    assert config.device.batch_invariant is True
+    assert config_from_pb(config_to_pb(config)).device.batch_invariant is True  # engine -> workers
+    monkeypatch.setenv("GRIDSERVE_BATCH_INVARIANT", "1")
+    worker = argparse.ArgumentParser()
+    add_batch_invariant_argument(worker)  # gridserve worker's own flag, from the environment
+    assert worker.parse_args([]).batch_invariant is True
+
+
+@pytest.mark.parametrize("engine_says,worker_flag", [(False, True), (True, False), (False, False)])
+def test_a_worker_started_with_the_flag_turns_the_mode_on_whatever_its_engine_says(
+        llama_tiny, engine_says, worker_flag):
+    from gridserve.api.worker.v1 import worker_pb2
+    from gridserve.services.worker.servicer import WorkerServicer
+    from gridserve.shared.rpc.worker_convert import config_to_pb
+
+    config = GridserveConfig.from_kwargs(model=str(llama_tiny), device="cpu", batch_invariant=engine_says).finalize()
+    servicer = WorkerServicer(on_ready=lambda ok: None, batch_invariant=worker_flag)
+    request = worker_pb2.CollectiveRPCRequest(call_id=1, init_device=worker_pb2.InitDeviceArgs(
+        config=config_to_pb(config), world_size=1))
+    response = servicer._call(request)
+    assert not response.HasField("error"), response.error.message
+    assert servicer.worker.config.device.batch_invariant is (engine_says or worker_flag)
