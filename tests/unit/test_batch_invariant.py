@@ -194,7 +194,12 @@ def test_other_llama_family_models_are_invariant_too(request, arch):
 def test_the_flag_travels_from_serve_to_the_engine_and_in_the_worker_config(llama_tiny, monkeypatch):
     import argparse
 
-    from gridserve.roles import add_batch_invariant_argument, add_engine_arguments, engine_argv, engine_config
+    from gridserve.roles import (
+        add_batch_invariant_argument,
+        add_engine_arguments,
+        engine_argv,
+        engine_config,
+    )
     from gridserve.shared.rpc.worker_convert import config_from_pb, config_to_pb
 
     monkeypatch.delenv("GRIDSERVE_BATCH_INVARIANT", raising=False)
