@@ -152,11 +152,14 @@ def test_seeded_sampling_is_the_same_in_any_batch_mix(llama_tiny):
               max_num_batched_tokens=64, max_model_len=256)
     try:
         prompts = [{"prompt_token_ids": _prompt(300 + i, 5 + 11 * i % 37)} for i in range(12)]
-        params = [SamplingParams(temperature=1.3, seed=7 + i, max_tokens=24, ignore_eos=True) for i in range(12)]
+        params = [SamplingParams(temperature=1.3, seed=7 + i, max_tokens=24, ignore_eos=True, logprobs=1)
+                  for i in range(12)]
 
-        def tokens(order: list[int]) -> dict[int, list[int]]:
+        def tokens(order: list[int]) -> dict[int, tuple[list[int], list[float]]]:
+            """Each request's tokens and their logprobs (floats: they show any difference in the logits)."""
             outs = llm.generate([prompts[i] for i in order], [params[i] for i in order], use_tqdm=False)
-            return {i: list(o.outputs[0].token_ids) for i, o in zip(order, outs)}
+            return {i: (list(c.token_ids), [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)])
+                    for i, c in ((i, o.outputs[0]) for i, o in zip(order, outs))}
 
         alone = {i: tokens([i])[i] for i in (0, 5, 11)}
         everything = tokens(list(range(12)))  # chunked prefills (64-token budget) next to decodes
@@ -164,7 +167,7 @@ def test_seeded_sampling_is_the_same_in_any_batch_mix(llama_tiny):
         assert everything == reversed_mix
         assert all(everything[i] == alone[i] for i in alone)
     finally:
-        llm.llm_engine.shutdown()
+        llm.shutdown()
 
 
 def test_the_sampler_treats_each_row_alone():
