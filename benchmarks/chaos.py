@@ -395,8 +395,8 @@ def passed(report: dict) -> bool:
 
 def judge(requests: list[ChaosRequest], differing: dict, baseline: dict) -> dict:
     """Which differing outputs a fault could have caused. Only an engine's or a worker's death
-    touches a stream's tokens (it continues elsewhere); seeded sampling also differs between two
-    fault-free runs now and then (the engines' logits are not bit-identical across batch mixes, so
+    touches a stream's tokens (it continues elsewhere); without ``--batch-invariant`` seeded sampling
+    also differs between two fault-free runs now and then (the engines' logits are not bit-identical across batch mixes, so
     a draw near a CDF step can flip), greedy outputs never did. A greedy stream that an engine or
     worker fault struck and that differs fails the run; seeded ones are reported."""
     struck = sorted(i for i, d in differing.items()
