@@ -10,6 +10,12 @@ whose SSE chunks were duplicated or missing (token counts vs ``max_tokens`` and 
 fault the time until every stream then in flight had its next token and until the role served
 again, and the p50 / p99 latency the faults added per request; the JSON goes to
 ``benchmarks/results/``.
+
+The engines serve with ``--batch-invariant`` (``--no-batch-invariant`` turns it off): a token's
+logits are then bitwise the same in any batch mix and after a continuation's re-prefill, so every
+output — greedy or seeded — must equal the fault-free run's, and any difference fails the run.
+Without it only a greedy output that an engine / worker fault struck fails it (seeded draws near a
+CDF step may flip with the batch mix; see the README).
 """
 
 from __future__ import annotations
@@ -313,6 +319,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"roles to kill, comma-separated, from {','.join(KINDS)}")
     parser.add_argument("--seed", type=int, default=0, help="seed of the fault schedule")
     parser.add_argument("--engine-args", default="", help="more engine flags, e.g. '--no-prefix-caching'")
+    parser.add_argument("--no-batch-invariant", dest="batch_invariant", action="store_false",
+                        help="serve without --batch-invariant (then seeded outputs may differ with the batch "
+                             "mix, and only greedy outputs struck by a fault are failures)")
     parser.add_argument("--output-json", default=None,
                         help="write the results here (default: benchmarks/results/chaos-<time>.json)")
 
@@ -331,6 +340,8 @@ def run(args: argparse.Namespace) -> int:
         model = str(ensure_demo_model())
     requests = make_requests(args.requests, args.max_tokens)
     engine_args = ["--kv-cache-memory-bytes", str(64 << 20), "--max-num-seqs", "128", *shlex.split(args.engine_args)]
+    if args.batch_invariant and "--batch-invariant" not in engine_args:
+        engine_args.append("--batch-invariant")
     launcher = Launcher(model, engine_args,
                         data_parallel_size=2, api_server_count=1, edge_port=free_port(), grace_s=2.0)
     launcher.start()
@@ -359,6 +370,7 @@ def run(args: argparse.Namespace) -> int:
     # what the faults could have caused: a fault struck the stream, and fault-free runs agree on it
     report.update(judge(requests, report["differing_details"], report["baseline_differing"]))
     report["faults_skipped"] = injector.skipped  # the load ended before a role could be killed
+    report["batch_invariant"] = "--batch-invariant" in engine_args
     report["config"] = {"model": model, "requests": args.requests, "concurrency": args.concurrency,
                         "max_tokens": args.max_tokens, "faults": args.faults, "kill": kinds,
                         "seed": args.seed, "engine_args": engine_args, "data_parallel_size": 2}
@@ -367,14 +379,24 @@ def run(args: argparse.Namespace) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {out}")
-    # Differing outputs fail the run only where a fault struck and fault-free runs agree (see README).
-    return 0 if not (report["failed"] or report["bad_streams"] or report["greedy_differing_under_fault"]) else 1
+    return 0 if passed(report) else 1
+
+
+def passed(report: dict) -> bool:
+    """No lost request, no broken stream, and no differing output that counts: with batch-invariant
+    engines every difference (greedy or seeded, chaos or the second fault-free run); without, only
+    a greedy output that a fault struck while the fault-free runs agree (see the README)."""
+    if report["failed"] or report["bad_streams"]:
+        return False
+    if report.get("batch_invariant"):
+        return not (report["differing"] or report.get("baseline_differing"))
+    return not report["greedy_differing_under_fault"]
 
 
 def judge(requests: list[ChaosRequest], differing: dict, baseline: dict) -> dict:
     """Which differing outputs a fault could have caused. Only an engine's or a worker's death
-    touches a stream's tokens (it continues elsewhere); seeded sampling also differs between two
-    fault-free runs now and then (the engines' logits are not bit-identical across batch mixes, so
+    touches a stream's tokens (it continues elsewhere); without ``--batch-invariant`` seeded sampling
+    also differs between two fault-free runs now and then (the engines' logits are not bit-identical across batch mixes, so
     a draw near a CDF step can flip), greedy outputs never did. A greedy stream that an engine or
     worker fault struck and that differs fails the run; seeded ones are reported."""
     struck = sorted(i for i, d in differing.items()
@@ -429,7 +451,8 @@ def _first_difference(clean: StreamResult, chaos: StreamResult, faults: list[dic
 
 
 def format_report(report: dict) -> str:
-    lines = [f"requests completed {report['completed']}, failed {report['failed']}; outputs differing from "
+    lines = [f"batch-invariant engines: {'yes: every differing output fails the run' if report.get('batch_invariant') else 'no'}",
+             f"requests completed {report['completed']}, failed {report['failed']}; outputs differing from "
              f"the fault-free run: {report['differing']} (a second fault-free run: "
              f"{len(report.get('baseline_differing', {}))}; greedy: {len(report.get('differing_greedy', []))}; "
              f"struck by an engine / worker fault while the fault-free runs agree: "

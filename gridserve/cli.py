@@ -16,6 +16,7 @@ from typing import Optional
 
 from gridserve.edge import EdgeLimits
 from gridserve.roles import (
+    add_batch_invariant_argument,
     add_engine_arguments,
     add_observability_arguments,
     add_server_arguments,
@@ -76,6 +77,7 @@ def _parser() -> argparse.ArgumentParser:
     worker = sub.add_parser("worker", help="run one worker service")
     add_server_arguments(worker, default_port=50061)
     add_observability_arguments(worker)
+    add_batch_invariant_argument(worker)
 
     engine = sub.add_parser("engine", help="run one engine core service")
     add_server_arguments(engine, default_port=50051)
@@ -144,7 +146,8 @@ def _worker(args: argparse.Namespace) -> int:
     from gridserve.services.worker.main import serve
 
     return serve(args.host, args.port, metrics_port=args.metrics_port,
-                 otlp_traces_endpoint=args.otlp_traces_endpoint, health_port=args.health_port)
+                 otlp_traces_endpoint=args.otlp_traces_endpoint, health_port=args.health_port,
+                 batch_invariant=args.batch_invariant)
 
 
 def _engine(args: argparse.Namespace) -> int:

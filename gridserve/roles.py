@@ -113,6 +113,17 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                             help=f"{help_text} [{env_name(flag)}]")
     parser.add_argument("--no-prefix-caching", action="store_true",
                         default=bool(env_default("--no-prefix-caching", "")), help="disable prefix caching")
+    add_batch_invariant_argument(parser)
+
+
+def add_batch_invariant_argument(parser: argparse.ArgumentParser) -> None:
+    """``--batch-invariant`` (engine, ``serve``, worker): a token's logits bitwise independent of the
+    batch and of prefill vs decode, so seeded sampling gives the same tokens in any batch mix."""
+    from gridserve.shared.config import batch_invariant_from_env
+
+    parser.add_argument("--batch-invariant", action="store_true", default=batch_invariant_from_env(),
+                        help="batch-invariant numerics: every token's logits bitwise independent of the "
+                             "batch and of prefill vs decode (CPU; slower) [GRIDSERVE_BATCH_INVARIANT=1]")
 
 
 def engine_argv(args: argparse.Namespace) -> list[str]:
@@ -124,6 +135,8 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
             argv += [flag, str(value)]
     if args.no_prefix_caching:
         argv.append("--no-prefix-caching")
+    if args.batch_invariant:
+        argv.append("--batch-invariant")
     return argv
 
 
@@ -158,6 +171,7 @@ def engine_config(args: argparse.Namespace, worker_addresses: list[str]):
         distributed_init_address=args.distributed_init_address or "",
         worker_extension_cls=args.worker_extension_cls or "",
         enable_prefix_caching=not args.no_prefix_caching,
+        batch_invariant=args.batch_invariant,
         distributed_executor_backend=args.distributed_executor_backend,
         worker_addresses=worker_addresses,
     ).finalize()

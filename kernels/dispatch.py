@@ -74,11 +74,30 @@ def reshape_and_cache(key, value, kv_cache, slot_mapping, k_scale=1.0, v_scale=1
 
 
 def paged_attention(query, kv_cache, query_start_loc, seq_lens, block_table, scale, max_query_len=None,
-                    k_scale=1.0, v_scale=1.0):
-    """Attention over the paged cache; a cache narrower than ``query`` is widened as it is read."""
+                    k_scale=1.0, v_scale=1.0, batch_invariant=False):
+    """Attention over the paged cache; a cache narrower than ``query`` is widened as it is read.
+
+    ``batch_invariant``: each query token's result independent of the batch and of prefill vs
+    decode (CPU: every row in the C++ kernel, which must then build; other devices: refused)."""
+    if batch_invariant:
+        return _batch_invariant_attention(
+            query, kv_cache, query_start_loc, seq_lens, block_table, scale, k_scale, v_scale
+        )
     return _impl("paged_attention", query)(
         query, kv_cache, query_start_loc, seq_lens, block_table, scale, max_query_len, k_scale, v_scale
     )
+
+
+def _batch_invariant_attention(query, kv_cache, query_start_loc, seq_lens, block_table, scale,
+                               k_scale, v_scale):
+    if query.device.type != "cpu":
+        raise RuntimeError("batch-invariant attention is implemented for the CPU only")
+    from gridserve.kernels import cpu_ops
+
+    if cpu_ops.load() is None:
+        raise RuntimeError("batch-invariant mode needs the C++ CPU paged-attention kernel, which did not build")
+    return cpu_ops.paged_attention(query, kv_cache, query_start_loc, seq_lens, block_table, scale,
+                                   None, k_scale, v_scale, all_rows=True)
 
 
 def rms_norm(x, weight, eps):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -296,15 +297,30 @@ class ParallelConfig:
             check_model_shardable(hf_config, self.tensor_parallel_size, self.pipeline_parallel_size)
 
 
+def batch_invariant_from_env() -> bool:
+    """``GRIDSERVE_BATCH_INVARIANT`` set to anything but empty / 0 / false."""
+    return os.environ.get("GRIDSERVE_BATCH_INVARIANT", "").strip().lower() not in ("", "0", "false", "no")
+
+
 @dataclass
 class DeviceConfig:
-    """Which device the workers run on; ``auto`` picks CUDA when the worker sees one."""
+    """Which device the workers run on; ``auto`` picks CUDA when the worker sees one.
+
+    ``batch_invariant`` (``--batch-invariant``, ``GRIDSERVE_BATCH_INVARIANT=1``): every token's
+    logits bitwise independent of the batch it shares and of prefill vs decode, so seeded samples
+    too are the same in any batch mix (CPU only; ``services/worker/batch_invariant.py``).
+    """
 
     device: str = "auto"
+    batch_invariant: bool = field(default_factory=batch_invariant_from_env)
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
             raise ConfigError("device.device", f"must be one of {DEVICES}, got {self.device!r}")
+        if not isinstance(self.batch_invariant, bool):
+            raise ConfigError("device.batch_invariant", f"must be true or false, got {self.batch_invariant!r}")
+        if self.batch_invariant and self.device == "cuda":
+            raise ConfigError("device.batch_invariant", "batch-invariant mode is implemented for the CPU only")
 
 
 @dataclass

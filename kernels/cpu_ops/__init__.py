@@ -88,13 +88,20 @@ def paged_attention(
     max_query_len: int | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    all_rows: bool = False,
 ) -> torch.Tensor:
     """``reference.paged_attention`` with K/V read in place from the cache for short rows.
 
     Rows of up to ``MAX_KERNEL_QUERY_LEN`` new tokens (decode) run in the C++ kernel; longer
-    rows (prefill, chunked prefill) in the reference's SDPA. Needs ``load()`` to have succeeded.
+    rows (prefill, chunked prefill) in the reference's SDPA. ``all_rows`` (batch-invariant mode):
+    every row in the kernel, so a token's result does not depend on its row's length (the kernel
+    computes each query token alone, in one order over its positions). Needs ``load()`` to have
+    succeeded.
     """
     ops = load()
+    if all_rows and (ops is None or not _supported(query, kv_cache)):
+        raise RuntimeError(f"batch-invariant attention: the C++ kernel does not take {query.dtype} "
+                           f"queries over a {kv_cache.dtype} cache")
     if ops is None or not _supported(query, kv_cache):
         return reference.paged_attention(
             query, kv_cache, query_start_loc, seq_lens, block_table, scale, max_query_len, k_scale, v_scale
@@ -104,8 +111,10 @@ def paged_attention(
     query_start_loc, seq_lens = _int32(query_start_loc), _int32(seq_lens)
     ops.paged_attention(
         out, query, kv_cache, query_start_loc, seq_lens, _int32(block_table), float(scale),
-        MAX_KERNEL_QUERY_LEN, float(k_scale), float(v_scale),
+        query.shape[0] if all_rows else MAX_KERNEL_QUERY_LEN, float(k_scale), float(v_scale),
     )
+    if all_rows:
+        return out
     if max_query_len is None or max_query_len > MAX_KERNEL_QUERY_LEN:
         qsl, lens = query_start_loc.tolist(), seq_lens.tolist()
         longer = [i for i in range(len(lens)) if qsl[i + 1] - qsl[i] > MAX_KERNEL_QUERY_LEN]

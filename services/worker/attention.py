@@ -40,6 +40,7 @@ class PagedAttention(nn.Module):
         self.kv_cache = torch.empty(0)
         self.k_scale = 1.0
         self.v_scale = 1.0
+        self.batch_invariant = False  # every row through one per-token kernel (``batch_invariant.enable``)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         q = q.view(-1, self.num_heads, self.head_size)
@@ -52,6 +53,7 @@ class PagedAttention(nn.Module):
             out = paged_attention(
                 q, self.kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_table,
                 self.scale, meta.max_query_len, self.k_scale, self.v_scale,
+                batch_invariant=self.batch_invariant,
             )
         return out.reshape(-1, self.num_heads * self.head_size)
 

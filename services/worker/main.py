@@ -28,13 +28,15 @@ SERVICE = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
 
 
 def serve(host: str, port: int, *, metrics_port: Optional[int] = None,
-          otlp_traces_endpoint: Optional[str] = None, health_port: Optional[int] = None) -> int:
+          otlp_traces_endpoint: Optional[str] = None, health_port: Optional[int] = None,
+          batch_invariant: bool = False) -> int:
     load_general_plugins()  # plugins register in every process (lazy strings: no torch here)
     registry = CollectorRegistry(auto_describe=False) if metrics_port is not None else None
     metrics_server = start_metrics_server(registry, host, metrics_port) if registry is not None else None
     observer = WorkerObserver(registry, Tracing.create("gridserve-worker", otlp_traces_endpoint))
     server = RpcServer(host, port, role="worker", health_port=health_port)  # the stream is async; worker methods run in the servicer's thread
-    servicer = WorkerServicer(on_ready=lambda ok: server.readiness.try_set(State.READY if ok else State.DRAINING), on_orphaned=_exit, observer=observer)
+    servicer = WorkerServicer(on_ready=lambda ok: server.readiness.try_set(State.READY if ok else State.DRAINING), on_orphaned=_exit, observer=observer,
+                              batch_invariant=batch_invariant)
     server.register_metrics(registry)
     server.add_service(SERVICE, lambda s: worker_pb2_grpc.add_WorkerServicer_to_server(servicer, s))
     server.install_signal_handlers()

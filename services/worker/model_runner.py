@@ -16,6 +16,7 @@ from typing import Optional
 
 import torch
 
+from gridserve.services.worker import batch_invariant
 from gridserve.services.worker.attention import AttentionMetadata
 from gridserve.services.worker.encoder_cache import EncoderCache, ImageRows
 from gridserve.services.worker.loader import KV_CACHE_TORCH_DTYPES, TORCH_DTYPES, load_model
@@ -97,6 +98,9 @@ class ModelRunner:
     # ---- setup -------------------------------------------------------------------------
     def load_model(self) -> None:
         self.model = load_model(self.config, self.device)
+        if self.config.device.batch_invariant:
+            batch_invariant.check_available(self.device)
+            batch_invariant.enable(self.model)
         if hasattr(self.model, "encode_images"):
             self.encoder_cache = EncoderCache(self.model, self.device)
 

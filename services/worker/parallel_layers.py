@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gridserve.services.worker.batch_invariant import fixed_row_blocks
 from gridserve.services.worker.loader import CheckpointTensor
 from gridserve.services.worker.parallel_state import ParallelState, get_parallel_state
 from gridserve.services.worker.quantization.weights import QuantizedWeight, quantize_weight
@@ -44,6 +45,7 @@ class QuantizableLinear(nn.Module):
         self.prefix = ""
         self.qweight: Optional[QuantizedWeight] = None
         self.keeps_float_weight = False  # True where the float weight has another use (tied embedding)
+        self.batch_invariant = False  # GEMMs on fixed row blocks (``batch_invariant.enable``)
 
     def quantize(self, method: str, group_size: int = 128, activations: bool = True,
                  activation_rows: int = 2) -> None:
@@ -54,6 +56,11 @@ class QuantizableLinear(nn.Module):
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ W.T`` with whichever form of the weight this layer holds."""
+        if self.batch_invariant:
+            return fixed_row_blocks(self._matmul, x)
+        return self._matmul(x)
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.qweight is not None:
             return self.qweight(x)
         return F.linear(x, self.weight)
@@ -72,9 +79,9 @@ class ColumnParallelLinear(QuantizableLinear):
         self.bias = nn.Parameter(torch.empty(out)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.qweight is None:
+        if self.qweight is None and not self.batch_invariant:
             return F.linear(x, self.weight, self.bias)
-        y = self.qweight(x)
+        y = self.matmul(x)
         return y if self.bias is None else y + self.bias
 
     def load(self, param: str, tensor: CheckpointTensor, shard_id: int = 0) -> None:
@@ -97,7 +104,7 @@ class RowParallelLinear(QuantizableLinear):
         self.bias = nn.Parameter(torch.empty(output_size)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.state.tp_size == 1 and self.qweight is None:
+        if self.state.tp_size == 1 and self.qweight is None and not self.batch_invariant:
             return F.linear(x, self.weight, self.bias)
         y = self.matmul(x)
         if self.state.tp_size > 1:

@@ -40,8 +40,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     def __init__(self, on_ready: Callable[[bool], None],
                  on_orphaned: Optional[Callable[[int], None]] = None,
-                 observer: Optional[WorkerObserver] = None) -> None:
+                 observer: Optional[WorkerObserver] = None, batch_invariant: bool = False) -> None:
         self.worker: Optional[Worker] = None
+        self.batch_invariant = batch_invariant  # the worker's own --batch-invariant: on whatever the engine says
         self.observer = observer if observer is not None and observer.enabled else None  # metrics / spans
         self.on_ready = on_ready
         self.on_orphaned = on_orphaned
@@ -93,6 +94,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def _dispatch(self, method: Optional[str], args, response: worker_pb2.CollectiveRPCResponse) -> None:
         if method == "init_device":
             config = config_from_pb(args.config)
+            config.device.batch_invariant = config.device.batch_invariant or self.batch_invariant
             self.worker = worker_class(config)(config, rank=args.rank, local_rank=args.local_rank,
                                                distributed_init_address=args.distributed_init_address)
             if args.world_size and args.world_size != self.worker.world_size:

@@ -36,7 +36,7 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
                                                              "annotations": {"grafana_folder": "LLM"}}}},
     "engine-options": {"engine": {"maxModelLen": 4096, "kvCacheMemoryBytes": 8589934592, "seed": 7,
                                   "enablePrefixCaching": False, "workerRecoveryTimeout": 300,
-                                  "maxWaitingRequests": 64}},
+                                  "maxWaitingRequests": 64, "batchInvariant": True}},
     "example-one-node-8gpu": EXAMPLE_8_GPU,
 }
 # Kinds from CRDs, whose schemas kubernetes-validate does not ship (checked by hand below; the
@@ -343,7 +343,10 @@ def test_engine_options_become_environment_variables(render_chart) -> None:
     assert env["GRIDSERVE_MAX_WAITING_REQUESTS"] == "64"
     assert env["GRIDSERVE_NO_PREFIX_CACHING"] == "1"
     assert env["GRIDSERVE_WORKER_RECOVERY_TIMEOUT"] == "300"
+    assert env["GRIDSERVE_BATCH_INVARIANT"] == "1"
     assert "GRIDSERVE_MAX_NUM_SEQS" not in env
+    default = env_of(main_container(render_chart({}).named("StatefulSet", f"{FULL}-engine-0")))
+    assert "GRIDSERVE_BATCH_INVARIANT" not in default
 
 
 def test_monitoring_objects_target_the_release(render_chart) -> None:

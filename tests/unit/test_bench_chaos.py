@@ -16,6 +16,7 @@ from gridserve.benchmarks.chaos import (
     judge,
     longest_pause,
     make_requests,
+    passed,
     resumed_after,
     stream_faults,
 )
@@ -86,3 +87,17 @@ def test_only_greedy_streams_an_engine_fault_struck_can_fail_the_run():
     verdict = judge(requests, differing, baseline={4: {}})
     assert verdict == {"differing_greedy": [0, 2, 4], "differing_under_fault": [0, 1],
                        "greedy_differing_under_fault": [0]}
+
+
+def test_with_batch_invariant_engines_every_differing_output_fails_the_run():
+    clean = {"failed": 0, "bad_streams": 0, "differing": 0, "baseline_differing": {},
+             "greedy_differing_under_fault": []}
+    seeded_differs = {**clean, "differing": 1}  # a seeded stream, no fault in flight
+    baseline_differs = {**clean, "baseline_differing": {3: {"token": 5, "faults_in_flight": []}}}
+    for report in (clean, seeded_differs, baseline_differs):
+        assert passed(report)  # engines not batch-invariant: only struck greedy streams count
+    assert passed({**clean, "batch_invariant": True})
+    assert not passed({**seeded_differs, "batch_invariant": True})
+    assert not passed({**baseline_differs, "batch_invariant": True})
+    assert not passed({**clean, "greedy_differing_under_fault": [0]})
+    assert not passed({**clean, "failed": 1, "batch_invariant": True})

@@ -172,3 +172,30 @@ def test_a_failed_build_falls_back_under_auto_and_raises_under_cpu(monkeypatch):
     with pytest.raises(RuntimeError, match="did not build"):
         dispatch._impl("paged_attention", torch.ones(1))
     assert dispatch._impl("silu_and_mul", torch.ones(2)) is reference.silu_and_mul
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_all_rows_gives_each_token_the_same_bits_in_prefill_chunks_and_decode(ops, dtype):
+    """Batch-invariant mode: a 40-token prefill, the same sequence as 7 + 33 chunks, and its last
+    token as a decode row next to other rows: bitwise the same per token, and close to SDPA."""
+    query, kv_cache, _, _, block_table = paged_batch([40], [40], 8, 2, 64, dtype=dtype)
+    scale = 64**-0.5
+
+    def attend(first: int, count: int, table=block_table, q=None, qsl=None, lens=None):
+        q = query[first : first + count] if q is None else q
+        qsl = torch.tensor([0, count], dtype=torch.int32) if qsl is None else qsl
+        lens = torch.tensor([first + count], dtype=torch.int32) if lens is None else lens
+        return dispatch.paged_attention(q, kv_cache, qsl, lens, table, scale, batch_invariant=True)
+
+    whole = attend(0, 40)
+    torch.testing.assert_close(whole.float(), reference.paged_attention(
+        query, kv_cache, torch.tensor([0, 40], dtype=torch.int32), torch.tensor([40], dtype=torch.int32),
+        block_table, scale).float(), atol=2e-2 if dtype == torch.bfloat16 else 1e-5, rtol=1e-2)
+    assert torch.equal(torch.cat([attend(0, 7), attend(7, 33)]), whole)
+    # the last token as a decode row between two other sequences' rows (same cache, other tables)
+    table = torch.cat([block_table, block_table, block_table])
+    q = torch.cat([query[:3], query[39:40], query[10:12]])
+    out = attend(0, 0, table, q, torch.tensor([0, 3, 4, 6], dtype=torch.int32),
+                 torch.tensor([3, 40, 12], dtype=torch.int32))
+    assert torch.equal(out[3], whole[39])
+    assert torch.equal(out[:3], whole[:3])
