@@ -148,6 +148,8 @@ def test_int8_weight_runs_the_int16_kernel_on_cpu_and_holds_the_weight_once():
     assert q(x).shape == (2, 3, 100)
     assert ((q(x) - weight_only).norm() / weight_only.norm()).item() < 1e-4  # int16: ~weight-only
     assert not Int8Weight.from_float(w, activation_rows=1).kernel  # q8_0 stays on torch._int_mm
+    moved = Int8Weight.from_float(w).to("meta")  # off the CPU (as .cuda()): plain int8 rows again
+    assert not moved.kernel and moved.qweight.shape == (100, 300) and moved.qweight.dtype == torch.int8
 
 
 def test_int4_weight_uses_group_scales():

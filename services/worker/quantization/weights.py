@@ -78,6 +78,17 @@ class Int8Weight(QuantizedWeight):
         else:
             self.register_buffer("values", qweight.contiguous())  # [out, in] int8
 
+    def _apply(self, fn, recurse=True):
+        """``.to`` / ``.cuda``: a packed weight moved off the CPU goes back to plain int8 rows (the
+        kernel's layout has no reader there; CUDA dequantizes per call)."""
+        super()._apply(fn, recurse)
+        if self.kernel and self.packed.device.type != "cpu":
+            values = int8_gemm.unpack(self.packed, self.out_features, self.in_features)
+            del self._buffers["packed"]
+            self.kernel = False
+            self.register_buffer("values", values)
+        return self
+
     @property
     def qweight(self) -> torch.Tensor:
         """The int8 values [out, in]."""
