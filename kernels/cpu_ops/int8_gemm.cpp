@@ -218,42 +218,79 @@ void run_tile(Isa isa, int rows, const Activations& a, int64_t row0, int64_t kq0
   }
 }
 
+// Hot scalar loops get an AVX2 / AVX-512 clone picked at load time (GCC ifunc), as in
+// paged_attention.cpp; the default clone keeps the library portable.
+#if defined(GS_X86) && !defined(__clang__)
+#define GS_SIMD_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define GS_SIMD_CLONES
+#endif
+
+constexpr int kLanes = 16;  // independent partial maxima: vectorizes without -ffast-math
+
+// One row to int16 (zero-padded to kp) with one symmetric scale; returns the scale.
+GS_SIMD_CLONES float quantize_row(const float* row, int64_t k, int64_t kp, int16_t* out) {
+  float lanes[kLanes] = {};
+  int64_t j = 0;
+  for (; j + kLanes <= k; j += kLanes)
+    for (int l = 0; l < kLanes; ++l) lanes[l] = std::max(lanes[l], std::fabs(row[j + l]));
+  float amax = 0.f;
+  for (int l = 0; l < kLanes; ++l) amax = std::max(amax, lanes[l]);
+  for (; j < k; ++j) amax = std::max(amax, std::fabs(row[j]));
+  const float inv = amax > 0.f ? static_cast<float>(kXMax) / amax : 0.f;
+  // Round to nearest even by the 1.5 * 2^23 trick (|v| <= 32639): vectorizes on any x86, unlike
+  // nearbyint without SSE4.1. The clamp guards against inv's rounding pushing past kXMax.
+  constexpr float kMagic = 12582912.f;
+  for (j = 0; j < k; ++j) {
+    const float v = std::min(std::max(row[j] * inv, -float(kXMax)), float(kXMax));
+    out[j] = static_cast<int16_t>((v + kMagic) - kMagic);
+  }
+  for (; j < kp; ++j) out[j] = 0;
+  return amax / static_cast<float>(kXMax);
+}
+
+// One int16 row to its two int8 digits (v = 256 hi + lo, lo in [-128, 127]) and their sums per
+// K block.
+GS_SIMD_CLONES void split_row(const int16_t* q, int64_t kp, int64_t blocks, int8_t* hi, int8_t* lo,
+                              int32_t* hi_sum, int32_t* lo_sum) {
+  for (int64_t j = 0; j < kp; ++j) {
+    const int32_t h = (static_cast<int32_t>(q[j]) + 128) >> 8;  // floor
+    hi[j] = static_cast<int8_t>(h);
+    lo[j] = static_cast<int8_t>(q[j] - 256 * h);
+  }
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t j0 = b * 4 * kKC, j1 = std::min(kp, j0 + 4 * kKC);
+    int32_t hs = 0, ls = 0;
+    for (int64_t j = j0; j < j1; ++j) {
+      hs += hi[j];
+      ls += lo[j];
+    }
+    hi_sum[b] = hs;
+    lo_sum[b] = ls;
+  }
+}
+
 // Each row to int16 with one symmetric scale (and, for VNNI, to its digit planes and sums).
 Activations quantize_rows(const float* x, int64_t m, int64_t k, Isa isa) {
   Activations a;
   a.kp = (k + 3) / 4 * 4;
   const int64_t blocks = (a.kp / 4 + kKC - 1) / kKC;
   const bool digits = isa == Isa::kAvx512Vnni;
-  a.q.assign(static_cast<size_t>(m * a.kp), 0);
+  a.q.resize(static_cast<size_t>(m * a.kp));
   a.scale.resize(static_cast<size_t>(m));
   if (digits) {
-    a.hi.assign(a.q.size(), 0);
-    a.lo.assign(a.q.size(), 0);
-    a.hi_sum.assign(static_cast<size_t>(m * blocks), 0);
-    a.lo_sum.assign(static_cast<size_t>(m * blocks), 0);
+    a.hi.resize(a.q.size());
+    a.lo.resize(a.q.size());
+    a.hi_sum.resize(static_cast<size_t>(m * blocks));
+    a.lo_sum.resize(static_cast<size_t>(m * blocks));
   }
   at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      const float* row = x + i * k;
-      float amax = 0.f;
-      for (int64_t j = 0; j < k; ++j) amax = std::max(amax, std::fabs(row[j]));
-      const float inv = amax > 0.f ? static_cast<float>(kXMax) / amax : 0.f;
-      a.scale[i] = amax / static_cast<float>(kXMax);
-      int16_t* out = a.q.data() + i * a.kp;
-      for (int64_t j = 0; j < k; ++j) {
-        const float v = std::nearbyint(row[j] * inv);
-        out[j] = static_cast<int16_t>(std::min(std::max(v, -float(kXMax)), float(kXMax)));
-      }
-      if (!digits) continue;
-      int8_t* hi = a.hi.data() + i * a.kp;
-      int8_t* lo = a.lo.data() + i * a.kp;
-      for (int64_t j = 0; j < k; ++j) {
-        const int32_t v = out[j];
-        const int32_t h = (v + 128) >> 8;  // floor: lo = v - 256 h lands in [-128, 127]
-        hi[j] = static_cast<int8_t>(h);
-        lo[j] = static_cast<int8_t>(v - 256 * h);
-        a.hi_sum[i * blocks + j / (4 * kKC)] += h;
-        a.lo_sum[i * blocks + j / (4 * kKC)] += v - 256 * h;
+      int16_t* q = a.q.data() + i * a.kp;
+      a.scale[i] = quantize_row(x + i * k, k, a.kp, q);
+      if (digits) {
+        split_row(q, a.kp, blocks, a.hi.data() + i * a.kp, a.lo.data() + i * a.kp,
+                  a.hi_sum.data() + i * blocks, a.lo_sum.data() + i * blocks);
       }
     }
   });
