@@ -104,7 +104,7 @@ class ModelConfig:
         rows = qc.get("activation_rows", 2)
         if rows not in (1, 2) or isinstance(rows, bool):
             raise ConfigError("model.quantization_config.activation_rows",
-                              f"must be 1 (one int8 row per activation: faster, coarser) or 2, got {rows!r}")
+                              f"must be 1 (int8 activations: faster, coarser) or 2 (16-bit), got {rows!r}")
         group = qc.get("group_size", 128)
         if not isinstance(group, int) or isinstance(group, bool) or group < 1:
             raise ConfigError("model.quantization_config.group_size",

@@ -104,14 +104,23 @@ def test_int8_weight_is_per_output_channel_and_close_to_float():
     assert ((q(x) - exact).norm() / exact.norm()).item() < 0.01
 
 
-def test_int8_cpu_matmul_keeps_activations_exact_enough_to_match_weight_only():
-    """Two int8 rows per activation row: what is left is the weights' rounding alone, so the int8
-    GEMM agrees with the dequantized weight in fp32 far closer than one int8 row per activation."""
+@pytest.mark.parametrize("kernel", [True, False], ids=["int16-kernel", "two-int8-rows"])
+def test_int8_cpu_matmul_keeps_activations_exact_enough_to_match_weight_only(kernel, monkeypatch):
+    """16-bit activations (the int8 x int16 kernel, or without it two int8 rows per activation
+    row): what is left is the weights' rounding alone, so the integer GEMM agrees with the
+    dequantized weight in fp32 far closer than one int8 row per activation."""
+    from gridserve.kernels.cpu_ops import int8_gemm
+
+    if not kernel:
+        monkeypatch.setattr(int8_gemm, "load", lambda: None)  # as where no compiler builds it
+    elif int8_gemm.load() is None:
+        pytest.skip("the C++ int8 GEMM cannot be built here")
     gen = torch.Generator().manual_seed(2)
     w = torch.randn(64, 512, generator=gen) * 0.05
     x = torch.randn(9, 512, generator=gen)
     x[:, 7] *= 40  # an outlier channel, as RMSNorm outputs have: one scale per row coarsens the rest
     q = Int8Weight.from_float(w)
+    assert q.kernel == kernel
     weight_only = x @ q.dequantize().T
     err = ((q(x) - weight_only).norm() / weight_only.norm()).item()
     rows = x.abs().amax(1, keepdim=True) / 127
@@ -120,6 +129,27 @@ def test_int8_cpu_matmul_keeps_activations_exact_enough_to_match_weight_only():
     assert err < 1e-3 and err < err_one_row / 50
     fast = Int8Weight.from_float(w, activation_rows=1)  # the q8_0 scheme, on request
     assert torch.allclose(fast(x), one_row, rtol=1e-4, atol=1e-4)
+
+
+def test_int8_weight_runs_the_int16_kernel_on_cpu_and_holds_the_weight_once():
+    from gridserve.kernels.cpu_ops import int8_gemm
+
+    if int8_gemm.load() is None:
+        pytest.skip("the C++ int8 GEMM cannot be built here")
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(100, 300, generator=gen) * 0.05
+    q = Int8Weight.from_float(w)
+    assert q.kernel and not hasattr(q, "values")
+    assert q.nbytes() == int8_gemm.load().packed_numel(100, 300) + 100 * 4  # packed once + scales
+    reference = Int8Weight.from_float(w, activations=False)  # weight-only: the same int8 values
+    assert torch.equal(q.qweight, reference.qweight)
+    x = torch.randn(2, 3, 300, generator=gen)
+    weight_only = reference(x)
+    assert q(x).shape == (2, 3, 100)
+    assert ((q(x) - weight_only).norm() / weight_only.norm()).item() < 1e-4  # int16: ~weight-only
+    assert not Int8Weight.from_float(w, activation_rows=1).kernel  # q8_0 stays on torch._int_mm
+    moved = Int8Weight.from_float(w).to("meta")  # off the CPU (as .cuda()): plain int8 rows again
+    assert not moved.kernel and moved.qweight.shape == (100, 300) and moved.qweight.dtype == torch.int8
 
 
 def test_int4_weight_uses_group_scales():

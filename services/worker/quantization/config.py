@@ -37,8 +37,9 @@ class QuantizationConfig:
     # and int8 stays weight-only (no activation quantization) when ``activations`` is False.
     only: set[str] | None = None
     activations: bool = True
-    # int8 on CPU: int8 rows per activation row (2: ~15-bit activations, the accuracy of weight-only;
-    # 1: llama.cpp q8_0's scheme, half the GEMM work, coarser).
+    # int8 on CPU: activation precision (2: 16-bit, the int8 x int16 C++ GEMM, or two int8 rows per
+    # activation row without it: the accuracy of weight-only; 1: one int8 row, llama.cpp q8_0's
+    # scheme, faster, coarser).
     activation_rows: int = 2
     _matched: set[str] = field(default_factory=set, repr=False)
 

@@ -4,13 +4,16 @@ A ``QuantizedWeight`` replaces a linear layer's fp32 weight ``W`` [out, in] and 
 ``x @ W.T`` from its packed form:
 
 - ``Int8Weight``: int8 values with one scale per output channel (``W ~ q * s[:, None]``). On CPU
-  the matmul runs on int8 x int8 -> int32 (``torch._int_mm``, ~4x faster than an fp32 GEMM here
-  at decode batch sizes): each activation row is written as two int8 rows, its int8 rounding
-  (one scale per row, symmetric) and the int8 rounding of the remainder, stacked into one GEMM of
-  twice the rows (the weight is still read once) and summed after rescaling. Activations keep ~15
-  bits, so only the weights' rounding is left: the error of weight-only int8. Measured on the
-  trained demo model: one int8 row per activation (llama.cpp's q8_0 scheme) had mean KL 1e-4 and
-  74% free-running greedy agreement with fp32; two rows give KL 2e-5 and 94%, as weight-only.
+  the matmul quantizes each activation row too, to keep the int8 weights in an integer GEMM:
+  - ``activation_rows=2`` (default), 16-bit activations: the C++ int8 x int16 GEMM
+    (``kernels/cpu_ops/int8_gemm.cpp``; each row to int16 with one scale, ~256x finer than int8,
+    so only the weights' rounding is left: the error of weight-only int8). The weight is packed
+    once, here, into the kernel's layout. Without the kernel (no compiler): each activation row
+    as two int8 rows, its int8 rounding and the int8 rounding of the remainder (~15 bits), in one
+    ``torch._int_mm`` of twice the rows. Measured on the trained demo model: mean KL 2e-5 and 94%
+    free-running greedy agreement with fp32, as weight-only.
+  - ``activation_rows=1``: one int8 row per activation (llama.cpp's q8_0 scheme), ``torch._int_mm``:
+    fastest, but 74% greedy agreement (mean KL 1e-4) on the demo model, under the bar.
   fbgemm's dynamic linear (one 7-bit activation scale per call) was rejected earlier: KL 0.22.
   On CUDA, and with ``activations=False`` (``"weight_only": true``, compressed-tensors W8A16
   checkpoints), the weight is dequantized per call.
@@ -28,6 +31,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from gridserve.kernels.cpu_ops import int8_gemm
 
 logger = logging.getLogger(__name__)
 
@@ -49,8 +54,8 @@ class QuantizedWeight(nn.Module, ABC):
 
 
 class Int8Weight(QuantizedWeight):
-    """int8 per-output-channel weight; an int8 GEMM over two-level int8 activations on CPU,
-    weight-only on CUDA."""
+    """int8 per-output-channel weight; on CPU an integer GEMM over quantized activations (int16
+    through the C++ kernel, or int8 rows through ``torch._int_mm``), weight-only on CUDA."""
 
     method = "int8"
 
@@ -60,9 +65,36 @@ class Int8Weight(QuantizedWeight):
     ) -> None:
         super().__init__()
         self.activations = activations  # quantize activation rows too (the fast CPU path)
-        self.activation_rows = activation_rows  # 2: rounding + remainder; 1: rounding only (q8_0)
-        self.register_buffer("qweight", qweight.contiguous())  # [out, in] int8
+        self.activation_rows = activation_rows  # 2: 16-bit activations; 1: int8 (q8_0)
+        self.out_features, self.in_features = qweight.shape
         self.register_buffer("scales", scales.float().contiguous())  # [out]
+        # The C++ int8 x int16 GEMM holds the weight in its own layout (and only there).
+        self.kernel = (
+            activations and activation_rows == 2 and qweight.device.type == "cpu"
+            and int8_gemm.load() is not None
+        )
+        if self.kernel:
+            self.register_buffer("packed", int8_gemm.pack(qweight))
+        else:
+            self.register_buffer("values", qweight.contiguous())  # [out, in] int8
+
+    def _apply(self, fn, recurse=True):
+        """``.to`` / ``.cuda``: a packed weight moved off the CPU goes back to plain int8 rows (the
+        kernel's layout has no reader there; CUDA dequantizes per call)."""
+        super()._apply(fn, recurse)
+        if self.kernel and self.packed.device.type != "cpu":
+            values = int8_gemm.unpack(self.packed, self.out_features, self.in_features)
+            del self._buffers["packed"]
+            self.kernel = False
+            self.register_buffer("values", values)
+        return self
+
+    @property
+    def qweight(self) -> torch.Tensor:
+        """The int8 values [out, in]."""
+        if self.kernel:
+            return int8_gemm.unpack(self.packed, self.out_features, self.in_features)
+        return self.values
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, activations: bool = True,
@@ -73,22 +105,25 @@ class Int8Weight(QuantizedWeight):
         return cls(q, scales, activations, activation_rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (
-            self.qweight.device.type != "cpu" or not self.activations
-        ):  # weight-only, dequantized per call
-            return F.linear(x, self.qweight.to(x.dtype) * self.scales[:, None].to(x.dtype))
         shape = x.shape
+        if self.kernel and x.device.type == "cpu":
+            y = int8_gemm.gemm(x.reshape(-1, shape[-1]).float(), self.packed, self.scales, self.out_features)
+            return y.to(x.dtype).reshape(*shape[:-1], -1)
+        if (
+            self.values.device.type != "cpu" or not self.activations
+        ):  # weight-only, dequantized per call
+            return F.linear(x, self.values.to(x.dtype) * self.scales[:, None].to(x.dtype))
         rows = x.reshape(-1, shape[-1]).float()
         n = rows.shape[0]
-        # Each activation row as two int8 rows: its int8 rounding and the int8 rounding of what
-        # that left over, so activations carry ~15 bits and only the weights' rounding remains.
-        # Both go through one int8 GEMM (2n rows): the weight is read once, as at n rows.
         high, high_scales = _int8_rows(rows)
         if self.activation_rows == 1:
-            acc = torch._int_mm(high, self.qweight.t())
+            acc = torch._int_mm(high, self.values.t())
             return (acc.float() * high_scales * self.scales).to(x.dtype).reshape(*shape[:-1], -1)
+        # No kernel: each activation row as two int8 rows, its int8 rounding and the int8
+        # rounding of what that left over (~15 bits), through one int8 GEMM of 2n rows (the
+        # weight is read once, as at n rows).
         low, low_scales = _int8_rows(rows - high.float() * high_scales)
-        acc = torch._int_mm(torch.cat((high, low)), self.qweight.t())  # [2n, out] int32
+        acc = torch._int_mm(torch.cat((high, low)), self.values.t())  # [2n, out] int32
         y = (acc[:n].float() * high_scales + acc[n:].float() * low_scales) * self.scales
         return y.to(x.dtype).reshape(*shape[:-1], -1)
 

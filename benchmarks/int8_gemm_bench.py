@@ -1,0 +1,114 @@
+"""Micro-benchmark of the int8 x int16 CPU GEMM against fp32 ``F.linear`` and the torch int8 paths.
+
+    python -m gridserve.benchmarks.int8_gemm_bench                      # llama-base shapes, M 1..256
+    python -m gridserve.benchmarks.int8_gemm_bench --rows 64 --repeats 9
+
+Per (M, N, K): median (or with ``--best`` fastest) milliseconds of fp32 ``F.linear``, the C++ kernel (activation quantization
+included), and ``torch._int_mm`` with one int8 row per activation (q8_0) and with two (the torch
+fallback of ``Int8Weight``), their quantization included; and the kernel's speed-up over fp32.
+The calls are interleaved round by round so that load on a shared machine hits them alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+# llama-base (hidden 768, MLP 2048, vocab 32000): fused QKV, o_proj, fused gate/up, down, LM head.
+SHAPES = [(2304, 768), (768, 768), (4096, 768), (768, 2048), (32000, 768)]
+
+
+def _int8_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    scales = (rows.abs().amax(dim=1, keepdim=True) / 127.0).clamp_(min=1e-12)
+    return torch.round(rows / scales).to(torch.int8), scales
+
+
+def _int_mm(x: torch.Tensor, wt: torch.Tensor, sw: torch.Tensor, rows: int) -> torch.Tensor:
+    high, hs = _int8_rows(x)
+    if rows == 1:
+        return torch._int_mm(high, wt).float() * hs * sw
+    low, ls = _int8_rows(x - high.float() * hs)
+    n = x.shape[0]
+    acc = torch._int_mm(torch.cat((high, low)), wt)
+    return (acc[:n].float() * hs + acc[n:].float() * ls) * sw
+
+
+def bench(rows: list[int], shapes: list[tuple[int, int]], repeats: int, best: bool = False,
+          isa_cap: int = 2) -> list[dict]:
+    from gridserve.kernels.cpu_ops import int8_gemm
+
+    gen = torch.Generator().manual_seed(0)
+    results = []
+    for n, k in shapes:
+        w = torch.randn(n, k, generator=gen) * 0.02
+        sw = w.abs().amax(1) / 127
+        q = torch.round(w / sw[:, None]).to(torch.int8)
+        packed, wt = int8_gemm.pack(q), q.t()
+        for m in rows:
+            x = torch.randn(m, k, generator=gen)
+            calls = {
+                "fp32": functools.partial(F.linear, x, w),
+                "kernel": functools.partial(int8_gemm.gemm, x, packed, sw, n, isa_cap=isa_cap),
+            }
+            if m > 16:  # torch._int_mm needs more than 16 rows
+                calls["int_mm_1row"] = functools.partial(_int_mm, x, wt, sw, 1)
+                calls["int_mm_2row"] = functools.partial(_int_mm, x, wt, sw, 2)
+            times: dict[str, list[float]] = {name: [] for name in calls}
+            inner = max(1, int(2e8 // (m * n * k)))  # ~0.1-10 ms per sample
+            for fn in calls.values():
+                fn()  # warm up
+            for _ in range(repeats):
+                for name, fn in calls.items():
+                    start = time.perf_counter()
+                    for _ in range(inner):
+                        fn()
+                    times[name].append((time.perf_counter() - start) / inner * 1e3)
+            row = {"m": m, "n": n, "k": k}
+            pick = min if best else statistics.median
+            row.update({name: pick(t) for name, t in times.items()})
+            row["speedup"] = row["fp32"] / row["kernel"]
+            results.append(row)
+            print(_line(row), flush=True)
+    return results
+
+
+def _line(row: dict) -> str:
+    def ms(key: str) -> str:
+        return f"{row[key]:9.3f}" if key in row else f"{'-':>9}"
+
+    return (f"{row['m']:5d} {row['n']:6d} {row['k']:5d} {ms('fp32')} {ms('kernel')} "
+            f"{ms('int_mm_1row')} {ms('int_mm_2row')} {row['speedup']:7.2f}x")
+
+
+def int8_gemm_isas() -> tuple[str, ...]:
+    from gridserve.kernels.cpu_ops import int8_gemm
+
+    return int8_gemm.ISA_NAMES
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64, 256])
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--best", action="store_true",
+                        help="fastest sample instead of the median (a loaded machine's noise is one-sided)")
+    parser.add_argument("--isa", choices=int8_gemm_isas(), default="avx512-vnni",
+                        help="cap the kernel's instruction set (to time the AVX2 / scalar paths)")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from gridserve.kernels.cpu_ops import int8_gemm
+
+    print(f"kernel ISA: {int8_gemm.isa()} (capped at {args.isa}), torch threads: {torch.get_num_threads()}")
+    print("    M      N     K   fp32 ms kernel ms  1row ms   2row ms  kernel/fp32")
+    bench(args.rows, SHAPES, args.repeats, args.best, int8_gemm.ISA_NAMES.index(args.isa))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,94 @@
+"""int8-weight x int16-activation CPU GEMM (``int8_gemm.cpp``), compiled on first use and cached.
+
+``load()`` builds the extension the first time a worker quantizes a layer on CPU, as the
+paged-attention kernel is built, and returns None (reason logged) when it cannot: no compiler,
+no ninja, a build error. Callers then keep the torch path (two int8 rows per activation through
+``torch._int_mm``). The instruction set is chosen at run time (AVX-512 VNNI, AVX2, else scalar),
+so one build serves every x86 CPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("int8_gemm.cpp")
+ISA_NAMES = ("scalar", "avx2", "avx512-vnni")
+GROUP = 64  # output columns per packed group (the kernel's kGroup)
+
+
+@functools.lru_cache(maxsize=1)
+def load():
+    """The ``torch.ops.gridserve_int8_gemm`` namespace, or None when it cannot be built."""
+    if not _SOURCE.is_file():
+        logger.warning("int8 x int16 CPU GEMM unavailable: %s missing", _SOURCE)
+        return None
+    try:
+        from torch.utils import cpp_extension
+
+        from gridserve.kernels.cpu_ops import _load_built
+
+        start = time.perf_counter()
+        digest = hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:10]
+        name = f"gridserve_cpu_int8_gemm_{digest}"
+        if not _load_built(cpp_extension, name):
+            logger.info("Building the int8 x int16 CPU GEMM (once, then cached)")
+            cpp_extension.load(
+                name=name,
+                sources=[str(_SOURCE)],
+                # No -mavx2 for the whole file: the tiles carry their own target attributes
+                # and are picked at run time, so the library also loads on CPUs without AVX2.
+                extra_cflags=["-O3", "-fopenmp"],
+                extra_ldflags=["-fopenmp"],
+                is_python_module=False,  # registers torch.ops.gridserve_int8_gemm.*
+                verbose=False,
+            )
+    except Exception as exc:  # a missing compiler / ninja or a build error: fall back, don't crash
+        logger.warning("int8 x int16 CPU GEMM unavailable, using torch._int_mm: %s", exc)
+        return None
+    ops = torch.ops.gridserve_int8_gemm
+    logger.info("int8 x int16 CPU GEMM ready (%s, %.2f s)", ISA_NAMES[ops.isa()], time.perf_counter() - start)
+    return ops
+
+
+def isa() -> Optional[str]:
+    """The instruction set the kernel runs on this CPU, or None when it is unavailable."""
+    ops = load()
+    return None if ops is None else ISA_NAMES[ops.isa()]
+
+
+def pack(qweight: torch.Tensor) -> torch.Tensor:
+    """int8 [n, k] -> the kernel's layout (uint8 = value + 128, zero weights padding n to 64s, k to 4s)."""
+    ops = load()
+    n, k = qweight.shape
+    packed = torch.empty(ops.packed_numel(n, k), dtype=torch.uint8)
+    ops.pack(packed, qweight.contiguous())
+    return packed
+
+
+def unpack(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """The int8 [n, k] weight ``pack`` laid out (for checks and the dequantized form)."""
+    quads = (k + 3) // 4
+    groups = packed.reshape(-1, quads, GROUP, 4)  # [g, q, c, t] = w[64 g + c, 4 q + t] + 128
+    w = groups.permute(0, 2, 1, 3).reshape(-1, 4 * quads)[:n, :k]
+    return (w.to(torch.int16) - 128).to(torch.int8)
+
+
+def gemm(
+    x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, n: int,
+    bias: Optional[torch.Tensor] = None, isa_cap: int = 2,
+) -> torch.Tensor:
+    """``(x as int16 rows) @ (packed int8).T * scales (+ bias)`` for float32 ``x`` [m, k] -> [m, n].
+
+    ``isa_cap`` (0 scalar, 1 AVX2, 2 AVX-512 VNNI) caps the instruction set, for tests."""
+    out = torch.empty(x.shape[0], n, dtype=torch.float32)
+    load().gemm(out, x.contiguous(), packed, scales, bias, isa_cap)
+    return out
