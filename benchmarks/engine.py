@@ -165,6 +165,7 @@ def step_overhead(args: argparse.Namespace) -> dict[str, Any]:
             steps.append(_components(wall, {k: v - before[k] for k, v in timers.seconds.items()}))
         timers.remove()
         running = len(scheduler.running)
+        head_alone_ms = _lm_head_matmul_ms(runner.model, len(contexts), shape.hidden)
         profile = _profile_steps(engine, args.profile) if args.profile else None
         kv_bytes = runner.kv_caches[0].element_size()
         weight_bytes = step_model.model_weight_bytes(runner.model)
@@ -187,11 +188,29 @@ def step_overhead(args: argparse.Namespace) -> dict[str, Any]:
         "floor_tok_s": args.batch_size / rows["total"]["floor_ms"] * 1e3,
         "achieved_tok_s": args.batch_size / statistics.median(walls),
         "overhead_split_ms": {k: achieved_ms[k] for k in ("worker_other", "engine")},
+        "lm_head_matmul_alone_ms": head_alone_ms,
         "components": rows,
     }
     if profile is not None:
         results["profile_top_ops"] = profile
     return results
+
+
+def _lm_head_matmul_ms(model: Any, rows: int, hidden: int, repeats: int = 7) -> float:
+    """Median ms of the LM head's matmul alone on ``rows`` random hidden states (the step's shape),
+    to set against the ``lm_head`` time inside the steps."""
+    import torch
+
+    x = torch.randn(rows, hidden)
+    head = model.logits_head
+    with torch.inference_mode():
+        head.matmul(x)
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            head.matmul(x)
+            times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
 
 
 def _profile_steps(engine: Any, top: int, steps: int = 3) -> list[dict[str, Any]]:

@@ -1,8 +1,8 @@
 """A decode-step model of this machine: what one step must read and compute, and the floor that sets.
 
 ``probe`` measures, at the start of a run, the machine's streaming read bandwidth (a sum over a
-buffer twice the size of a large L3) and its GEMM rate at the step's shapes (fp32, and int8 when
-the weights are int8; the operands stay in cache, so this is the compute rate). ``step_costs``
+buffer larger than a 260 MB L3) and its GEMM rate at the step's shapes (fp32, and int8 when the
+weights are int8; the operands stay in cache, so this is the compute rate). ``step_costs``
 counts, for one decode step of a Llama-shaped decoder, the bytes each component must read and the
 FLOPs it must do:
 
@@ -21,7 +21,6 @@ A component's floor is ``max(bytes / bandwidth, flops / gemm rate)``; the step's
 
 from __future__ import annotations
 
-import statistics
 import time
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -143,38 +142,46 @@ def weights_kind(model: Any) -> str:
     return {4: "fp32", 2: "16-bit"}.get(next(model.parameters()).element_size(), "float")
 
 
-def _seconds(fn: Any, repeats: int, pick: Any = statistics.median) -> float:
-    """``pick`` (median, min) of ``repeats`` timed calls of ``fn`` after one warm-up call."""
+def _seconds(fn: Any, repeats: int, clock: Any = time.perf_counter) -> float:
+    """The fastest of ``repeats`` timed calls of ``fn`` (after one warm-up call) by ``clock``."""
     fn()
     times = []
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = clock()
         fn()
-        times.append(time.perf_counter() - start)
-    return pick(times)
+        times.append(clock() - start)
+    return min(times)
 
 
 def probe(batch: int, hidden: int, int8: bool = False, buffer_bytes: int = 512 << 20,
           repeats: int = 5) -> Machine:
-    """Measure read bandwidth (sum of a ``buffer_bytes`` fp32 tensor; best of ``repeats``) and the
-    GEMM rate at ``[batch, hidden] x [hidden, hidden]`` (operands in cache; best of 21 calls)."""
+    """Measure read bandwidth (``sum`` of a ``buffer_bytes`` fp32 tensor on every thread; the fastest
+    of ``repeats``, wall time) and the GEMM rate at ``[batch, hidden] x [hidden, hidden]`` (operands
+    in cache): one thread's rate by its CPU time, times the thread count, so that other processes
+    taking turns on the cores (a shared machine) do not lower it."""
     import torch
     import torch.nn.functional as F
 
     buffer = torch.ones(buffer_bytes // 4, dtype=torch.float32)
-    bandwidth = buffer_bytes / _seconds(buffer.sum, repeats, min)
+    bandwidth = buffer_bytes / _seconds(buffer.sum, repeats)
     del buffer
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(max(batch, 1), hidden, generator=gen)
     w = torch.randn(hidden, hidden, generator=gen)
-    flops = 2.0 * x.shape[0] * hidden * hidden
-    gemm_fp32 = flops / _seconds(lambda: F.linear(x, w), 21, min)
-    gemm_int8 = None
-    if int8:
-        rows = max(32, (2 * batch + 7) // 8 * 8)  # torch._int_mm wants M > 16 (the CPU int8 path uses 2B rows)
-        xi = torch.randint(-127, 128, (rows, hidden), dtype=torch.int8, generator=gen)
-        wi = torch.randint(-127, 128, (hidden, hidden), dtype=torch.int8, generator=gen)
-        gemm_int8 = 2.0 * rows * hidden * hidden / _seconds(lambda: torch._int_mm(xi, wi), 21, min)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        gemm_fp32 = threads * 2.0 * x.shape[0] * hidden * hidden / _seconds(
+            lambda: F.linear(x, w), 21, time.thread_time)
+        gemm_int8 = None
+        if int8:
+            rows = max(32, (2 * batch + 7) // 8 * 8)  # torch._int_mm wants M > 16; the CPU int8 path uses 2B rows
+            xi = torch.randint(-127, 128, (rows, hidden), dtype=torch.int8, generator=gen)
+            wi = torch.randint(-127, 128, (hidden, hidden), dtype=torch.int8, generator=gen)
+            gemm_int8 = threads * 2.0 * rows * hidden * hidden / _seconds(
+                lambda: torch._int_mm(xi, wi), 21, time.thread_time)
+    finally:
+        torch.set_num_threads(threads)
     return Machine(bandwidth=bandwidth, gemm_fp32=gemm_fp32, gemm_int8=gemm_int8)
 
 
