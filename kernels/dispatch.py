@@ -8,6 +8,7 @@ cannot be built).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -53,18 +54,26 @@ SERIAL_CPU_OPS = frozenset({"rms_norm", "fused_add_rms_norm", "rotary_embedding"
                             "reshape_and_cache"})
 
 
+@contextlib.contextmanager
+def one_thread():
+    """Run the block's torch CPU ops on one thread (small ops: see ``SERIAL_CPU_OPS``)."""
+    threads = torch.get_num_threads()
+    if threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 @functools.cache
 def _one_thread(fn):
     @functools.wraps(fn)
     def serial(*args, **kwargs):
-        threads = torch.get_num_threads()
-        if threads == 1:
+        with one_thread():
             return fn(*args, **kwargs)
-        torch.set_num_threads(1)
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            torch.set_num_threads(threads)
     return serial
 
 
