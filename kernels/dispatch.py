@@ -48,10 +48,12 @@ def _cpu_kernel(name: str, mode: str):
 # elementwise passes, and each pass on several threads is an OpenMP region that waits for its
 # slowest thread: on a machine whose cores other processes share (the engine, gateway and Envoy
 # beside the worker), a thread that is descheduled holds the region for a time slice. Measured in
-# one engine run at batch 64, alternating steps, load ~7 on 2 cores: the step took 5.5 s with these
-# ops on 2 threads and 1.55 s on one. Results are the same (the reductions split over rows).
+# engine runs at batch 64, alternating steps, load ~7 on 2 cores: 5.5 s per step with these ops on
+# 2 threads against 1.55 s on one in one run, 825 against 826 ms in another (a different mix of
+# other processes). Results are the same bits (the reductions split over rows, not within one).
 SERIAL_CPU_OPS = frozenset({"rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul",
                             "reshape_and_cache"})
+SERIAL_MAX_ELEMENTS = 1 << 20  # e.g. SiLU-and-mul of 256 tokens x 2 x 2,048
 
 
 @contextlib.contextmanager
@@ -78,9 +80,12 @@ def _one_thread(fn):
 
 
 def _serial_impl(name: str, tensor: torch.Tensor):
-    """``_impl``'s choice, on one thread for CPU tensors (``SERIAL_CPU_OPS``)."""
+    """``_impl``'s choice, on one thread for CPU tensors (``SERIAL_CPU_OPS``) of up to
+    ``SERIAL_MAX_ELEMENTS`` (a decode step's; a long prefill chunk keeps every thread)."""
     fn = _impl(name, tensor)
-    return _one_thread(fn) if tensor.device.type == "cpu" and name in SERIAL_CPU_OPS else fn
+    if tensor.device.type == "cpu" and name in SERIAL_CPU_OPS and tensor.numel() <= SERIAL_MAX_ELEMENTS:
+        return _one_thread(fn)
+    return fn
 
 
 def _impl(name: str, tensor: torch.Tensor):

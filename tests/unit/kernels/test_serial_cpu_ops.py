@@ -47,3 +47,10 @@ def test_serial_ops_run_on_one_thread_and_restore_the_count(two_threads):
         dispatch._one_thread(probe)(torch.zeros(1))
     assert seen == [1] and torch.get_num_threads() == 2
     assert "rms_norm" in dispatch.SERIAL_CPU_OPS and "paged_attention" not in dispatch.SERIAL_CPU_OPS
+
+
+def test_only_decode_sized_tensors_go_to_one_thread():
+    small = torch.zeros(256, 768)
+    large = torch.zeros(2048, 768)  # a prefill chunk
+    assert dispatch._serial_impl("rms_norm", small) is dispatch._one_thread(reference.rms_norm)
+    assert dispatch._serial_impl("rms_norm", large) is reference.rms_norm
