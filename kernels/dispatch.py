@@ -53,7 +53,8 @@ def _cpu_kernel(name: str, mode: str):
 # other processes). Results are the same bits (the reductions split over rows, not within one).
 SERIAL_CPU_OPS = frozenset({"rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul",
                             "reshape_and_cache"})
-SERIAL_MAX_ELEMENTS = 1 << 20  # e.g. SiLU-and-mul of 256 tokens x 2 x 2,048
+# e.g. SiLU-and-mul of 256 tokens x 2 x 2,048; GRIDSERVE_SERIAL_MAX_ELEMENTS=0 turns this off
+SERIAL_MAX_ELEMENTS = int(os.environ.get("GRIDSERVE_SERIAL_MAX_ELEMENTS", 1 << 20))
 
 
 @contextlib.contextmanager
