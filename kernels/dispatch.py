@@ -8,6 +8,7 @@ cannot be built).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -43,6 +44,51 @@ def _cpu_kernel(name: str, mode: str):
     return getattr(cpu_ops, name)
 
 
+# Ops that touch only O(tokens x hidden) elements: on CPU they run on one thread. Each is a few
+# elementwise passes, and each pass on several threads is an OpenMP region that waits for its
+# slowest thread: on a machine whose cores other processes share (the engine, gateway and Envoy
+# beside the worker), a thread that is descheduled holds the region for a time slice. Measured in
+# engine runs at batch 64, alternating steps, load ~7 on 2 cores: 5.5 s per step with these ops on
+# 2 threads against 1.55 s on one in one run, 825 against 826 ms in another (a different mix of
+# other processes). Results are the same bits (the reductions split over rows, not within one).
+SERIAL_CPU_OPS = frozenset({"rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul",
+                            "reshape_and_cache"})
+# e.g. SiLU-and-mul of 256 tokens x 2 x 2,048; GRIDSERVE_SERIAL_MAX_ELEMENTS=0 turns this off
+SERIAL_MAX_ELEMENTS = int(os.environ.get("GRIDSERVE_SERIAL_MAX_ELEMENTS", 1 << 20))
+
+
+@contextlib.contextmanager
+def one_thread():
+    """Run the block's torch CPU ops on one thread (small ops: see ``SERIAL_CPU_OPS``)."""
+    threads = torch.get_num_threads()
+    if threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+@functools.cache
+def _one_thread(fn):
+    @functools.wraps(fn)
+    def serial(*args, **kwargs):
+        with one_thread():
+            return fn(*args, **kwargs)
+    return serial
+
+
+def _serial_impl(name: str, tensor: torch.Tensor):
+    """``_impl``'s choice, on one thread for CPU tensors (``SERIAL_CPU_OPS``) of up to
+    ``SERIAL_MAX_ELEMENTS`` (a decode step's; a long prefill chunk keeps every thread)."""
+    fn = _impl(name, tensor)
+    if tensor.device.type == "cpu" and name in SERIAL_CPU_OPS and tensor.numel() <= SERIAL_MAX_ELEMENTS:
+        return _one_thread(fn)
+    return fn
+
+
 def _impl(name: str, tensor: torch.Tensor):
     mode = os.environ.get("GRIDSERVE_KERNELS", "auto")
     if mode != "reference" and (tensor.is_cuda or mode == "triton"):
@@ -70,7 +116,7 @@ def prepare(device: torch.device) -> None:
 
 def reshape_and_cache(key, value, kv_cache, slot_mapping, k_scale=1.0, v_scale=1.0) -> None:
     """K/V into their cache slots; an fp8 cache stores ``key / k_scale`` and ``value / v_scale``."""
-    return _impl("reshape_and_cache", key)(key, value, kv_cache, slot_mapping, k_scale, v_scale)
+    return _serial_impl("reshape_and_cache", key)(key, value, kv_cache, slot_mapping, k_scale, v_scale)
 
 
 def paged_attention(query, kv_cache, query_start_loc, seq_lens, block_table, scale, max_query_len=None,
@@ -101,16 +147,16 @@ def _batch_invariant_attention(query, kv_cache, query_start_loc, seq_lens, block
 
 
 def rms_norm(x, weight, eps):
-    return _impl("rms_norm", x)(x, weight, eps)
+    return _serial_impl("rms_norm", x)(x, weight, eps)
 
 
 def fused_add_rms_norm(x, residual, weight, eps):
-    return _impl("fused_add_rms_norm", x)(x, residual, weight, eps)
+    return _serial_impl("fused_add_rms_norm", x)(x, residual, weight, eps)
 
 
 def rotary_embedding(positions, query, key, cos_sin_cache, is_neox=True):
-    return _impl("rotary_embedding", query)(positions, query, key, cos_sin_cache, is_neox)
+    return _serial_impl("rotary_embedding", query)(positions, query, key, cos_sin_cache, is_neox)
 
 
 def silu_and_mul(x):
-    return _impl("silu_and_mul", x)(x)
+    return _serial_impl("silu_and_mul", x)(x)

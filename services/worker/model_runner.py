@@ -16,6 +16,7 @@ from typing import Optional
 
 import torch
 
+from gridserve.kernels.dispatch import one_thread
 from gridserve.services.worker import batch_invariant
 from gridserve.services.worker.attention import AttentionMetadata
 from gridserve.services.worker.encoder_cache import EncoderCache, ImageRows
@@ -144,7 +145,8 @@ class ModelRunner:
         self._update_states(sched)
         if sched.is_empty or all(r in self.failures.rejected for r in sched.num_scheduled_tokens):
             return ModelRunnerOutput() if self.is_driver else None
-        inputs = self._prepare_inputs(sched)
+        with one_thread():  # small tensors: no OpenMP region to wait on a descheduled thread
+            inputs = self._prepare_inputs(sched)
         hidden = self._forward(inputs)
         if hidden is None:  # not the last pipeline stage: the activations went to the next one
             return None
@@ -157,7 +159,8 @@ class ModelRunner:
             return None
         if self.structured_output is not None and self.structured_output.has_requests:
             self.structured_output.apply_bitmask(logits, inputs.sampling_req_ids)
-        meta = self._sampling_metadata(inputs.sampling_req_ids, logits.shape[-1])
+        with one_thread():
+            meta = self._sampling_metadata(inputs.sampling_req_ids, logits.shape[-1])
         sampled, logprobs = self.sampler(logits, meta)
         tokens = self._keep_samples(inputs.sampling_req_ids, sampled)
         if self.structured_output is not None and self.structured_output.has_requests:

@@ -19,6 +19,7 @@ from typing import Optional
 
 import torch
 
+from gridserve.kernels.dispatch import one_thread
 from gridserve.shared.scheduler_output import TokenLogprobs
 
 _NEG_INF = float("-inf")
@@ -64,7 +65,7 @@ class Sampler:
         raw_logprobs = torch.log_softmax(logits, dim=-1) if meta.max_num_logprobs is not None else None
         logits = self.process_logits(logits, meta)
         if meta.all_greedy:
-            sampled = logits.argmax(dim=-1)
+            sampled = greedy_argmax(logits)
         else:
             sampled = self._sample(logits, meta)
         logprobs = self._gather_logprobs(raw_logprobs, sampled, meta) if raw_logprobs is not None else []
@@ -86,18 +87,28 @@ class Sampler:
         return logits
 
     def _sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """Greedy rows take their argmax; only the random rows go through the full-vocabulary passes
+        (temperature, min-p, top-k / top-p, softmax, CDF), each a row-wise operation."""
         greedy = meta.temperature == 0
-        greedy_tokens = logits.argmax(dim=-1)
-        temperature = torch.where(greedy, torch.ones_like(meta.temperature), meta.temperature)
+        if not bool(greedy.any()):
+            return self._sample_random(logits, meta.temperature, meta.min_p, meta.top_k, meta.top_p,
+                                       meta.uniforms, meta)
+        sampled = greedy_argmax(logits)
+        rows = (~greedy).nonzero().squeeze(1)
+        sampled[rows] = self._sample_random(logits[rows], meta.temperature[rows], meta.min_p[rows],
+                                            meta.top_k[rows], meta.top_p[rows], meta.uniforms[rows], meta)
+        return sampled
+
+    @staticmethod
+    def _sample_random(logits, temperature, min_p, top_k, top_p, uniforms, meta: SamplingMetadata):
         logits = logits / temperature.unsqueeze(1)
         if meta.need_min_p:
             probs = logits.softmax(dim=-1)
-            threshold = probs.amax(dim=-1, keepdim=True) * meta.min_p.unsqueeze(1)
+            threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
             logits = logits.masked_fill(probs < threshold, _NEG_INF)
         if meta.need_top_k_top_p:
-            logits = apply_top_k_top_p(logits, meta.top_k, meta.top_p)
-        random_tokens = inverse_cdf_sample(logits.softmax(dim=-1), meta.uniforms)
-        return torch.where(greedy, greedy_tokens, random_tokens)
+            logits = apply_top_k_top_p(logits, top_k, top_p)
+        return inverse_cdf_sample(logits.softmax(dim=-1), uniforms)
 
     @staticmethod
     def _gather_logprobs(logprobs: torch.Tensor, sampled: torch.Tensor, meta: SamplingMetadata) -> list:
@@ -119,6 +130,33 @@ def counter_uniform(seed: int, index: int) -> float:
     """A uniform in (0, 1) that depends only on ``(seed, index)``: 53 bits of a SplitMix64 hash."""
     x = _splitmix64((seed & _MASK64) ^ _splitmix64(index & _MASK64))
     return ((x >> 11) + 0.5) / float(1 << 53)
+
+
+_ARGMAX_CHUNK = 128
+
+
+def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(dim=-1)`` (the first maximal index, NaN counting as maximal), computed as the
+    argmax of per-chunk maxima and then the argmax inside the winning chunk: ``amax`` is vectorized
+    where torch's CPU ``argmax`` walks the row element by element (~6x slower over 32,000 columns)."""
+    rows, vocab = logits.shape
+    if vocab < 4 * _ARGMAX_CHUNK or logits.stride(-1) != 1 or logits.device.type != "cpu":
+        return logits.argmax(dim=-1)
+    with one_thread():  # a few MB: not worth an OpenMP region that may wait for a descheduled thread
+        return _chunked_argmax(logits)
+
+
+def _chunked_argmax(logits: torch.Tensor) -> torch.Tensor:
+    rows, vocab = logits.shape
+    k = _ARGMAX_CHUNK
+    full = vocab // k
+    chunk_max = logits.as_strided((rows, full, k), (logits.stride(0), k, 1)).amax(dim=-1)
+    if full * k < vocab:  # the tail, a shorter last chunk
+        chunk_max = torch.cat([chunk_max, logits[:, full * k :].amax(dim=-1, keepdim=True)], dim=1)
+    start = chunk_max.argmax(dim=-1) * k  # the first chunk holding the row's maximum
+    # the last chunk may be shorter: its window repeats column vocab - 1, after every real column
+    window = (start.unsqueeze(1) + torch.arange(k, device=logits.device)).clamp_(max=vocab - 1)
+    return start + logits.gather(1, window).argmax(dim=-1)
 
 
 def inverse_cdf_sample(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:

@@ -155,3 +155,54 @@ def test_seeded_rows_draw_the_same_token_in_any_batch():
         uniforms[batch // 2] = u
         sampled, _ = Sampler()(logits, _meta(batch, uniforms=uniforms))
         assert sampled[batch // 2] == alone[0]
+
+
+# ---- the fast paths give the same tokens as the full-vocabulary passes ------------------------------
+@pytest.mark.parametrize("vocab", [7, 511, 512, 32000, 32003])
+def test_greedy_argmax_is_torch_argmax_with_ties_nan_and_masked_rows(vocab):
+    from gridserve.services.worker.sampler import greedy_argmax
+
+    logits = torch.randn(9, vocab, generator=torch.Generator().manual_seed(vocab))
+    logits[1, vocab // 3] = logits[1, vocab - 1] = 50.0  # a tie: the first index wins
+    logits[2] = float("-inf")  # every token banned
+    logits[3, vocab // 2] = float("nan")  # NaN counts as the maximum
+    logits[4, -1] = 60.0  # the maximum in the (possibly short) last chunk
+    logits[5] = 0.0  # all equal
+    logits[6, 0] = -0.0
+    logits[6, 1:] = -1.0
+    assert torch.equal(greedy_argmax(logits), logits.argmax(dim=-1))
+    wide = torch.randn(4, 2 * vocab)[:, ::2]  # not contiguous: torch's own argmax
+    assert torch.equal(greedy_argmax(wide), wide.argmax(dim=-1))
+
+
+def _old_sample(logits, meta):
+    """The sampler's formula before greedy rows left the full-vocabulary passes: whole batch, greedy
+    rows at temperature 1, then ``where``."""
+    from gridserve.services.worker.sampler import apply_top_k_top_p
+
+    greedy = meta.temperature == 0
+    greedy_tokens = logits.argmax(dim=-1)
+    logits = logits / torch.where(greedy, torch.ones_like(meta.temperature), meta.temperature).unsqueeze(1)
+    if meta.need_min_p:
+        probs = logits.softmax(dim=-1)
+        logits = logits.masked_fill(probs < probs.amax(dim=-1, keepdim=True) * meta.min_p.unsqueeze(1),
+                                    float("-inf"))
+    if meta.need_top_k_top_p:
+        logits = apply_top_k_top_p(logits, meta.top_k, meta.top_p)
+    return torch.where(greedy, greedy_tokens, inverse_cdf_sample(logits.softmax(dim=-1), meta.uniforms))
+
+
+@pytest.mark.parametrize("greedy_rows", [[], [0], [1, 4, 5], list(range(7))])
+def test_mixed_batches_sample_exactly_as_the_whole_batch_formula(greedy_rows):
+    gen = torch.Generator().manual_seed(7)
+    rows, vocab = 8, 1000
+    logits = torch.randn(rows, vocab, generator=gen) * 3
+    meta = _meta(rows, uniforms=torch.rand(rows, dtype=torch.float64, generator=gen))
+    meta.temperature = torch.rand(rows, generator=gen) + 0.5
+    meta.temperature[greedy_rows] = 0.0
+    meta.top_p = torch.rand(rows, generator=gen) * 0.5 + 0.5
+    meta.top_k = torch.randint(1, vocab + 1, (rows,), generator=gen)
+    meta.min_p = torch.rand(rows, generator=gen) * 0.1
+    meta.need_top_k_top_p = meta.need_min_p = True
+    sampled, _ = Sampler()(logits.clone(), meta)
+    assert torch.equal(sampled, _old_sample(logits.clone(), meta))
