@@ -148,12 +148,13 @@ def run(args: argparse.Namespace) -> int:
     started_at, load_before = _now(), _load_avg()
     results = [_run_variant(v, setup, args) for v in variants]
     tokens = {r["variant"]["name"]: r["greedy_tokens"] for r in results if r.get("greedy_tokens")}
+    fp32 = [v.name for v in variants if v.pair == "fp32"]  # the same weights: the tokens must agree
     w = _workload(setup.requests)
     report = {"benchmark": "peer", "model": str(setup.model), "workload": w, "started_at": started_at,
               "finished_at": _now(), "load_avg": [load_before, _load_avg()], "log_dir": str(setup.log_dir),
               "host": {"machine": platform.machine(), "cpu_count": os.cpu_count(), "platform": platform.platform()},
               "config": {k: v for k, v in vars(args).items() if not callable(v)},
-              "variants": results, "pairs": pair_ratios(results), "greedy": greedy_agreement(tokens)}
+              "variants": results, "pairs": pair_ratios(results), "greedy": greedy_agreement(tokens, compare=fp32)}
     print(f"\nW: {w['num_prompts']} requests at once, prompts {w['input_lens'][0]}-{w['input_lens'][1]}, "
           f"outputs {w['output_lens'][0]}-{w['output_lens'][1]} (ignore_eos); {setup.model}; "
           f"load average {load_before:.2f} -> {_load_avg():.2f}")

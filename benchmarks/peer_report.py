@@ -133,15 +133,16 @@ def pair_ratios(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
-def greedy_agreement(tokens: dict[str, list[list[int]]], reference: str = "gridserve-fp32") -> dict[str, Any]:
-    """For every variant with greedy tokens but ``reference``: how many of the prompts gave exactly
-    ``reference``'s tokens, and where the first difference of each other one is."""
+def greedy_agreement(tokens: dict[str, list[list[int]]], reference: str = "gridserve-fp32",
+                     compare: Optional[Sequence[str]] = None) -> dict[str, Any]:
+    """For every variant of ``compare`` (default: all) with greedy tokens, ``reference`` aside: how
+    many of the prompts gave exactly ``reference``'s tokens, and where each other one first differs."""
     ref = tokens.get(reference)
     out: dict[str, Any] = {"reference": reference, "prompts": len(ref) if ref else 0, "variants": {}}
     if not ref:
         return out
     for name, theirs in tokens.items():
-        if name == reference:
+        if name == reference or (compare is not None and name not in compare):
             continue
         same = sum(a == b for a, b in zip(ref, theirs))
         first_diff = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))

@@ -126,6 +126,8 @@ def test_greedy_agreement_counts_identical_prompts_and_first_differences():
     assert agreement["variants"]["lcpp-f32-np64"] == {"identical": 2, "of": 3, "first_difference_at": [1]}
     assert agreement["variants"]["lcpp-f32-np256"]["identical"] == 3
     assert "lcpp-f32-np64 2/3, lcpp-f32-np256 3/3" in greedy_line(agreement)
+    only = greedy_agreement({**tokens, "gridserve-int8": [[0]] * 3}, compare=["lcpp-f32-np256"])
+    assert list(only["variants"]) == ["lcpp-f32-np256"]
     assert "not checked" in greedy_line(greedy_agreement({"lcpp-f32-np64": [[1]]}))
 
 
