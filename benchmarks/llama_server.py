@@ -97,6 +97,9 @@ def ensure_gguf(model_dir: Path, outtype: str, work_dir: Path, scripts: Path) ->
     _run_script([str(scripts / "convert.sh"), str(work_dir), str(model_dir), str(partial), outtype],
                 out.with_suffix(".convert.log"), CONVERT_TIMEOUT_S, f"converting {model_dir.name} to GGUF {outtype}")
     partial.replace(out)
+    converter_log = partial.with_name(partial.name + ".log")  # convert.sh's own log, beside its output
+    if converter_log.is_file():
+        converter_log.replace(out.with_name(out.name + ".log"))
     return out
 
 
