@@ -106,18 +106,18 @@ def ensure_gguf(model_dir: Path, outtype: str, work_dir: Path, scripts: Path) ->
 class LlamaServer:
     """One ``llama-server`` on a free loopback port: ``slots`` parallel sequences (``-np``) with
     continuous batching, ``ctx_per_slot`` tokens of context each, a ``kv_type`` KV cache, all of
-    the machine's cores unless ``threads``. ``start()`` waits until ``GET /health`` answers 200;
+    the machine's cores unless ``threads``, then ``extra_args`` (e.g. ``-fa off``). ``start()`` waits until ``GET /health`` answers 200;
     ``stop()`` sends SIGTERM, then SIGKILL after ``grace_s``. A context manager."""
 
     def __init__(self, binary: Path, gguf: Path, slots: int, *, ctx_per_slot: int = 512, kv_type: str = "f16",
                  threads: Optional[int] = None, log_path: Optional[Path] = None, host: str = "127.0.0.1",
-                 grace_s: float = 10.0) -> None:
+                 grace_s: float = 10.0, extra_args: tuple[str, ...] = ()) -> None:
         from gridserve.launcher import free_port
 
         self.binary, self.gguf, self.slots, self.host = binary, gguf, slots, host
         self.ctx_per_slot, self.kv_type = ctx_per_slot, kv_type
         self.threads = threads or os.cpu_count() or 1
-        self.log_path, self.grace_s = log_path, grace_s
+        self.log_path, self.grace_s, self.extra_args = log_path, grace_s, tuple(extra_args)
         self.port = free_port(host)
         self.process: Optional[subprocess.Popen] = None
         self._log: Optional[IO] = None
@@ -129,7 +129,7 @@ class LlamaServer:
     def argv(self) -> list[str]:
         return [str(self.binary), "-m", str(self.gguf), "--host", self.host, "--port", str(self.port),
                 "-np", str(self.slots), "-c", str(self.slots * self.ctx_per_slot), "-t", str(self.threads),
-                "-ctk", self.kv_type, "-ctv", self.kv_type, "-cb"]
+                "-ctk", self.kv_type, "-ctv", self.kv_type, "-cb", *self.extra_args]
 
     def start(self, timeout_s: float = 600.0) -> LlamaServer:
         if self.log_path is not None:

@@ -77,6 +77,7 @@ logger = logging.getLogger(__name__)
 GREEDY_SEED = 424242
 GREEDY_PROMPT_LEN = 32
 GREEDY_TIMEOUT_S = 300.0
+GREEDY_FP32 = "lcpp-f32-kvf32-nofa-np1"  # llama.cpp entirely in fp32: the greedy check's peer
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -148,7 +149,8 @@ def run(args: argparse.Namespace) -> int:
     started_at, load_before = _now(), _load_avg()
     results = [_run_variant(v, setup, args) for v in variants]
     tokens = {r["variant"]["name"]: r["greedy_tokens"] for r in results if r.get("greedy_tokens")}
-    fp32 = [v.name for v in variants if v.pair == "fp32"]  # the same weights: the tokens must agree
+    tokens |= _fp32_greedy(setup, args)
+    fp32 = [GREEDY_FP32, *(v.name for v in variants if v.pair == "fp32")]  # f32 weights: the tokens must agree
     w = _workload(setup.requests)
     report = {"benchmark": "peer", "model": str(setup.model), "workload": w, "started_at": started_at,
               "finished_at": _now(), "load_avg": [load_before, _load_avg()], "log_dir": str(setup.log_dir),
@@ -230,6 +232,23 @@ def _run_variant(variant: Variant, setup: PeerSetup, args: argparse.Namespace) -
         logger.error("variant %s failed: %s", variant.name, exc)
         record["error"] = f"{type(exc).__name__}: {exc}"
     return record
+
+
+def _fp32_greedy(setup: PeerSetup, args: argparse.Namespace) -> dict[str, list[list[int]]]:
+    """Greedy tokens from llama-server entirely in fp32, when the f32 GGUF is at hand: f32 weights
+    and KV cache, flash attention off, one slot. The variants run llama.cpp as users do (f16 KV
+    cache, flash attention on by default on CPU), whose rounding flips near-ties of the logits (on
+    the recipe's base model, top-2 gaps of 0.02 were seen to flip), so exactness is checked here."""
+    if not (setup.greedy_requests and setup.ggufs and "f32" in setup.ggufs):
+        return {}
+    try:
+        with LlamaServer(setup.llama_server, setup.ggufs["f32"], 1, ctx_per_slot=args.ctx_per_slot, kv_type="f32",
+                         threads=args.threads, log_path=setup.log_dir / f"{GREEDY_FP32}.log",
+                         extra_args=("-fa", "off")) as server:
+            return {GREEDY_FP32: llama_cpp_greedy(server.url, setup.greedy_requests)}
+    except (GridserveError, RuntimeError, OSError, ValueError, KeyError) as exc:
+        logger.error("the fp32 greedy check on llama.cpp failed: %s", exc)
+        return {}
 
 
 def cpu_by_role(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]], wall_s: float,

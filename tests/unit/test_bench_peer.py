@@ -224,6 +224,8 @@ def test_llama_server_argv_sizes_the_context_by_slots(tmp_path):
     argv = server.argv()
     assert argv[:3] == ["/bin/llama-server", "-m", "m.gguf"]
     assert argv[-1] == "-cb"  # continuous batching
+    with_extra = LlamaServer(Path("/bin/llama-server"), Path("m.gguf"), 1, extra_args=("-fa", "off")).argv()
+    assert with_extra[-3:] == ["-cb", "-fa", "off"]
     flags = dict(zip(argv[3:-1:2], argv[4:-1:2]))
     assert flags["--host"] == "127.0.0.1" and int(flags["--port"]) == server.port
     assert (flags["-np"], flags["-c"], flags["-t"], flags["-ctk"], flags["-ctv"]) == ("64", "32768", "2", "f32", "f32")
@@ -268,7 +270,9 @@ def test_bench_peer_runs_each_variant_with_probe_greedy_tokens_and_cpu(tmp_path,
             assert sock.connect_ex(("127.0.0.1", port)) != 0
     started = [json.loads(line) for line in argv_log.read_text().splitlines()]
     assert [(a[a.index("-np") + 1], a[a.index("-ctk") + 1], Path(a[a.index("-m") + 1]).name) for a in started] == [
-        ("4", "f16", f"{llama_tiny.name}-f32.gguf"), ("8", "f32", f"{llama_tiny.name}-q8_0.gguf")]
+        ("4", "f16", f"{llama_tiny.name}-f32.gguf"), ("8", "f32", f"{llama_tiny.name}-q8_0.gguf"),
+        ("1", "f32", f"{llama_tiny.name}-f32.gguf")]  # the greedy check: llama.cpp entirely in fp32
+    assert started[2][-2:] == ["-fa", "off"]
     (fp32, int8) = report["pairs"]
     assert fp32["llama_cpp_best"] == "lcpp-f32-np4" and fp32["ratio"] is None  # no gridserve variant ran
     assert report["greedy"]["prompts"] == 0
@@ -284,3 +288,37 @@ def test_bench_peer_rejects_bad_settings_before_starting_anything(tmp_path, llam
         assert main(argv) == 2
         assert field in capsys.readouterr().err
     assert not (tmp_path / "x.json").exists()
+
+
+def test_greedy_tokens_are_compared_with_gridserve_fp32s(tmp_path, llama_tiny, monkeypatch):
+    """gridserve's server replaced by another stand-in (same greedy tokens): the fp32 pair's ratio
+    and the greedy agreement of llama.cpp's f32 variant and of the all-fp32 check server."""
+    import contextlib
+
+    from gridserve.benchmarks import peer
+
+    @contextlib.contextmanager
+    def fake_gridserve(variant, setup, args):
+        with LlamaServer(_fake_llama_server(tmp_path), llama_tiny, 1, log_path=tmp_path / "gs.log") as server:
+            yield peer.Served(server.url, {server.process.pid: "worker"},
+                              lambda requests: peer.llama_cpp_greedy(server.url, requests), ["fake"])
+
+    monkeypatch.setattr(peer, "_gridserve", fake_gridserve)
+    scripts, work = _fake_scripts(tmp_path)
+    out = tmp_path / "peer.json"
+    rc = main(["bench", "peer", "--model", str(llama_tiny), "--variants", "gridserve-fp32,lcpp-f32-np4",
+               "--llama-server", str(_fake_llama_server(tmp_path)), "--llama-cpp-dir", str(work),
+               "--peer-scripts", str(scripts), "--num-prompts", "3", "--output-lens", "2-3", "--probe-rate", "0",
+               "--greedy-prompts", "2", "--greedy-tokens", "4", "--disable-tqdm", "--output-json", str(out),
+               "--plot", "", "--log-dir", str(tmp_path / "logs")])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    assert report["greedy"]["prompts"] == 2
+    assert report["greedy"]["variants"] == {
+        "lcpp-f32-np4": {"identical": 2, "of": 2, "first_difference_at": []},
+        "lcpp-f32-kvf32-nofa-np1": {"identical": 2, "of": 2, "first_difference_at": []}}
+    (fp32,) = report["pairs"]
+    assert fp32["gridserve"] == "gridserve-fp32" and fp32["ratio"] == pytest.approx(
+        fp32["gridserve_tok_s"] / fp32["llama_cpp_tok_s"])
+    assert "probe_sent" not in report["variants"][0]["run"]  # --probe-rate 0: off
+    assert "worker" in report["variants"][0]["cpu"]["by_role"]  # the server's processes, by role
