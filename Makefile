@@ -7,7 +7,7 @@ PORT ?= 8000
 MODEL ?=
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test install browser lint demo-model bench bench-executor bench-serve clean images fuzz
+.PHONY: serve test install browser lint demo-model bench bench-executor bench-serve clean images fuzz peer
 
 # The venv is rebuilt when the project's dependency list changes.
 $(STAMP): pyproject.toml setup.py
@@ -73,6 +73,15 @@ bench-executor: install
 # Online load against a server already running on $(PORT) (`make serve` in another shell).
 bench-serve: install
 	$(PY) -m gridserve.cli bench serve --base-url http://127.0.0.1:$(PORT)
+
+# The llama.cpp peer run (not part of `make test`: it builds llama.cpp from the package index the
+# first time, ~8.5 minutes, into PEER_DIR): workload W on gridserve and on llama-server, every
+# precision pair, ~1 hour on 2 cores; writes benchmarks/results/peer.{json,png}. PEER_ARGS adds
+# flags, e.g. PEER_ARGS="--variants gridserve-fp32,lcpp-f32-np64 --num-prompts 16 --output-lens 8-16".
+PEER_DIR ?= $(HOME)/.cache/gridserve/peer-llamacpp
+PEER_ARGS ?=
+peer: install
+	$(PY) -m gridserve.cli bench peer --llama-cpp-dir $(PEER_DIR) $(PEER_ARGS)
 
 # Container images, one per role (docker/Dockerfile targets), with docker or podman
 # (podman builds the docker format, which keeps HEALTHCHECK).

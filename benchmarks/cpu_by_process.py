@@ -5,7 +5,7 @@
 Reads utime + stime from /proc/<pid>/stat before and after (Linux); the command's own share (it
 has exited by then) comes from the children's rusage. Used by ``served_vs_offline.sh`` to show
 where the two cores go while W is served: the worker's forward passes against the gateway, Envoy,
-the engine and the load generator.
+the engine and the load generator. ``bench peer`` uses :func:`cpu_used` around its served runs.
 """
 
 from __future__ import annotations
@@ -41,6 +41,18 @@ def cpu_seconds() -> dict[int, tuple[str, float]]:
     return out
 
 
+def cpu_used(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]],
+             min_seconds: float = 0.0) -> dict[int, tuple[str, float]]:
+    """pid -> (command line, CPU seconds used between two :func:`cpu_seconds` snapshots), for the
+    processes alive at ``after`` that used at least ``min_seconds`` (one born meanwhile: all of it)."""
+    out = {}
+    for pid, (cmdline, cpu) in after.items():
+        used = cpu - before.get(pid, (cmdline, 0.0))[1]
+        if used >= min_seconds:
+            out[pid] = (cmdline, used)
+    return out
+
+
 def role(cmdline: str) -> str:
     """A short name: the gridserve role, envoy, or the command's first words."""
     words = cmdline.split()
@@ -65,9 +77,8 @@ def main() -> int:
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     rows = [{"process": "this command (" + role(" ".join(command)) + ")",
              "cpu_s": round(usage.ru_utime + usage.ru_stime, 1)}]
-    for pid, (cmdline, cpu) in after.items():
-        used = cpu - before.get(pid, (cmdline, 0.0))[1]
-        if used >= args.min_seconds and pid != os.getpid():
+    for pid, (cmdline, used) in cpu_used(before, after, args.min_seconds).items():
+        if pid != os.getpid():
             rows.append({"process": f"{role(cmdline)} (pid {pid})", "cpu_s": round(used, 1)})
     rows.sort(key=lambda r: -r["cpu_s"])
     cores = os.cpu_count() or 1

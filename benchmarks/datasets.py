@@ -130,20 +130,38 @@ def random_requests(
     Prompts are token-id lists when the vocabulary holds the model's ids and ``as_text`` is false,
     else text (``prompt_len`` is then the number of ids drawn, an estimate).
     """
+    out_ratio = range_ratio if output_range_ratio is None else output_range_ratio
+    return uniform_requests(num_prompts, vocabulary, length_range(input_len, range_ratio),
+                            length_range(output_len, out_ratio), prefix_len, seed, as_text)
+
+
+def uniform_requests(
+    num_prompts: int,
+    vocabulary: Vocabulary,
+    input_lens: tuple[int, int],
+    output_lens: tuple[int, int],
+    prefix_len: int = 0,
+    seed: int = 0,
+    as_text: bool = False,
+) -> list[BenchRequest]:
+    """``num_prompts`` random prompts whose random part's length is uniform in the inclusive range
+    ``input_lens`` (after a shared prefix of ``prefix_len`` ids), output lengths uniform in
+    ``output_lens``; :func:`random_requests` with the ranges given as they are."""
     if num_prompts < 1:
         raise ValueError(f"--num-prompts must be >= 1, got {num_prompts}")
     if prefix_len < 0:
         raise ValueError(f"--random-prefix-len must be >= 0, got {prefix_len}")
+    for name, (lo, hi) in (("input", input_lens), ("output", output_lens)):
+        if not 1 <= lo <= hi:
+            raise ValueError(f"{name} lengths: expected 1 <= min <= max, got {lo}-{hi}")
     rng = random.Random(seed)
     pool = vocabulary.ids()
-    in_lo, in_hi = length_range(input_len, range_ratio)
-    out_lo, out_hi = length_range(output_len, range_ratio if output_range_ratio is None else output_range_ratio)
     prefix = rng.choices(pool, k=prefix_len)
     requests = []
     for _ in range(num_prompts):
-        ids = prefix + rng.choices(pool, k=rng.randint(in_lo, in_hi))
+        ids = prefix + rng.choices(pool, k=rng.randint(*input_lens))
         prompt: Prompt = ids if vocabulary.model_ids and not as_text else vocabulary.to_text(ids)
-        requests.append(BenchRequest(prompt, len(ids), rng.randint(out_lo, out_hi)))
+        requests.append(BenchRequest(prompt, len(ids), rng.randint(*output_lens)))
     return requests
 
 

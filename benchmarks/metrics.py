@@ -134,6 +134,20 @@ def summarize(results: Sequence[RequestResult], duration_s: float) -> dict[str, 
     return summary
 
 
+def summarize_probes(results: Sequence[RequestResult], rate: float) -> dict[str, Any]:
+    """The latency probe's figures: short requests sent at ``rate`` per second while the load ran
+    (``probe_sent``, ``probe_completed``, ``probe_failed``) and their TTFT as
+    ``{mean,median,std,p99}_probe_ttft_ms`` and ``max_probe_ttft_ms`` (successful probes only)."""
+    ttfts = [r.ttft for r in results if r.success]
+    summary: dict[str, Any] = {"probe_rate": rate, "probe_sent": len(results), "probe_completed": len(ttfts),
+                               "probe_failed": len(results) - len(ttfts)}
+    for stat, value in statistics(ttfts).items():
+        summary[f"{stat}_probe_ttft_ms"] = value * 1000
+    summary["max_probe_ttft_ms"] = max(ttfts) * 1000 if ttfts else math.nan
+    summary["probe_errors"] = dict(Counter(r.error for r in results if not r.success).most_common(5))
+    return summary
+
+
 _TITLES = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1st token)",
            "itl": "Inter-token Latency", "e2el": "End-to-end Latency"}
 
@@ -162,6 +176,14 @@ def format_report(summary: dict[str, Any], title: str = "Serving Benchmark Resul
                 summary[f"{stat}_{name}_ms"])
     for error, count in summary.get("errors", {}).items():
         rows.append(f"failed x{count}: {error}")
+    if "probe_sent" in summary:
+        rows.append(f" Latency probe ({summary['probe_rate']:g}/s) ".center(width, "-"))
+        row("Probes sent / completed:", f"{summary['probe_sent']} / {summary['probe_completed']}")
+        for stat in ("median", "p99", "max"):
+            row(f"{stat.capitalize() if stat != 'p99' else 'P99'} probe TTFT (ms):",
+                summary[f"{stat}_probe_ttft_ms"])
+        for error, count in summary.get("probe_errors", {}).items():
+            rows.append(f"probe failed x{count}: {error}")
     rows.append("=" * width)
     return "\n".join(rows)
 

@@ -8,6 +8,10 @@ into TTFT, TPOT, ITL and end-to-end latency and the run's throughputs, as vLLM's
 defines them. ``--sweep-concurrency 1,4,16`` repeats the same request set at each concurrency;
 ``--plot`` (or ``gridserve bench plot``) draws throughput and latency against concurrency.
 
+``--probe-rate 1`` adds a latency probe: while the load runs, one short request per second (its
+own client task and connections, a fresh random prompt each) measures the TTFT an interactive user
+sharing the server with the batch traffic sees; reported as ``{median,p99,...}_probe_ttft_ms``.
+
 Every request has a deadline (``--timeout``) and so has the whole run (``--max-duration``): what
 has not finished by then is cancelled and counted as failed.
 """
@@ -24,6 +28,7 @@ import os
 import platform
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Optional
@@ -36,8 +41,15 @@ from gridserve.benchmarks.datasets import (
     file_requests,
     find_tokenizer,
     random_requests,
+    uniform_requests,
 )
-from gridserve.benchmarks.metrics import RequestResult, format_report, format_sweep_table, summarize
+from gridserve.benchmarks.metrics import (
+    RequestResult,
+    format_report,
+    format_sweep_table,
+    summarize,
+    summarize_probes,
+)
 from gridserve.shared.errors import GridserveError
 
 logger = logging.getLogger(__name__)
@@ -194,8 +206,23 @@ def arrival_offsets(num_requests: int, request_rate: float, seed: int = 0) -> li
 
 
 @dataclass(frozen=True)
+class LatencyProbe:
+    """One short request every ``1 / rate`` seconds from the start of the load until its end, each
+    sent on time whatever the earlier ones are doing (an interactive user sharing the server).
+    ``request(i)`` is the ``i``-th probe's request (a fresh prompt each: no prefix-cache hits)."""
+
+    rate: float
+    request: Callable[[int], BenchRequest]
+    drain_s: float = 60.0  # how long probes still in flight when the load ends may take to finish
+
+    def __post_init__(self) -> None:
+        if not (self.rate > 0 and math.isfinite(self.rate)):
+            raise ValueError(f"--probe-rate must be a positive number of requests per second, got {self.rate}")
+
+
+@dataclass(frozen=True)
 class LoadSpec:
-    """How requests are sent: arrival rate, in-flight limit and deadlines."""
+    """How requests are sent: arrival rate, in-flight limit and deadlines; optionally a latency probe."""
 
     request_rate: float = math.inf
     max_concurrency: Optional[int] = None  # None: no limit
@@ -203,11 +230,46 @@ class LoadSpec:
     max_duration_s: float = 3600.0  # the whole run
     seed: int = 0
     progress: bool = True
+    probe: Optional[LatencyProbe] = None
 
 
-async def run_load(endpoint: Endpoint, requests: list[BenchRequest], load: LoadSpec) -> tuple[list[RequestResult], float]:
-    """Send ``requests`` as ``load`` says; returns one result per request (in order) and the run's
-    wall seconds. Requests unfinished at ``max_duration_s`` are cancelled and count as failed."""
+async def run_probes(endpoint: Endpoint, probe: LatencyProbe, load_done: asyncio.Event,
+                     timeout_s: float) -> list[RequestResult]:
+    """Send ``probe``'s requests on schedule on a client of their own (never queued behind the
+    load's connection limit) until ``load_done`` is set; then give those still in flight
+    ``probe.drain_s`` to finish (the rest fail). Results in sending order, ``sent_at`` from the start."""
+    import httpx2
+
+    sent: list[tuple[float, asyncio.Task]] = []
+    async with httpx2.AsyncClient(timeout=httpx2.Timeout(timeout_s), trust_env=False,
+                                  verify=endpoint.verify()) as client:
+        start = time.perf_counter()
+        while not load_done.is_set():
+            due = start + len(sent) / probe.rate
+            try:
+                await asyncio.wait_for(load_done.wait(), max(0.0, due - time.perf_counter()))
+                break
+            except asyncio.TimeoutError:
+                pass
+            request = probe.request(len(sent))
+            sent.append((time.perf_counter() - start,
+                         asyncio.create_task(send_request(client, endpoint, request, timeout_s))))
+        tasks = [task for _, task in sent]
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=probe.drain_s)
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+    unfinished = f"not finished within {probe.drain_s:g}s after the load ended"
+    return [replace(task.result() if not task.cancelled() else
+                    RequestResult(0, 0, error=unfinished), sent_at=at) for at, task in sent]
+
+
+async def run_load(endpoint: Endpoint, requests: list[BenchRequest],
+                   load: LoadSpec) -> tuple[list[RequestResult], float, list[RequestResult]]:
+    """Send ``requests`` as ``load`` says; returns one result per request (in order), the run's
+    wall seconds and the latency probe's results (empty without one). Requests unfinished at
+    ``max_duration_s`` are cancelled and count as failed."""
     import httpx2
     from tqdm import tqdm
 
@@ -221,6 +283,9 @@ async def run_load(endpoint: Endpoint, requests: list[BenchRequest], load: LoadS
     async with httpx2.AsyncClient(timeout=timeout, limits=limits, trust_env=False,
                                   verify=endpoint.verify()) as client:
         start = time.perf_counter()
+        load_done = asyncio.Event()
+        probes = (asyncio.create_task(run_probes(endpoint, load.probe, load_done, load.timeout_s))
+                  if load.probe else None)
 
         async def one(i: int) -> None:
             await asyncio.sleep(max(0.0, start + offsets[i] - time.perf_counter()))
@@ -236,12 +301,14 @@ async def run_load(endpoint: Endpoint, requests: list[BenchRequest], load: LoadS
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
         duration = time.perf_counter() - start
+        load_done.set()
+        probe_results = await probes if probes else []
         for task in done:
             task.result()  # a bug in the client must not pass as a failed request
     bar.close()
     unfinished = f"not finished within --max-duration {load.max_duration_s:g}s"
     return [r if r is not None else RequestResult(q.prompt_len, q.output_len, error=unfinished)
-            for r, q in zip(results, requests)], duration
+            for r, q in zip(results, requests)], duration, probe_results
 
 
 def probe(endpoint: Endpoint, request: BenchRequest, timeout_s: float) -> RequestResult:
@@ -327,6 +394,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     load.add_argument("--prompts-per-concurrency", type=int, default=None, metavar="K",
                       help="in a sweep, send only the first K x concurrency prompts at each point "
                            "(keeps low-concurrency points short; default: all of them)")
+    load.add_argument("--probe-rate", type=float, default=0.0, metavar="PER_S",
+                      help="latency probe: this many short requests per second while the load runs, "
+                           "their TTFT reported apart (default 0: off)")
+    load.add_argument("--probe-input-len", type=int, default=32, help="prompt tokens of each probe request")
+    load.add_argument("--probe-output-len", type=int, default=4, help="output tokens of each probe request")
     load.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     load.add_argument("--max-duration", type=float, default=3600.0, help="seconds per run, at most")
     out = parser.add_argument_group("output")
@@ -356,9 +428,11 @@ def run(args: argparse.Namespace) -> int:
         # cannot serve one point the prompts of the one before; lengths follow the same ranges.
         requests = workload if i == 0 else _requests(args, vocabulary, as_text, args.seed + i)
         load = LoadSpec(args.request_rate, concurrency, args.timeout, args.max_duration, args.seed,
-                        progress=not args.disable_tqdm)
-        runs.append(_one_run(endpoint, _head(requests, args.prompts_per_concurrency, concurrency), load,
-                             args.save_detailed))
+                        progress=not args.disable_tqdm,
+                        probe=latency_probe(args.probe_rate, vocabulary, args.probe_input_len,
+                                            args.probe_output_len, args.seed + i, as_text))
+        runs.append(measure_run(endpoint, _head(requests, args.prompts_per_concurrency, concurrency), load,
+                                args.save_detailed))
         print(format_report(runs[-1], f"max concurrency {concurrency or 'unlimited'}"))
     label = args.label or f"{model} @ {args.base_url}"
     if len(runs) > 1:
@@ -453,12 +527,40 @@ def _probe(args: argparse.Namespace, endpoint: Endpoint, vocabulary: Vocabulary,
     raise EndpointError(f"the probe request to {endpoint.url} failed: {result.error}")
 
 
-def _one_run(endpoint: Endpoint, requests: list[BenchRequest], load: LoadSpec, detailed: bool) -> dict[str, Any]:
+def latency_probe(rate: float, vocabulary: Vocabulary, input_len: int, output_len: int, seed: int,
+                  as_text: bool) -> Optional[LatencyProbe]:
+    """The probe of ``--probe-rate`` (``None`` when it is 0): probe ``i`` gets a random prompt of
+    ``input_len`` ids of its own (seeded apart from the load's prompts) and ``output_len`` tokens."""
+    if rate == 0:
+        return None
+    for flag, value in (("--probe-input-len", input_len), ("--probe-output-len", output_len)):
+        if value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
+
+    def request(i: int) -> BenchRequest:
+        return uniform_requests(1, vocabulary, (input_len, input_len), (output_len, output_len),
+                                seed=PROBE_SEED + seed * 1_000_003 + i, as_text=as_text)[0]
+
+    return LatencyProbe(rate, request)
+
+
+PROBE_SEED = 7_000_000_000  # probe prompts' seeds start here: far from any load's seed
+
+
+def measure_run(endpoint: Endpoint, requests: list[BenchRequest], load: LoadSpec,
+                detailed: bool = False) -> dict[str, Any]:
+    """One timed run of ``requests`` under ``load``: its summary (``metrics.summarize``, plus the
+    probe's figures when ``load`` has one) with the run's settings and the load average."""
     started_at, load_before = _now(), _load_avg()
-    results, duration = asyncio.run(run_load(endpoint, requests, load))
+    results, duration, probe_results = asyncio.run(run_load(endpoint, requests, load))
     record = {"max_concurrency": load.max_concurrency, "request_rate": load.request_rate,
               "num_prompts": len(requests), "started_at": started_at, "finished_at": _now(),
               "load_avg": (load_before, _load_avg()), **summarize(results, duration)}
+    if load.probe:
+        record |= summarize_probes(probe_results, load.probe.rate)
+        if detailed:
+            record |= {"probe_sent_at": [r.sent_at for r in probe_results],
+                       "probe_ttfts": [r.ttft for r in probe_results if r.success]}
     if detailed:
         ok = [r for r in results if r.success]
         record |= {"input_lens": [r.input_tokens for r in ok], "output_lens": [r.output_tokens for r in ok],

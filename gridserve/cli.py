@@ -261,6 +261,8 @@ BENCHMARKS = {
     "quantization-step": ("quantization", "decode step per weight / KV mode vs its memory-bandwidth floor",
                           "add_step_arguments", "run_step"),
     "serve": ("serve", "online load against an OpenAI-compatible server", "add_arguments", "run"),
+    "peer": ("peer", "workload W on gridserve (Envoy) vs llama.cpp's llama-server per precision pair",
+             "add_arguments", "run"),
     "step": ("engine", "decode-step wall time vs the model forward inside it", "add_step_arguments",
              "run_step"),
     "prefix": ("engine", "TTFT with a cached long prefix vs a cold one", "add_prefix_arguments",

@@ -42,11 +42,14 @@ class FakeOpenAIServer:
     ``ttft_s`` after the request arrived, then one every ``gap_s`` (an absolute schedule, so delays
     do not add up), then a usage chunk (unless ``usage`` is false) and ``[DONE]``. ``plan(n, body)``
     says what request number ``n`` (from 1, the probe included) gets: ``"ok"``, ``"500"``,
-    ``"stall"`` (headers, then nothing), ``"error"`` (an in-band error event) or ``"400"``."""
+    ``"stall"`` (headers, then nothing), ``"error"`` (an in-band error event) or ``"400"``;
+    ``ttft_for(body)``, when given, is the TTFT of that request instead of ``ttft_s``."""
 
     def __init__(self, tokens: int = 6, ttft_s: float = 0.2, gap_s: float = 0.1, usage: bool = True,
-                 plan: Callable[[int, dict], str] = lambda n, body: "ok") -> None:
+                 plan: Callable[[int, dict], str] = lambda n, body: "ok",
+                 ttft_for: Callable[[dict], float] | None = None) -> None:
         self.tokens, self.ttft_s, self.gap_s, self.usage, self.plan = tokens, ttft_s, gap_s, usage, plan
+        self.ttft_for = ttft_for
         self.bodies: list[dict] = []
         self.in_flight = self.max_in_flight = 0
         self._loop = asyncio.new_event_loop()
@@ -118,8 +121,9 @@ class FakeOpenAIServer:
             if what == "error":
                 self._event(writer, {"error": {"message": "fake failure mid-stream"}})
             n = min(self.tokens, body["max_tokens"])
+            ttft = self.ttft_for(body) if self.ttft_for else self.ttft_s
             for i in range(n if what == "ok" else 0):
-                await asyncio.sleep(max(0.0, arrived + self.ttft_s + i * self.gap_s - self._loop.time()))
+                await asyncio.sleep(max(0.0, arrived + ttft + i * self.gap_s - self._loop.time()))
                 piece = f"t{i} "
                 choice = {"index": 0, "delta": {"content": piece}} if chat else {"index": 0, "text": piece}
                 self._event(writer, {"choices": [choice]})
@@ -464,3 +468,76 @@ def test_plot_reads_sweeps_and_flat_vllm_results(tmp_path):
     (tmp_path / "bad.json").write_text("[1, 2]")
     with pytest.raises(ValueError, match="not a results file"):
         load_reports([str(tmp_path / "bad.json")])
+
+
+# ---- the latency probe ------------------------------------------------------------------------
+
+PROBE_TOKENS = 2  # --probe-output-len: how the fake tells a probe from a load request
+
+
+def _is_probe(body: dict) -> bool:
+    return body["max_tokens"] == PROBE_TOKENS
+
+
+def test_latency_probe_sends_one_request_per_period_and_reports_its_ttft_apart(tmp_path, fake_server):
+    # The load: 4 requests of 6 tokens, 0.2 s apart after a 0.2 s TTFT (about 1.2 s in all); the
+    # probe: 5 per second, each answered after 0.05 s.
+    server = fake_server(tokens=6, ttft_s=0.2, gap_s=0.2, ttft_for=lambda b: 0.05 if _is_probe(b) else 0.2)
+    rc, report = _bench(tmp_path, server, "--probe-rate", "5", "--probe-input-len", "5",
+                        "--probe-output-len", str(PROBE_TOKENS), "--save-detailed")
+    (run,) = report["runs"]
+    assert rc == 0 and (run["completed"], run["failed"]) == (4, 0)
+    assert run["total_output_tokens"] == 4 * 6  # the probes' tokens are not the load's
+    assert run["median_ttft_ms"] >= 200
+    probes = [b for b in server.bodies if _is_probe(b)]
+    expected = math.ceil(run["duration"] * 5)  # one at 0, 0.2, ... until the load ended
+    assert len(probes) == run["probe_sent"] and expected - 1 <= run["probe_sent"] <= expected + 1
+    assert run["probe_completed"] == run["probe_sent"] and run["probe_failed"] == 0
+    assert 50 <= run["median_probe_ttft_ms"] <= run["p99_probe_ttft_ms"] < (0.05 + SLACK_S) * 1000
+    assert all(len(b["prompt"].split()) == 5 for b in probes)
+    assert len({b["prompt"] for b in probes}) == len(probes)  # a fresh prompt each: no cache hits
+    for i, sent in enumerate(run["probe_sent_at"]):  # on schedule, whatever the others are doing
+        assert i / 5 - 1e-3 <= sent < i / 5 + 0.1
+    assert len(run["probe_ttfts"]) == run["probe_completed"]
+
+
+def test_failed_probes_are_counted_without_failing_the_run(tmp_path, fake_server):
+    server = fake_server(tokens=3, ttft_s=0.1, gap_s=0.1,
+                         plan=lambda n, body: "500" if _is_probe(body) else "ok")
+    rc, report = _bench(tmp_path, server, "--probe-rate", "10", "--probe-output-len", str(PROBE_TOKENS))
+    (run,) = report["runs"]
+    assert rc == 0 and run["completed"] == 4
+    assert run["probe_sent"] >= 2 and run["probe_failed"] == run["probe_sent"] and run["probe_completed"] == 0
+    assert math.isnan(run["median_probe_ttft_ms"])
+    assert list(run["probe_errors"]) == ["HTTP 500: {\"error\": {\"message\": \"fake 500\"}}"]
+
+
+def test_no_probe_unless_asked(tmp_path, fake_server):
+    server = fake_server(tokens=2, ttft_s=0.02, gap_s=0.02)
+    rc, report = _bench(tmp_path, server)
+    assert rc == 0 and "probe_sent" not in report["runs"][0]
+    assert len(server.bodies) == 1 + 4
+
+
+@pytest.mark.parametrize("flags", [("--probe-rate", "-1"), ("--probe-rate", "inf"),
+                                   ("--probe-rate", "1", "--probe-output-len", "0")])
+def test_bad_probe_settings_are_clear_errors(tmp_path, fake_server, capsys, flags):
+    server = fake_server(tokens=2, ttft_s=0.02, gap_s=0.02)
+    rc, report = _bench(tmp_path, server, *flags)
+    assert rc == 2 and report == {}
+    assert flags[-2] in capsys.readouterr().err
+
+
+def test_probes_still_stalled_after_the_load_fail_after_the_drain(fake_server):
+    from gridserve.benchmarks.serve import LatencyProbe, LoadSpec, run_load
+
+    server = fake_server(tokens=2, ttft_s=0.1, gap_s=0.1, plan=lambda n, body: "stall" if _is_probe(body) else "ok")
+    probe = LatencyProbe(10.0, lambda i: BenchRequest(f"probe {i}", 2, PROBE_TOKENS), drain_s=0.3)
+    load = LoadSpec(timeout_s=30, progress=False, probe=probe)
+    requests = [BenchRequest("a b c", 3, 3)] * 2
+    t0 = time.perf_counter()
+    results, duration, probes = asyncio.run(run_load(Endpoint(server.url, model="m"), requests, load))
+    assert all(r.success for r in results) and 0.2 <= duration < 0.2 + SLACK_S  # two tokens, 0.1 s apart
+    assert len(probes) >= 2 and time.perf_counter() - t0 < duration + 0.3 + SLACK_S
+    assert {r.error for r in probes} == {"not finished within 0.3s after the load ended"}
+    assert [r.sent_at for r in probes] == sorted(r.sent_at for r in probes)
