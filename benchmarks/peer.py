@@ -26,7 +26,6 @@ import contextlib
 import datetime as _dt
 import json
 import logging
-import math
 import os
 import platform
 import time
@@ -65,6 +64,8 @@ from gridserve.benchmarks.peer_report import (
 from gridserve.benchmarks.serve import (
     Endpoint,
     LoadSpec,
+    _load_avg,
+    _now,
     latency_probe,
     measure_run,
     model_card,
@@ -355,13 +356,3 @@ def _write(report: dict[str, Any], args: argparse.Namespace) -> None:
     if args.plot:
         print(f"wrote {plot_peer(report, args.plot)}")
 
-
-def _now() -> str:
-    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
-
-
-def _load_avg() -> float:
-    try:
-        return os.getloadavg()[0]
-    except OSError:  # pragma: no cover - not available on this platform
-        return math.nan
