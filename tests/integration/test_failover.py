@@ -40,7 +40,7 @@ from .services import deployment
 pytestmark = pytest.mark.slow
 
 STREAMS = 32
-MAX_TOKENS = 40
+MAX_TOKENS = 120  # long enough that the engines are still generating when the test reads their gauges
 
 
 @pytest.fixture(scope="module")
@@ -88,6 +88,14 @@ def _gateway_metric(launcher, name: str) -> dict[str, float]:
         text = resp.read().decode()
     return {s.labels["engine"]: s.value for f in text_string_to_metric_families(text)
             for s in f.samples if s.name == name}
+
+
+def _engine_running(engine) -> float:
+    """The engine's ``vllm:num_requests_running`` (0 while it has no snapshot)."""
+    with urllib.request.urlopen(f"http://{engine.metrics_address}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == "vllm:num_requests_running")
 
 
 def _gateway_watches(logs) -> int:
@@ -142,16 +150,25 @@ def test_an_engine_killed_with_32_streams_in_flight_loses_no_token(served, capsy
     failovers = "gridserve:engine_failovers_total"
     continued_before = sum(_gateway_metric(launcher, failovers).values())
 
-    def busier_engine():  # the one streaming more of the 32 now, as the gateway counts them
-        in_flight = _gateway_metric(launcher, "gridserve:gateway_requests_in_flight")
-        return max(engines, key=lambda e: in_flight.get(str(e.group), 0))
+    running: dict[int, float] = {}
 
-    # kill once the streams are a quarter through (all 32 in flight) the engine with more of them
-    results, killed = _load_with_kill(launcher, requests, lambda p: p.events >= STREAMS * MAX_TOKENS // 4,
-                                      busier_engine)
+    def busy_enough(progress) -> bool:
+        # every stream has its first tokens, and one engine is still generating for at least a quarter
+        # of them: its own running gauge, read at most every 20 ms (the client lags the engine, so the
+        # client's progress alone can come after the engine finished)
+        if progress.events < STREAMS or time.monotonic() - running.get(-1, 0) < 0.02:
+            return False
+        running.update({e.group: _engine_running(e) for e in engines})
+        running[-1] = time.monotonic()
+        return max(running[e.group] for e in engines) >= STREAMS // 4
+
+    def busier_engine():  # the one generating more of the 32 then
+        return max(engines, key=lambda e: running[e.group])
+
+    results, killed = _load_with_kill(launcher, requests, busy_enough, busier_engine)
     _same_as_fault_free(requests, clean, results)
     continued = sum(_gateway_metric(launcher, failovers).values()) - continued_before
-    assert continued >= STREAMS // 4, f"only {continued} streams were on the killed engine"
+    assert continued >= STREAMS // 4, f"only {continued} streams were on the killed engine (running: {running})"
     failover_s = resumed_after(results, killed["time"])
     pause_s = longest_pause(results, killed["time"])
     itl = sorted(b - a for r in clean for a, b in zip(r.chunk_times, r.chunk_times[1:]))
