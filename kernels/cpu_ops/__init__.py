@@ -37,29 +37,29 @@ def load():
         logger.warning("C++ CPU paged attention unavailable, using the torch reference: %s missing", _SOURCE)
         return None
     try:
-        from torch.utils import cpp_extension
-
         logger.info("Loading the C++ CPU paged-attention kernel (compiled on first use, then cached)")
         start = time.perf_counter()
-        # The source's hash in the name: checkouts with different sources never share a build.
-        digest = hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:10]
-        name = f"gridserve_cpu_paged_attention_{digest}"
-        if _load_built(cpp_extension, name):
-            logger.info("C++ CPU paged attention ready (cached build, %.2f s)", time.perf_counter() - start)
-            return torch.ops.gridserve_cpu
-        cpp_extension.load(
-            name=name,
-            sources=[str(_SOURCE)],
-            extra_cflags=["-O3", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
-            is_python_module=False,  # registers torch.ops.gridserve_cpu.*
-            verbose=False,
-        )
+        build_extension(_SOURCE, "gridserve_cpu_paged_attention")
     except Exception as exc:  # a missing compiler / ninja or a build error: fall back, don't crash
         logger.warning("C++ CPU paged attention unavailable, using the torch reference: %s", exc)
         return None
     logger.info("C++ CPU paged attention ready (%.1f s)", time.perf_counter() - start)
     return torch.ops.gridserve_cpu
+
+
+def build_extension(source: Path, prefix: str) -> bool:
+    """Load ``source``'s library (registering its ``torch.ops`` namespace): the build an earlier
+    process cached for this exact source, else compiled now (``-O3 -fopenmp``; each hot loop carries
+    its own target attributes). The source's hash is in the name, so checkouts with different
+    sources never share a build. True when a cached build served; raises when the build fails."""
+    from torch.utils import cpp_extension
+
+    name = f"{prefix}_{hashlib.sha256(source.read_bytes()).hexdigest()[:10]}"
+    if _load_built(cpp_extension, name):
+        return True
+    cpp_extension.load(name=name, sources=[str(source)], extra_cflags=["-O3", "-fopenmp"],
+                       extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+    return False
 
 
 def _load_built(cpp_extension, name: str) -> bool:

@@ -10,7 +10,6 @@ so one build serves every x86 CPU.
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
 import time
 from pathlib import Path
@@ -32,25 +31,13 @@ def load():
         logger.warning("int8 x int16 CPU GEMM unavailable: %s missing", _SOURCE)
         return None
     try:
-        from torch.utils import cpp_extension
-
-        from gridserve.kernels.cpu_ops import _load_built
+        from gridserve.kernels.cpu_ops import build_extension
 
         start = time.perf_counter()
-        digest = hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:10]
-        name = f"gridserve_cpu_int8_gemm_{digest}"
-        if not _load_built(cpp_extension, name):
-            logger.info("Building the int8 x int16 CPU GEMM (once, then cached)")
-            cpp_extension.load(
-                name=name,
-                sources=[str(_SOURCE)],
-                # No -mavx2 for the whole file: the tiles carry their own target attributes
-                # and are picked at run time, so the library also loads on CPUs without AVX2.
-                extra_cflags=["-O3", "-fopenmp"],
-                extra_ldflags=["-fopenmp"],
-                is_python_module=False,  # registers torch.ops.gridserve_int8_gemm.*
-                verbose=False,
-            )
+        # No -mavx2 for the whole file: the tiles carry their own target attributes and are
+        # picked at run time, so the library also loads on CPUs without AVX2.
+        if not build_extension(_SOURCE, "gridserve_cpu_int8_gemm"):
+            logger.info("Built the int8 x int16 CPU GEMM (once, then cached)")
     except Exception as exc:  # a missing compiler / ninja or a build error: fall back, don't crash
         logger.warning("int8 x int16 CPU GEMM unavailable, using torch._int_mm: %s", exc)
         return None
