@@ -141,6 +141,38 @@ def test_result_does_not_depend_on_the_thread_count(ops, contexts):
     assert_close(single, reference.paged_attention(*batch, 0.125))
 
 
+@pytest.mark.parametrize(
+    ("cache_dtype", "tol"),
+    [(torch.float32, 1e-6), (torch.bfloat16, 1e-6), (torch.float16, 1e-6), (torch.float8_e4m3fn, 0)],
+)
+@pytest.mark.parametrize(("heads", "kv_heads", "head_size", "block_size"),
+                         [(12, 12, 64, 16), (8, 2, 128, 32), (4, 1, 64, 48), (6, 3, 72, 16)])
+def test_the_simd_path_and_the_portable_loops_agree(ops, cache_dtype, tol, heads, kv_heads, head_size,
+                                                    block_size):
+    """The AVX-512 path (fp32 / 16-bit caches, head and block sizes multiples of 16) against the
+    portable loops it replaces, on every context tail of a 16-position chunk; fp8 caches and a head
+    size of 72 always take the portable loops, so there the two runs are bitwise equal."""
+    contexts = [1, 15, 16, 17, 31, 33, 64, 300, 301]
+    query, kv_cache, qsl, lens, table = paged_batch(contexts, [1] * 7 + [3, 5], heads, kv_heads,
+                                                    head_size, block_size)
+    kv_cache = kv_cache.to(cache_dtype)
+    previous = ops.paged_attention_isa(-1)
+    try:
+        portable = torch.full_like(query, float("nan"))
+        assert ops.paged_attention_isa(0) == 0
+        ops.paged_attention(portable, query, kv_cache, qsl, lens, table, 0.125, 8)
+        fast = torch.full_like(query, float("nan"))
+        ops.paged_attention_isa(1)
+        ops.paged_attention(fast, query, kv_cache, qsl, lens, table, 0.125, 8)
+        simd = ops.paged_attention_isa(1) == 1  # this CPU has AVX-512
+    finally:
+        ops.paged_attention_isa(previous)
+    assert not portable.isnan().any()
+    torch.testing.assert_close(fast, portable, atol=tol, rtol=tol)
+    portable_only = tol == 0 or head_size % 16 or block_size % 16
+    assert torch.equal(fast, portable) == bool(portable_only or not simd)  # the other path did run
+
+
 def test_bad_metadata_raises_instead_of_reading_out_of_bounds(ops):
     query, kv_cache, qsl, lens, table = paged_batch([17], [1], 2, 2, 16)
     too_long = torch.tensor([table.shape[1] * 16 + 1], dtype=torch.int32)
