@@ -153,7 +153,9 @@ class ModelRunner:
         prompt_logprobs = self._prompt_logprobs(sched, inputs, hidden)
         if not inputs.sampling_req_ids:
             return ModelRunnerOutput(prompt_logprobs=prompt_logprobs) if self.is_driver else None
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        # index_select, not hidden[...]: advanced indexing is an OpenMP region on CPU that waited
+        # milliseconds for a descheduled thread when other roles shared the cores
+        logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
         if logits is None:  # a TP rank other than the first: the driver samples
             self._receive_samples(inputs.sampling_req_ids)
             return None
