@@ -33,6 +33,9 @@ MODES: dict[str, dict[str, Any]] = {
     "int8+kv-bf16": {"quantization": "int8", "kv_cache_dtype": "bfloat16"},
     "int8-weight-only": {"quantization_config": {"method": "int8", "weight_only": True}},
     "int8-fp32-head": {"quantization_config": {"method": "int8", "ignore": ["lm_head"]}},
+    "int8-a16": {"quantization_config": {"method": "int8", "activation_group": 0}},  # int16 rows
+    "int8-a16+kv-bf16": {"quantization_config": {"method": "int8", "activation_group": 0},
+                         "kv_cache_dtype": "bfloat16"},
     "int8-1row": {"quantization_config": {"method": "int8", "activation_rows": 1}},
     "int8-1row+kv-bf16": {"quantization_config": {"method": "int8", "activation_rows": 1},
                           "kv_cache_dtype": "bfloat16"},
@@ -49,6 +52,8 @@ BARS: dict[str, tuple[float, Optional[float]]] = {
     "int8+kv-bf16": (0.02, 0.9),
     "int8-weight-only": (0.02, 0.9),
     "int8-fp32-head": (0.02, 0.9),
+    "int8-a16": (0.02, 0.9),
+    "int8-a16+kv-bf16": (0.02, 0.9),
     "int8-1row": (0.02, 0.9),
     "int8-1row+kv-bf16": (0.02, 0.9),
     "int4": (0.15, None),
