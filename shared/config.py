@@ -106,7 +106,7 @@ class ModelConfig:
         if rows not in (1, 2) or isinstance(rows, bool):
             raise ConfigError("model.quantization_config.activation_rows",
                               f"must be 1 (int8, one scale per row: coarser) or 2 (16-bit), got {rows!r}")
-        act_group = qc.get("activation_group", 0 if "activation_rows" in qc else 32)
+        act_group = qc.get("activation_group", 0)
         if act_group not in (0, 32) or isinstance(act_group, bool):
             raise ConfigError("model.quantization_config.activation_group",
                               f"must be 32 (int8 activations, one scale per 32 columns) or 0 (one "

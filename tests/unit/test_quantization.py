@@ -93,11 +93,10 @@ def test_an_ignore_entry_matching_no_layer_is_an_error_naming_it():
 
 @pytest.mark.parametrize(
     ("raw", "group", "rows"),
-    [({}, 32, 2), ({"activation_group": 0}, 0, 2), ({"activation_rows": 1}, 0, 1),
+    [({}, 0, 2), ({"activation_group": 0}, 0, 2), ({"activation_rows": 1}, 0, 1),
      ({"activation_group": 32}, 32, 2)],
 )
-def test_int8_activation_scheme_defaults_to_32_column_groups(raw, group, rows):
-    """Naming ``activation_rows`` alone picks per-row activations (as before groups existed)."""
+def test_int8_activation_scheme_defaults_to_int16_rows(raw, group, rows):
     GridserveConfig.from_kwargs(model="unused", quantization_config={"method": "int8", **raw})
     config = QuantizationConfig.from_model_config("int8", raw)
     assert (config.activation_group, config.activation_rows) == (group, rows)
@@ -136,21 +135,21 @@ def test_int8_cpu_matmul_keeps_activations_exact_enough_to_match_weight_only(ker
     elif int8_gemm.load() is None:
         pytest.skip("the C++ int8 GEMM cannot be built here")
     x, w = _outlier_problem()
-    q = Int8Weight.from_float(w, activation_group=0)
-    assert q.kernel == kernel
+    q = Int8Weight.from_float(w)
+    assert q.kernel == kernel and q.activation_group == 0
     weight_only = x @ q.dequantize().T
     err = ((q(x) - weight_only).norm() / weight_only.norm()).item()
     one_row = _fake_quantized(x, 512) @ q.dequantize().T  # one int8 scale per row
     err_one_row = ((one_row - weight_only).norm() / weight_only.norm()).item()
     assert err < 1e-3 and err < err_one_row / 50
-    fast = Int8Weight.from_float(w, activation_rows=1, activation_group=0)  # one int8 row, on request
+    fast = Int8Weight.from_float(w, activation_rows=1)  # one int8 row, on request
     assert torch.allclose(fast(x), one_row, rtol=1e-4, atol=1e-4)
-    if not kernel:  # the default (int8 per 32 columns) needs the kernel: two int8 rows without it
-        assert torch.equal(Int8Weight.from_float(w)(x), q(x))
+    if not kernel:  # int8 per 32 columns needs the kernel: two int8 rows without it
+        assert torch.equal(Int8Weight.from_float(w, activation_group=32)(x), q(x))
 
 
-def test_int8_activations_per_32_columns_are_the_default_kernel_mode():
-    """The default CPU path: int8 activations with one scale per 32 columns through the kernel,
+def test_int8_activations_per_32_columns_run_the_kernel_on_request():
+    """``activation_group=32``: int8 activations with one scale per 32 columns through the kernel,
     equal to that quantization done in torch (float64), and far closer to weight-only than one
     scale per row (an outlier channel coarsens only its own group)."""
     from gridserve.kernels.cpu_ops import int8_gemm
@@ -158,7 +157,7 @@ def test_int8_activations_per_32_columns_are_the_default_kernel_mode():
     if int8_gemm.load() is None:
         pytest.skip("the C++ int8 GEMM cannot be built here")
     x, w = _outlier_problem()
-    q = Int8Weight.from_float(w)
+    q = Int8Weight.from_float(w, activation_group=32)
     assert q.kernel and q.activation_group == 32
     weight_only = x @ q.dequantize().T
     grouped = (_fake_quantized(x.double(), 32) @ q.dequantize().double().T).float()
@@ -192,7 +191,7 @@ def test_int8_weight_runs_the_int16_kernel_on_cpu_and_holds_the_weight_once():
         pytest.skip("the C++ int8 GEMM cannot be built here")
     gen = torch.Generator().manual_seed(3)
     w = torch.randn(100, 300, generator=gen) * 0.05
-    q = Int8Weight.from_float(w, activation_group=0)
+    q = Int8Weight.from_float(w)
     assert q.kernel and not hasattr(q, "values")
     assert q.nbytes() == int8_gemm.load().packed_numel(100, 300) + 100 * 4  # packed once + scales
     reference = Int8Weight.from_float(w, activations=False)  # weight-only: the same int8 values
@@ -201,11 +200,11 @@ def test_int8_weight_runs_the_int16_kernel_on_cpu_and_holds_the_weight_once():
     weight_only = reference(x)
     assert q(x).shape == (2, 3, 100)
     assert ((q(x) - weight_only).norm() / weight_only.norm()).item() < 1e-4  # int16: ~weight-only
-    grouped = Int8Weight.from_float(w)  # the default: the same packed weight, int8 activations
+    grouped = Int8Weight.from_float(w, activation_group=32)  # the same packed weight, int8 activations
     assert grouped.kernel and torch.equal(grouped.packed, q.packed)
     assert 1e-4 < ((grouped(x) - weight_only).norm() / weight_only.norm()).item() < 1e-2
-    assert not Int8Weight.from_float(w, activation_rows=1, activation_group=0).kernel  # torch._int_mm
-    moved = Int8Weight.from_float(w).to("meta")  # off the CPU (as .cuda()): plain int8 rows again
+    assert not Int8Weight.from_float(w, activation_rows=1).kernel  # torch._int_mm
+    moved = Int8Weight.from_float(w, activation_group=32).to("meta")  # off the CPU (as .cuda()): plain int8 rows again
     assert not moved.kernel and moved.qweight.shape == (100, 300) and moved.qweight.dtype == torch.int8
 
 

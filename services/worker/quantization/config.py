@@ -37,12 +37,12 @@ class QuantizationConfig:
     # and int8 stays weight-only (no activation quantization) when ``activations`` is False.
     only: set[str] | None = None
     activations: bool = True
-    # int8 on CPU: how activations are quantized. ``activation_group`` 32: int8 with one scale per
-    # 32 input columns (llama.cpp q8_0's scheme, the C++ GEMM's fast mode); 0: one scale per row,
+    # int8 on CPU: how activations are quantized. ``activation_group`` 0: one scale per row, with
     # ``activation_rows`` 2: 16-bit (the int8 x int16 C++ GEMM, or two int8 rows per activation row
-    # without it: the accuracy of weight-only), 1: one int8 row (coarser).
+    # without it: the accuracy of weight-only), 1: one int8 row (coarser); 32: int8 with one scale
+    # per 32 input columns (llama.cpp q8_0's scheme, the C++ GEMM's faster mode, coarser).
     activation_rows: int = 2
-    activation_group: int = 32
+    activation_group: int = 0
     _matched: set[str] = field(default_factory=set, repr=False)
 
     @classmethod
@@ -55,8 +55,7 @@ class QuantizationConfig:
             int(raw.get("group_size", 128)),
             activations=not raw.get("weight_only", False),
             activation_rows=int(raw.get("activation_rows", 2)),
-            # naming the per-row precision selects per-row activations
-            activation_group=int(raw.get("activation_group", 0 if "activation_rows" in raw else 32)),
+            activation_group=int(raw.get("activation_group", 0)),
         )
 
     def method_for(self, prefix: str) -> str | None:

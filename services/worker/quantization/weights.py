@@ -5,19 +5,20 @@ A ``QuantizedWeight`` replaces a linear layer's fp32 weight ``W`` [out, in] and 
 
 - ``Int8Weight``: int8 values with one scale per output channel (``W ~ q * s[:, None]``). On CPU
   the matmul quantizes the activations too, to keep the int8 weights in an integer GEMM:
-  - ``activation_group=32`` (default): int8 activations with one scale per 32 input columns of a
-    row (llama.cpp q8_0's activation scheme) through the C++ GEMM (one ``vpdpbusd`` per 4 MACs,
-    half the int16 mode's instructions). Measured on the trained demo model: mean KL 4e-5, 94%
-    greedy agreement with fp32. Without the kernel: the two-int8-row torch path below.
-  - ``activation_group=0``, ``activation_rows=2``, 16-bit activations: the C++ int8 x int16 GEMM
+  - ``activation_rows=2`` (default), 16-bit activations: the C++ int8 x int16 GEMM
     (``kernels/cpu_ops/int8_gemm.cpp``; each row to int16 with one scale, ~256x finer than int8,
     so only the weights' rounding is left: the error of weight-only int8). The weight is packed
     once, here, into the kernel's layout. Without the kernel (no compiler): each activation row
     as two int8 rows, its int8 rounding and the int8 rounding of the remainder (~15 bits), in one
     ``torch._int_mm`` of twice the rows. Measured on the trained demo model: mean KL 2e-5 and 94%
     free-running greedy agreement with fp32, as weight-only.
-  - ``activation_rows=1``: one int8 row per activation (llama.cpp's q8_0 scheme), ``torch._int_mm``:
-    fastest, but 74% greedy agreement (mean KL 1e-4) on the demo model, under the bar.
+  - ``activation_rows=1``: one int8 row per activation, ``torch._int_mm``: 74% greedy agreement
+    (mean KL 1e-4) on the demo model, under the bar.
+  - ``activation_group=32`` (on request): int8 activations with one scale per 32 input columns of
+    a row (llama.cpp q8_0's activation scheme) through the same C++ GEMM and packed weight, one
+    ``vpdpbusd`` per 4 MACs (half the int16 mode's instructions). Demo model: mean KL 4e-5 (int16:
+    2e-5); free-running greedy agreement 0.976 alone but 0.844 with a bf16 KV cache, under the bar
+    (over 96 prompts 0.85 against int16's 0.89). Without the kernel: the two-int8-row path.
   fbgemm's dynamic linear (one 7-bit activation scale per call) was rejected earlier: KL 0.22.
   On CUDA, and with ``activations=False`` (``"weight_only": true``, compressed-tensors W8A16
   checkpoints), the weight is dequantized per call.
@@ -65,7 +66,7 @@ class Int8Weight(QuantizedWeight):
 
     def __init__(
         self, qweight: torch.Tensor, scales: torch.Tensor, activations: bool = True,
-        activation_rows: int = 2, activation_group: int = int8_gemm.ACTIVATION_GROUP,
+        activation_rows: int = 2, activation_group: int = 0,
     ) -> None:
         super().__init__()
         self.activations = activations  # quantize activation rows too (the fast CPU path)
@@ -104,7 +105,7 @@ class Int8Weight(QuantizedWeight):
     @classmethod
     def from_float(cls, weight: torch.Tensor, activations: bool = True,
                    activation_rows: int = 2,
-                   activation_group: int = int8_gemm.ACTIVATION_GROUP) -> Int8Weight:
+                   activation_group: int = 0) -> Int8Weight:
         w = weight.float()
         scales = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
         q = torch.round(w / scales[:, None]).clamp_(-127, 127).to(torch.int8)
@@ -207,7 +208,7 @@ def unpack_int4(packed: torch.Tensor, in_features: int) -> torch.Tensor:
 
 def quantize_weight(
     weight: torch.Tensor, method: str, group_size: int = 128, activations: bool = True,
-    activation_rows: int = 2, activation_group: int = int8_gemm.ACTIVATION_GROUP,
+    activation_rows: int = 2, activation_group: int = 0,
 ) -> Optional[QuantizedWeight]:
     """``weight`` quantized by ``method`` ("int8", "int4"); None for no quantization.
 
