@@ -1,16 +1,25 @@
-// CPU GEMM of int8 weights (per-output-channel scales) by int16 activations (per-row scales).
+// CPU GEMM of int8 weights (per-output-channel scales) by quantized activations, two modes:
 //
-// y[m, n] = sx[m] * sw[n] * sum_k xq[m, k] * wq[n, k]  (+ bias[n])
+// - int16 rows (activation_group 0, the default): y[m, n] = sx[m] * sw[n] * sum_k xq[m, k] wq[n, k]
+//   (+ bias[n]). Each row is quantized to int16 in [-32639, 32639] with one scale (~256x finer
+//   than int8, so what is left is the weights' rounding: the error of weight-only int8).
+// - int8 per 32 columns (activation_group 32, llama.cpp q8_0's activation scheme): each row is
+//   cut into groups of 32 columns, each quantized to int8 in [-127, 127] with its own scale:
+//   y[m, n] = sw[n] * sum_g sx[m, g] * sum_{k in g} xq[m, k] wq[n, k] (+ bias[n]). Half the
+//   instructions of the int16 mode; coarser (see weights.py for the accuracy measured).
 //
-// Activations are quantized per row to int16 in [-32639, 32639] on entry (~256x finer than int8,
-// so what is left is the weights' rounding: the error of weight-only int8). The instruction set
-// is picked at run time:
-// - AVX-512 VNNI: each int16 value is split into two int8 digits, x = 256 hi + lo with hi, lo in
-//   [-128, 127], and each digit plane runs through `vpdpbusd` (u8 x s8 -> int32, 64 MACs per
-//   instruction; faster than the int16 `vpdpwssd` on these cores). `vpdpbusd` wants one operand
-//   unsigned: the weights are stored offset by +128, and 128 * (sum of the digits) is taken off.
+// The instruction set is picked at run time:
+// - AVX-512 VNNI: `vpdpbusd` (u8 x s8 -> int32, 64 MACs per instruction; faster than the int16
+//   `vpdpwssd` on these cores). It wants one operand unsigned: the weights are stored offset by
+//   +128. int16 rows: each value is split into two int8 digits, x = 256 hi + lo with hi, lo in
+//   [-128, 127], each digit plane runs through `vpdpbusd` (two per 4 MACs) and 128 * (the block's
+//   digit sum) is taken off each plane. int8 groups: one `vpdpbusd` per 4 MACs into int32 sums
+//   over one group (8 quads), then converted and added into float sums with the row's group scale
+//   broadcast (fma); the offset is linear, so it folds into one float per row (sum over groups of
+//   scale_g * 128 * digit sum_g), taken off once at the end (times the column scale).
 // - AVX2: `vpmaddwd` (int16 x int16 -> int32 pairs, 16 MACs) on the widened weights.
-// - else a scalar loop. All three give the same integer sums, so the same result.
+// - else a scalar loop. All three give the same integer sums, so the same result (int8 groups:
+//   the same int32 group sums and the same fma chain, so the same floats bit for bit).
 //
 // Weight layout (`int8_gemm_pack`, once at load): output columns in groups of kGroup = 64; within
 // a group, for each quad of input columns (4q .. 4q+3), the 64 columns' four values side by side,
@@ -19,9 +28,9 @@
 // lane c holds column c's four values, against four activation digits broadcast to every lane.
 //
 // Blocking: threads split the column groups. Each thread walks K in blocks of kKC quads, per block
-// its groups, per group the rows in tiles of R: an R x 64 tile of int32 sums in registers (exact),
-// added as float into the output, which holds the running sum until the last block applies the
-// scales and the bias.
+// its groups, per group the rows in tiles of R: an R x 64 tile of int32 sums in registers (exact;
+// int8 groups: float sums of exact group sums), added as float into the output, which holds the
+// running sum until the last block applies the scales, the offset and the bias.
 
 #include <ATen/Parallel.h>
 #include <torch/library.h>

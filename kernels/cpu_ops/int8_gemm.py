@@ -1,4 +1,5 @@
-"""int8-weight x int16-activation CPU GEMM (``int8_gemm.cpp``), compiled on first use and cached.
+"""int8-weight CPU GEMM (``int8_gemm.cpp``), compiled on first use and cached: activations as
+int16 rows (one scale per row), or as int8 with one scale per 32 columns (``activation_group=32``).
 
 ``load()`` builds the extension the first time a worker quantizes a layer on CPU, as the
 paged-attention kernel is built, and returns None (reason logged) when it cannot: no compiler,
