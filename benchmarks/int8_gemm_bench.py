@@ -1,11 +1,12 @@
-"""Micro-benchmark of the int8 x int16 CPU GEMM against fp32 ``F.linear`` and the torch int8 paths.
+"""Micro-benchmark of the int8-weight CPU GEMM against fp32 ``F.linear`` and the torch int8 paths.
 
     python -m gridserve.benchmarks.int8_gemm_bench                      # llama-base shapes, M 1..256
-    python -m gridserve.benchmarks.int8_gemm_bench --rows 64 --repeats 9
+    python -m gridserve.benchmarks.int8_gemm_bench --rows 64 --repeats 9 --threads 1
 
-Per (M, N, K): median (or with ``--best`` fastest) milliseconds of fp32 ``F.linear``, the C++ kernel (activation quantization
-included), and ``torch._int_mm`` with one int8 row per activation (q8_0) and with two (the torch
-fallback of ``Int8Weight``), their quantization included; and the kernel's speed-up over fp32.
+Per (M, N, K): median (or with ``--best`` fastest) milliseconds of fp32 ``F.linear``, the C++ kernel
+with int16 activations per row ("int16") and with int8 activations per 32 columns ("group32"),
+activation quantization included, and ``torch._int_mm`` with one int8 row per activation and with
+two (the torch fallback of ``Int8Weight``); and both kernel modes' speed-up over fp32.
 The calls are interleaved round by round so that load on a shared machine hits them alike.
 """
 
@@ -39,7 +40,7 @@ def _int_mm(x: torch.Tensor, wt: torch.Tensor, sw: torch.Tensor, rows: int) -> t
 
 
 def bench(rows: list[int], shapes: list[tuple[int, int]], repeats: int, best: bool = False,
-          isa_cap: int = 2) -> list[dict]:
+          isa_cap: int = 2, torch_int_mm: bool = True) -> list[dict]:
     from gridserve.kernels.cpu_ops import int8_gemm
 
     gen = torch.Generator().manual_seed(0)
@@ -53,9 +54,11 @@ def bench(rows: list[int], shapes: list[tuple[int, int]], repeats: int, best: bo
             x = torch.randn(m, k, generator=gen)
             calls = {
                 "fp32": functools.partial(F.linear, x, w),
-                "kernel": functools.partial(int8_gemm.gemm, x, packed, sw, n, isa_cap=isa_cap),
+                "int16": functools.partial(int8_gemm.gemm, x, packed, sw, n, isa_cap=isa_cap),
+                "group32": functools.partial(int8_gemm.gemm, x, packed, sw, n, isa_cap=isa_cap,
+                                             activation_group=int8_gemm.ACTIVATION_GROUP),
             }
-            if m > 16:  # torch._int_mm needs more than 16 rows
+            if m > 16 and torch_int_mm:  # torch._int_mm needs more than 16 rows
                 calls["int_mm_1row"] = functools.partial(_int_mm, x, wt, sw, 1)
                 calls["int_mm_2row"] = functools.partial(_int_mm, x, wt, sw, 2)
             times: dict[str, list[float]] = {name: [] for name in calls}
@@ -71,7 +74,8 @@ def bench(rows: list[int], shapes: list[tuple[int, int]], repeats: int, best: bo
             row = {"m": m, "n": n, "k": k}
             pick = min if best else statistics.median
             row.update({name: pick(t) for name, t in times.items()})
-            row["speedup"] = row["fp32"] / row["kernel"]
+            row["speedup_int16"] = row["fp32"] / row["int16"]
+            row["speedup_group32"] = row["fp32"] / row["group32"]
             results.append(row)
             print(_line(row), flush=True)
     return results
@@ -81,8 +85,9 @@ def _line(row: dict) -> str:
     def ms(key: str) -> str:
         return f"{row[key]:9.3f}" if key in row else f"{'-':>9}"
 
-    return (f"{row['m']:5d} {row['n']:6d} {row['k']:5d} {ms('fp32')} {ms('kernel')} "
-            f"{ms('int_mm_1row')} {ms('int_mm_2row')} {row['speedup']:7.2f}x")
+    return (f"{row['m']:5d} {row['n']:6d} {row['k']:5d} {ms('fp32')} {ms('int16')} {ms('group32')} "
+            f"{ms('int_mm_1row')} {ms('int_mm_2row')} {row['speedup_int16']:7.2f}x "
+            f"{row['speedup_group32']:7.2f}x")
 
 
 def int8_gemm_isas() -> tuple[str, ...]:
@@ -100,14 +105,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--isa", choices=int8_gemm_isas(), default="avx512-vnni",
                         help="cap the kernel's instruction set (to time the AVX2 / scalar paths)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--no-int-mm", action="store_true", help="skip the torch._int_mm columns")
+    parser.add_argument("--shapes", default="",
+                        help="N:K pairs, comma-separated (default: llama-base's five linears)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     from gridserve.kernels.cpu_ops import int8_gemm
 
     print(f"kernel ISA: {int8_gemm.isa()} (capped at {args.isa}), torch threads: {torch.get_num_threads()}")
-    print("    M      N     K   fp32 ms kernel ms  1row ms   2row ms  kernel/fp32")
-    bench(args.rows, SHAPES, args.repeats, args.best, int8_gemm.ISA_NAMES.index(args.isa))
+    shapes = [tuple(int(v) for v in pair.split(":")) for pair in args.shapes.split(",")] if args.shapes else SHAPES
+    print("    M      N     K   fp32 ms  int16 ms  grp32 ms   1row ms   2row ms  int16/fp32 grp32/fp32")
+    bench(args.rows, shapes, args.repeats, args.best, int8_gemm.ISA_NAMES.index(args.isa), not args.no_int_mm)
 
 
 if __name__ == "__main__":

@@ -91,7 +91,8 @@ class ModelConfig:
                 raise ConfigError("model.quantization_config", f"is not valid JSON: {exc}") from None
         if not isinstance(qc, dict):
             raise ConfigError("model.quantization_config", f"must be a JSON object, got {qc!r}")
-        unknown = set(qc) - {"method", "ignore", "group_size", "weight_only", "activation_rows"}
+        unknown = set(qc) - {"method", "ignore", "group_size", "weight_only", "activation_rows",
+                             "activation_group"}
         if unknown:
             raise ConfigError("model.quantization_config", f"unknown keys {sorted(unknown)}")
         ignore = qc.get("ignore", [])
@@ -104,7 +105,16 @@ class ModelConfig:
         rows = qc.get("activation_rows", 2)
         if rows not in (1, 2) or isinstance(rows, bool):
             raise ConfigError("model.quantization_config.activation_rows",
-                              f"must be 1 (int8 activations: faster, coarser) or 2 (16-bit), got {rows!r}")
+                              f"must be 1 (int8, one scale per row: coarser) or 2 (16-bit), got {rows!r}")
+        act_group = qc.get("activation_group", 0)
+        if act_group not in (0, 32) or isinstance(act_group, bool):
+            raise ConfigError("model.quantization_config.activation_group",
+                              f"must be 32 (int8 activations, one scale per 32 columns) or 0 (one "
+                              f"scale per row, see activation_rows), got {act_group!r}")
+        if act_group and "activation_rows" in qc:
+            raise ConfigError("model.quantization_config.activation_rows",
+                              "applies to per-row activations only (activation_group 0), "
+                              "not with activation_group 32")
         group = qc.get("group_size", 128)
         if not isinstance(group, int) or isinstance(group, bool) or group < 1:
             raise ConfigError("model.quantization_config.group_size",

@@ -1,16 +1,25 @@
-// CPU GEMM of int8 weights (per-output-channel scales) by int16 activations (per-row scales).
+// CPU GEMM of int8 weights (per-output-channel scales) by quantized activations, two modes:
 //
-// y[m, n] = sx[m] * sw[n] * sum_k xq[m, k] * wq[n, k]  (+ bias[n])
+// - int16 rows (activation_group 0, the default): y[m, n] = sx[m] * sw[n] * sum_k xq[m, k] wq[n, k]
+//   (+ bias[n]). Each row is quantized to int16 in [-32639, 32639] with one scale (~256x finer
+//   than int8, so what is left is the weights' rounding: the error of weight-only int8).
+// - int8 per 32 columns (activation_group 32, llama.cpp q8_0's activation scheme): each row is
+//   cut into groups of 32 columns, each quantized to int8 in [-127, 127] with its own scale:
+//   y[m, n] = sw[n] * sum_g sx[m, g] * sum_{k in g} xq[m, k] wq[n, k] (+ bias[n]). Half the
+//   instructions of the int16 mode; coarser (see weights.py for the accuracy measured).
 //
-// Activations are quantized per row to int16 in [-32639, 32639] on entry (~256x finer than int8,
-// so what is left is the weights' rounding: the error of weight-only int8). The instruction set
-// is picked at run time:
-// - AVX-512 VNNI: each int16 value is split into two int8 digits, x = 256 hi + lo with hi, lo in
-//   [-128, 127], and each digit plane runs through `vpdpbusd` (u8 x s8 -> int32, 64 MACs per
-//   instruction; faster than the int16 `vpdpwssd` on these cores). `vpdpbusd` wants one operand
-//   unsigned: the weights are stored offset by +128, and 128 * (sum of the digits) is taken off.
+// The instruction set is picked at run time:
+// - AVX-512 VNNI: `vpdpbusd` (u8 x s8 -> int32, 64 MACs per instruction; faster than the int16
+//   `vpdpwssd` on these cores). It wants one operand unsigned: the weights are stored offset by
+//   +128. int16 rows: each value is split into two int8 digits, x = 256 hi + lo with hi, lo in
+//   [-128, 127], each digit plane runs through `vpdpbusd` (two per 4 MACs) and 128 * (the block's
+//   digit sum) is taken off each plane. int8 groups: one `vpdpbusd` per 4 MACs into int32 sums
+//   over one group (8 quads), then converted and added into float sums with the row's group scale
+//   broadcast (fma); the offset is linear, so it folds into one float per row (sum over groups of
+//   scale_g * 128 * digit sum_g), taken off once at the end (times the column scale).
 // - AVX2: `vpmaddwd` (int16 x int16 -> int32 pairs, 16 MACs) on the widened weights.
-// - else a scalar loop. All three give the same integer sums, so the same result.
+// - else a scalar loop. All three give the same integer sums, so the same result (int8 groups:
+//   the same int32 group sums and the same fma chain, so the same floats bit for bit).
 //
 // Weight layout (`int8_gemm_pack`, once at load): output columns in groups of kGroup = 64; within
 // a group, for each quad of input columns (4q .. 4q+3), the 64 columns' four values side by side,
@@ -19,9 +28,9 @@
 // lane c holds column c's four values, against four activation digits broadcast to every lane.
 //
 // Blocking: threads split the column groups. Each thread walks K in blocks of kKC quads, per block
-// its groups, per group the rows in tiles of R: an R x 64 tile of int32 sums in registers (exact),
-// added as float into the output, which holds the running sum until the last block applies the
-// scales and the bias.
+// its groups, per group the rows in tiles of R: an R x 64 tile of int32 sums in registers (exact;
+// int8 groups: float sums of exact group sums), added as float into the output, which holds the
+// running sum until the last block applies the scales, the offset and the bias.
 
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -44,6 +53,9 @@ constexpr int64_t kQuadBytes = 256;   // one k-quad of a group: 64 columns x 4 u
 constexpr int64_t kKC = 128;          // k-quads per block: 512 columns keep int16 x int8 sums exact
 constexpr int32_t kXMax = 32639;      // 127 * 256 + 127: the largest value two int8 digits hold
 constexpr int kMaxRows = 4;           // tallest row tile
+constexpr int64_t kActGroup = 32;     // int8 activations: input columns per scale
+constexpr int64_t kGroupQuads = kActGroup / 4;
+static_assert(kKC % kGroupQuads == 0, "K blocks hold whole activation groups");
 
 enum class Isa { kScalar = 0, kAvx2 = 1, kAvx512Vnni = 2 };
 
@@ -70,12 +82,21 @@ int tile_rows(Isa isa) { return isa == Isa::kAvx512Vnni ? 3 : isa == Isa::kAvx2 
 
 // The activations of one call, quantized: int16 rows [m, kp] (zero-padded), and for VNNI their
 // two int8 digit planes and each row's digit sums per K block (the +128 weight offset's share).
+//
+// Grouped int8 (`group` = 32): rows [m, kp] (kp a multiple of 32, zero-padded), one scale per
+// 32 columns [m, kp / 32], and per row the +128 weight offset's share in float: sum over groups
+// of scale_g * 128 * (digit sum of group g), taken off once at the end. Output row r is
+// (float sum - offset[r]) * scale[r] * weight scale; scale[r] is 1 for grouped rows and offset[r]
+// is 0 for int16 rows.
 struct Activations {
   int64_t kp = 0;
+  int64_t group = 0;                     // 0: int16 per row; kActGroup: int8 per group
   std::vector<int16_t> q;
-  std::vector<float> scale;
+  std::vector<float> scale, offset;      // [m]
   std::vector<int8_t> hi, lo;            // [m, kp]
   std::vector<int32_t> hi_sum, lo_sum;   // [m, blocks]
+  std::vector<int8_t> q8;                // grouped: [m, kp]
+  std::vector<float> group_scale;        // grouped: [m, kp / kActGroup]
 };
 
 // ---- tiles: acc[r][c] = sum over `quads` k-quads of x[r] . w[c], for R rows and 64 columns ----
@@ -90,6 +111,25 @@ void tile_scalar(const int16_t* x, const uint8_t* w, int64_t quads, int32_t* acc
       for (int t = 0; t < 4; ++t) sum += x[4 * q + t] * (static_cast<int32_t>(wq[4 * c + t]) - 128);
       acc[c] += sum;
     }
+  }
+}
+
+// Grouped int8 rows: per 32-column group an exact int32 sum of (w + 128) x, then float
+// acc = fma(sum, group scale, acc). Every instruction set forms the same integer sums and the same
+// fma chain, so the same floats.
+void tile_q8_scalar(const int8_t* x, const float* s, const uint8_t* w, int64_t quads, float* acc) {
+  std::fill(acc, acc + kGroup, 0.f);
+  int32_t sum[kGroup];
+  for (int64_t q0 = 0; q0 < quads; q0 += kGroupQuads) {
+    const int64_t q1 = std::min(quads, q0 + kGroupQuads);
+    std::fill(sum, sum + kGroup, 0);
+    for (int64_t q = q0; q < q1; ++q) {
+      const uint8_t* wq = w + q * kQuadBytes;
+      for (int c = 0; c < kGroup; ++c)
+        for (int t = 0; t < 4; ++t) sum[c] += static_cast<int32_t>(wq[4 * c + t]) * x[4 * q + t];
+    }
+    const float sg = s[q0 / kGroupQuads];
+    for (int c = 0; c < kGroup; ++c) acc[c] = std::fma(static_cast<float>(sum[c]), sg, acc[c]);
   }
 }
 
@@ -171,14 +211,137 @@ __attribute__((target("avx2,fma"))) void tile_avx2(
     }
   }
 }
+// One k-quad of a grouped tile: R rows x 64 columns, one `vpdpbusd` per 4 MACs.
+template <int R>
+__attribute__((target("avx512f,avx512bw,avx512vnni"), always_inline)) inline void quad_q8_vnni(
+    __m512i (&h)[R][4], const int8_t* x, int64_t lda, const uint8_t* wq, int64_t q) {
+  const __m512i b0 = _mm512_loadu_si512(wq);
+  const __m512i b1 = _mm512_loadu_si512(wq + 64);
+  const __m512i b2 = _mm512_loadu_si512(wq + 128);
+  const __m512i b3 = _mm512_loadu_si512(wq + 192);
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    int32_t digits;
+    std::memcpy(&digits, x + r * lda + 4 * q, sizeof(digits));
+    const __m512i xv = _mm512_set1_epi32(digits);
+    h[r][0] = _mm512_dpbusd_epi32(h[r][0], b0, xv);
+    h[r][1] = _mm512_dpbusd_epi32(h[r][1], b1, xv);
+    h[r][2] = _mm512_dpbusd_epi32(h[r][2], b2, xv);
+    h[r][3] = _mm512_dpbusd_epi32(h[r][3], b3, xv);
+  }
+}
+
+// VNNI, grouped int8 rows: R x 64 int32 sums over one group (8 quads), then into R x 64 float
+// sums with the row's group scale. 4R + 4R + 4 weight vectors: R = 3 fits the 32 registers.
+template <int R>
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) void tile_q8_vnni(
+    const int8_t* x, int64_t lda, const float* s, int64_t lds, const uint8_t* w, int64_t quads,
+    float* acc) {
+  __m512 f[R][4];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) f[r][j] = _mm512_setzero_ps();
+  for (int64_t q0 = 0; q0 < quads; q0 += kGroupQuads) {
+    __m512i h[R][4];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) h[r][j] = _mm512_setzero_si512();
+    if (q0 + kGroupQuads <= quads) {
+#pragma GCC unroll 8
+      for (int64_t q = q0; q < q0 + kGroupQuads; ++q) quad_q8_vnni<R>(h, x, lda, w + q * kQuadBytes, q);
+    } else {
+      for (int64_t q = q0; q < quads; ++q) quad_q8_vnni<R>(h, x, lda, w + q * kQuadBytes, q);
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m512 sg = _mm512_set1_ps(s[r * lds + q0 / kGroupQuads]);
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) f[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(h[r][j]), sg, f[r][j]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(acc + r * kGroup + 16 * j, f[r][j]);
+}
+
+// AVX2, grouped int8 rows: as `tile_avx2` on the uint8 (+128) weights widened to int16 and the
+// row's four int8 values widened likewise; 8 columns per pass.
+template <int R>
+__attribute__((target("avx2,fma"))) void tile_q8_avx2(
+    const int8_t* x, int64_t lda, const float* s, int64_t lds, const uint8_t* w, int64_t quads,
+    float* acc) {
+  for (int p = 0; p < 8; ++p) {
+    __m256 f[R];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) f[r] = _mm256_setzero_ps();
+    const uint8_t* wp = w + 32 * p;
+    for (int64_t q0 = 0; q0 < quads; q0 += kGroupQuads) {
+      const int64_t q1 = std::min(quads, q0 + kGroupQuads);
+      __m256i c[R][2];
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) c[r][0] = c[r][1] = _mm256_setzero_si256();
+      for (int64_t q = q0; q < q1; ++q) {
+        const uint8_t* wq = wp + q * kQuadBytes;
+        const __m256i b0 = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wq)));
+        const __m256i b1 = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wq + 16)));
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          int32_t values;
+          std::memcpy(&values, x + r * lda + 4 * q, sizeof(values));
+          const __m256i xv = _mm256_cvtepi8_epi16(_mm_set1_epi32(values));
+          c[r][0] = _mm256_add_epi32(c[r][0], _mm256_madd_epi16(xv, b0));
+          c[r][1] = _mm256_add_epi32(c[r][1], _mm256_madd_epi16(xv, b1));
+        }
+      }
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const __m256i sums = _mm256_permute4x64_epi64(_mm256_hadd_epi32(c[r][0], c[r][1]), 0xD8);
+        const __m256 sg = _mm256_set1_ps(s[r * lds + q0 / kGroupQuads]);
+        f[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), sg, f[r]);
+      }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) _mm256_storeu_ps(acc + r * kGroup + 8 * p, f[r]);
+  }
+}
 #endif
 
-// acc [rows, 64]: the int32 sums x . w of one block (the VNNI planes combined), as float.
+// acc [rows, 64]: the int32 sums x . w of one block (the VNNI planes combined), as float; for
+// grouped rows the block's float sum over its groups.
 void run_tile(Isa isa, int rows, const Activations& a, int64_t row0, int64_t kq0, int64_t block,
               const uint8_t* w, int64_t quads, float* acc) {
   alignas(64) int32_t hi[kMaxRows * kGroup];
   alignas(64) int32_t lo[kMaxRows * kGroup];
   const int64_t lda = a.kp, off = row0 * lda + 4 * kq0;
+  if (a.group) {
+    const int8_t* x = a.q8.data() + off;
+    const int64_t lds = a.kp / kActGroup;
+    const float* s = a.group_scale.data() + row0 * lds + kq0 / kGroupQuads;
+#if defined(GS_X86)
+    if (isa == Isa::kAvx512Vnni) {
+      switch (rows) {
+        case 3: tile_q8_vnni<3>(x, lda, s, lds, w, quads, acc); break;
+        case 2: tile_q8_vnni<2>(x, lda, s, lds, w, quads, acc); break;
+        default: tile_q8_vnni<1>(x, lda, s, lds, w, quads, acc); break;
+      }
+      return;
+    }
+    if (isa == Isa::kAvx2) {
+      switch (rows) {
+        case 4: tile_q8_avx2<4>(x, lda, s, lds, w, quads, acc); break;
+        case 3: tile_q8_avx2<3>(x, lda, s, lds, w, quads, acc); break;
+        case 2: tile_q8_avx2<2>(x, lda, s, lds, w, quads, acc); break;
+        default: tile_q8_avx2<1>(x, lda, s, lds, w, quads, acc); break;
+      }
+      return;
+    }
+#endif
+    for (int r = 0; r < rows; ++r) tile_q8_scalar(x + r * lda, s + r * lds, w, quads, acc + r * kGroup);
+    return;
+  }
 #if defined(GS_X86)
   if (isa == Isa::kAvx512Vnni) {
     const int8_t* h = a.hi.data() + off;
@@ -278,6 +441,7 @@ Activations quantize_rows(const float* x, int64_t m, int64_t k, Isa isa) {
   const bool digits = isa == Isa::kAvx512Vnni;
   a.q.resize(static_cast<size_t>(m * a.kp));
   a.scale.resize(static_cast<size_t>(m));
+  a.offset.assign(static_cast<size_t>(m), 0.f);
   if (digits) {
     a.hi.resize(a.q.size());
     a.lo.resize(a.q.size());
@@ -292,6 +456,89 @@ Activations quantize_rows(const float* x, int64_t m, int64_t k, Isa isa) {
         split_row(q, a.kp, blocks, a.hi.data() + i * a.kp, a.lo.data() + i * a.kp,
                   a.hi_sum.data() + i * blocks, a.lo_sum.data() + i * blocks);
       }
+    }
+  });
+  return a;
+}
+
+// One row to int8 per 32-column group, zero-padded to kp (a multiple of 32): symmetric, scale =
+// amax / 127, values round(x * (127 / amax)) to nearest even. Writes the group scales; returns
+// the row's offset term (sum of scale_g * 128 * digit sum_g). The AVX-512 version below forms
+// the same values bit for bit (same float operations, explicit fma).
+GS_SIMD_CLONES float quantize_q8_row(const float* row, int64_t k, int64_t kp, int8_t* out,
+                                     float* group_scale) {
+  constexpr float kMagic = 12582912.f;
+  float offset = 0.f;
+  for (int64_t j0 = 0; j0 < kp; j0 += kActGroup) {
+    const int64_t n = std::max<int64_t>(0, std::min(kActGroup, k - j0));
+    float amax = 0.f;
+    for (int64_t j = 0; j < n; ++j) amax = std::max(amax, std::fabs(row[j0 + j]));
+    const float inv = amax > 0.f ? 127.f / amax : 0.f;
+    int32_t sum = 0;
+    for (int64_t j = 0; j < kActGroup; ++j) {
+      int32_t v = 0;
+      if (j < n) {
+        const float t = std::min(std::max(row[j0 + j] * inv, -127.f), 127.f);
+        v = static_cast<int32_t>((t + kMagic) - kMagic);
+      }
+      out[j0 + j] = static_cast<int8_t>(v);
+      sum += v;
+    }
+    const float sg = amax / 127.f;
+    group_scale[j0 / kActGroup] = sg;
+    offset = std::fma(sg, static_cast<float>(128 * sum), offset);
+  }
+  return offset;
+}
+
+#if defined(GS_X86)
+__attribute__((target("avx512f,avx512bw"))) float quantize_q8_row_avx512(
+    const float* row, int64_t k, int64_t kp, int8_t* out, float* group_scale) {
+  const __m512 hi = _mm512_set1_ps(127.f), lo = _mm512_set1_ps(-127.f);
+  float offset = 0.f;
+  for (int64_t j0 = 0; j0 < kp; j0 += kActGroup) {
+    const int64_t n = std::max<int64_t>(0, std::min(kActGroup, k - j0));
+    const __mmask16 m0 = n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1);
+    const __mmask16 m1 = n >= 32 ? 0xFFFF : n > 16 ? static_cast<__mmask16>((1u << (n - 16)) - 1) : 0;
+    const __m512 v0 = _mm512_maskz_loadu_ps(m0, row + j0);
+    const __m512 v1 = _mm512_maskz_loadu_ps(m1, row + j0 + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+    const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+    // vcvtps2dq rounds to nearest even (the default MXCSR mode), as the scalar magic-number trick
+    const __m512i q0 = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(v0, inv), lo), hi));
+    const __m512i q1 = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(v1, inv), lo), hi));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + j0), _mm512_cvtepi32_epi8(q0));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + j0 + 16), _mm512_cvtepi32_epi8(q1));
+    const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+    const float sg = amax / 127.f;
+    group_scale[j0 / kActGroup] = sg;
+    offset = std::fma(sg, static_cast<float>(128 * sum), offset);
+  }
+  return offset;
+}
+#endif
+
+// Each row to int8 per 32-column group (AVX-512 where the capped instruction set has it).
+Activations quantize_groups(const float* x, int64_t m, int64_t k, Isa isa) {
+  Activations a;
+  a.group = kActGroup;
+  a.kp = (k + kActGroup - 1) / kActGroup * kActGroup;
+  const int64_t groups = a.kp / kActGroup;
+  a.q8.resize(static_cast<size_t>(m * a.kp));
+  a.group_scale.resize(static_cast<size_t>(m * groups));
+  a.scale.assign(static_cast<size_t>(m), 1.f);
+  a.offset.resize(static_cast<size_t>(m));
+  at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      int8_t* q = a.q8.data() + i * a.kp;
+      float* gs = a.group_scale.data() + i * groups;
+#if defined(GS_X86)
+      if (isa == Isa::kAvx512Vnni) {
+        a.offset[i] = quantize_q8_row_avx512(x + i * k, k, a.kp, q, gs);
+        continue;
+      }
+#endif
+      a.offset[i] = quantize_q8_row(x + i * k, k, a.kp, q, gs);
     }
   });
   return a;
@@ -330,9 +577,13 @@ void int8_gemm_pack(const at::Tensor& packed, const at::Tensor& weight) {
   });
 }
 
-// out [m, n] float32 = (x quantized to int16 per row) @ (packed int8 weight).T * scales (+ bias).
+// out [m, n] float32 = (x quantized to int16 per row, or with activation_group 32 to int8 per 32
+// columns) @ (packed int8 weight).T * scales (+ bias).
 void int8_gemm(const at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
-               const at::Tensor& scales, const c10::optional<at::Tensor>& bias, int64_t isa_cap) {
+               const at::Tensor& scales, const c10::optional<at::Tensor>& bias, int64_t isa_cap,
+               int64_t activation_group) {
+  check(activation_group == 0 || activation_group == kActGroup,
+        "activation_group must be 0 (int16 per row) or 32 (int8 per 32 columns)");
   check(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
         "x must be a contiguous 2-D float32 tensor");
   check(out.dim() == 2 && out.scalar_type() == at::kFloat && out.is_contiguous() &&
@@ -359,7 +610,8 @@ void int8_gemm(const at::Tensor& out, const at::Tensor& x, const at::Tensor& pac
     return;
   }
   const Isa isa = active_isa(isa_cap);
-  const Activations a = quantize_rows(x.data_ptr<float>(), m, k, isa);
+  const Activations a = activation_group ? quantize_groups(x.data_ptr<float>(), m, k, isa)
+                                         : quantize_rows(x.data_ptr<float>(), m, k, isa);
   const int mr = tile_rows(isa);
   const uint8_t* w = packed.data_ptr<uint8_t>();
   const float* sw = scales.data_ptr<float>();
@@ -381,17 +633,34 @@ void int8_gemm(const at::Tensor& out, const at::Tensor& x, const at::Tensor& pac
               for (int64_t c = 0; c < cols; ++c) dst[c] = first ? src[c] : dst[c] + src[c];
               continue;
             }
-            const float s = a.scale[r0 + r];
+            const float s = a.scale[r0 + r], off = a.offset[r0 + r];
             const float* swc = sw + col0;
             for (int64_t c = 0; c < cols; ++c) {
               const float total = first ? src[c] : dst[c] + src[c];
-              dst[c] = total * s * swc[c] + (bias_ptr ? bias_ptr[col0 + c] : 0.f);
+              dst[c] = (total - off) * s * swc[c] + (bias_ptr ? bias_ptr[col0 + c] : 0.f);
             }
           }
         }
       }
     }
   });
+}
+
+// The grouped activations of x (for tests): q [m, kp] int8, group scales [m, kp / 32], offsets [m].
+void int8_gemm_quantize_groups(const at::Tensor& q, const at::Tensor& group_scale,
+                               const at::Tensor& offset, const at::Tensor& x, int64_t isa_cap) {
+  check(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+        "x must be a contiguous 2-D float32 tensor");
+  const int64_t m = x.size(0), k = x.size(1), kp = (k + kActGroup - 1) / kActGroup * kActGroup;
+  check(q.scalar_type() == at::kChar && q.is_contiguous() && q.numel() == m * kp &&
+            group_scale.scalar_type() == at::kFloat && group_scale.is_contiguous() &&
+            group_scale.numel() == m * kp / kActGroup && offset.scalar_type() == at::kFloat &&
+            offset.is_contiguous() && offset.numel() == m,
+        "quantize_groups wants q int8 [m, kp], group_scale float32 [m, kp / 32], offset float32 [m]");
+  const Activations a = quantize_groups(x.data_ptr<float>(), m, k, active_isa(isa_cap));
+  std::memcpy(q.data_ptr<int8_t>(), a.q8.data(), a.q8.size());
+  std::memcpy(group_scale.data_ptr<float>(), a.group_scale.data(), a.group_scale.size() * sizeof(float));
+  std::memcpy(offset.data_ptr<float>(), a.offset.data(), a.offset.size() * sizeof(float));
 }
 
 int64_t int8_gemm_packed_numel(int64_t n, int64_t k) { return packed_numel(n, k); }
@@ -403,7 +672,10 @@ int64_t int8_gemm_isa() { return static_cast<int64_t>(active_isa(2)); }
 
 TORCH_LIBRARY(gridserve_int8_gemm, m) {
   m.def("pack(Tensor(a!) packed, Tensor weight) -> ()");
-  m.def("gemm(Tensor(a!) out, Tensor x, Tensor packed, Tensor scales, Tensor? bias, int isa_cap) -> ()");
+  m.def("gemm(Tensor(a!) out, Tensor x, Tensor packed, Tensor scales, Tensor? bias, int isa_cap, "
+        "int activation_group) -> ()");
+  m.def("quantize_groups(Tensor(a!) q, Tensor(a!) group_scale, Tensor(a!) offset, Tensor x, "
+        "int isa_cap) -> ()");
   m.def("packed_numel(int n, int k) -> int", &int8_gemm_packed_numel);
   m.def("isa() -> int", &int8_gemm_isa);
 }
@@ -411,4 +683,5 @@ TORCH_LIBRARY(gridserve_int8_gemm, m) {
 TORCH_LIBRARY_IMPL(gridserve_int8_gemm, CPU, m) {
   m.impl("pack", int8_gemm_pack);
   m.impl("gemm", int8_gemm);
+  m.impl("quantize_groups", int8_gemm_quantize_groups);
 }

@@ -1,4 +1,5 @@
-"""int8-weight x int16-activation CPU GEMM (``int8_gemm.cpp``), compiled on first use and cached.
+"""int8-weight CPU GEMM (``int8_gemm.cpp``), compiled on first use and cached: activations as
+int16 rows (one scale per row), or as int8 with one scale per 32 columns (``activation_group=32``).
 
 ``load()`` builds the extension the first time a worker quantizes a layer on CPU, as the
 paged-attention kernel is built, and returns None (reason logged) when it cannot: no compiler,
@@ -22,6 +23,7 @@ logger = logging.getLogger(__name__)
 _SOURCE = Path(__file__).with_name("int8_gemm.cpp")
 ISA_NAMES = ("scalar", "avx2", "avx512-vnni")
 GROUP = 64  # output columns per packed group (the kernel's kGroup)
+ACTIVATION_GROUP = 32  # input columns per activation scale in the int8-activation mode (kActGroup)
 
 
 @functools.lru_cache(maxsize=1)
@@ -71,11 +73,25 @@ def unpack(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
 
 def gemm(
     x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, n: int,
-    bias: Optional[torch.Tensor] = None, isa_cap: int = 2,
+    bias: Optional[torch.Tensor] = None, isa_cap: int = 2, activation_group: int = 0,
 ) -> torch.Tensor:
-    """``(x as int16 rows) @ (packed int8).T * scales (+ bias)`` for float32 ``x`` [m, k] -> [m, n].
+    """``(x quantized) @ (packed int8).T * scales (+ bias)`` for float32 ``x`` [m, k] -> [m, n].
 
+    ``activation_group``: 0 quantizes each row of ``x`` to int16 with one scale; ``ACTIVATION_GROUP``
+    (32) to int8 with one scale per 32 columns (one ``vpdpbusd`` per 4 MACs instead of two).
     ``isa_cap`` (0 scalar, 1 AVX2, 2 AVX-512 VNNI) caps the instruction set, for tests."""
     out = torch.empty(x.shape[0], n, dtype=torch.float32)
-    load().gemm(out, x.contiguous(), packed, scales, bias, isa_cap)
+    load().gemm(out, x.contiguous(), packed, scales, bias, isa_cap, activation_group)
     return out
+
+
+def quantize_groups(x: torch.Tensor, isa_cap: int = 2) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kernel's grouped activations of float32 ``x`` [m, k] (for checks): int8 values [m, kp]
+    (kp: k rounded up to 32, zero-padded), scales [m, kp / 32] and the rows' weight-offset terms."""
+    m, k = x.shape
+    kp = -(-k // ACTIVATION_GROUP) * ACTIVATION_GROUP
+    q = torch.empty(m, kp, dtype=torch.int8)
+    group_scale = torch.empty(m, kp // ACTIVATION_GROUP)
+    offset = torch.empty(m)
+    load().quantize_groups(q, group_scale, offset, x.contiguous(), isa_cap)
+    return q, group_scale, offset

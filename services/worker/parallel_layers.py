@@ -48,9 +48,10 @@ class QuantizableLinear(nn.Module):
         self.batch_invariant = False  # GEMMs on fixed row blocks (``batch_invariant.enable``)
 
     def quantize(self, method: str, group_size: int = 128, activations: bool = True,
-                 activation_rows: int = 2) -> None:
+                 activation_rows: int = 2, activation_group: int = 0) -> None:
         """Swap the loaded float weight for its ``method`` form (call once the weight is loaded)."""
-        self.qweight = quantize_weight(self.weight.data, method, group_size, activations, activation_rows)
+        self.qweight = quantize_weight(self.weight.data, method, group_size, activations, activation_rows,
+                                       activation_group)
         if not self.keeps_float_weight:
             self.weight = None
 

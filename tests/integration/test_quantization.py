@@ -160,7 +160,7 @@ def test_quantized_modes_meet_the_issue_bars_on_the_trained_model(accuracy_setup
     0.0001 and 100% teacher-forced argmax agreement (fp8_e4m3 KV gives 0.81): free-running greedy
     on this small model parts at near-ties. Asserted for it: the KL bar and >= 99% argmax
     agreement; its free-running agreement is reported, not asserted."""
-    modes = ["int8", "int8-weight-only", "kv-fp8_e4m3", "kv-fp8_e5m2", "int4"]
+    modes = ["int8", "int8-weight-only", "kv-fp8_e4m3", "kv-fp8_e5m2", "int4", "int8-g32"]
     results, trained = _check(accuracy_setup, modes)
     if not trained:
         # Random weights: only what holds for any weights (int8 error is small, not near-uniform).
@@ -173,6 +173,9 @@ def test_quantized_modes_meet_the_issue_bars_on_the_trained_model(accuracy_setup
         assert results[mode].mean_kl <= bench.BARS[mode][0], results[mode]
     assert results["int8-weight-only"].passes, results["int8-weight-only"]
     assert results["int8"].argmax_agreement >= 0.99, results["int8"]
+    # int8 activations per 32 columns (opt-in): KL 4e-5, twice int16 rows'; greedy agreement
+    # reported, not asserted (0.976 alone, 0.844 with a bf16 KV cache: README)
+    assert results["int8-g32"].argmax_agreement >= 0.99, results["int8-g32"]
 
 
 @pytest.mark.slow

@@ -36,6 +36,14 @@ from gridserve.shared.errors import ConfigError
             {"quantization_config": {"method": "int8", "activation_rows": 3}},
             "model.quantization_config.activation_rows",
         ),
+        (
+            {"quantization_config": {"method": "int8", "activation_group": 64}},
+            "model.quantization_config.activation_group",
+        ),
+        (
+            {"quantization_config": {"method": "int8", "activation_group": 32, "activation_rows": 1}},
+            "model.quantization_config.activation_rows",
+        ),
     ],
 )
 def test_bad_quantization_values_are_errors_naming_the_field(kwargs, field):
@@ -83,6 +91,17 @@ def test_an_ignore_entry_matching_no_layer_is_an_error_naming_it():
     assert "model.layers.99.mlp" in str(err.value)
 
 
+@pytest.mark.parametrize(
+    ("raw", "group", "rows"),
+    [({}, 0, 2), ({"activation_group": 0}, 0, 2), ({"activation_rows": 1}, 0, 1),
+     ({"activation_group": 32}, 32, 2)],
+)
+def test_int8_activation_scheme_defaults_to_int16_rows(raw, group, rows):
+    GridserveConfig.from_kwargs(model="unused", quantization_config={"method": "int8", **raw})
+    config = QuantizationConfig.from_model_config("int8", raw)
+    assert (config.activation_group, config.activation_rows) == (group, rows)
+
+
 def test_int4_pack_round_trips_every_value():
     q = torch.arange(-8, 8, dtype=torch.int8).repeat(3, 4)  # [3, 64]
     packed = pack_int4(q)
@@ -115,20 +134,54 @@ def test_int8_cpu_matmul_keeps_activations_exact_enough_to_match_weight_only(ker
         monkeypatch.setattr(int8_gemm, "load", lambda: None)  # as where no compiler builds it
     elif int8_gemm.load() is None:
         pytest.skip("the C++ int8 GEMM cannot be built here")
+    x, w = _outlier_problem()
+    q = Int8Weight.from_float(w)
+    assert q.kernel == kernel and q.activation_group == 0
+    weight_only = x @ q.dequantize().T
+    err = ((q(x) - weight_only).norm() / weight_only.norm()).item()
+    one_row = _fake_quantized(x, 512) @ q.dequantize().T  # one int8 scale per row
+    err_one_row = ((one_row - weight_only).norm() / weight_only.norm()).item()
+    assert err < 1e-3 and err < err_one_row / 50
+    fast = Int8Weight.from_float(w, activation_rows=1)  # one int8 row, on request
+    assert torch.allclose(fast(x), one_row, rtol=1e-4, atol=1e-4)
+    if not kernel:  # int8 per 32 columns needs the kernel: two int8 rows without it
+        assert torch.equal(Int8Weight.from_float(w, activation_group=32)(x), q(x))
+
+
+def test_int8_activations_per_32_columns_run_the_kernel_on_request():
+    """``activation_group=32``: int8 activations with one scale per 32 columns through the kernel,
+    equal to that quantization done in torch (float64), and far closer to weight-only than one
+    scale per row (an outlier channel coarsens only its own group)."""
+    from gridserve.kernels.cpu_ops import int8_gemm
+
+    if int8_gemm.load() is None:
+        pytest.skip("the C++ int8 GEMM cannot be built here")
+    x, w = _outlier_problem()
+    q = Int8Weight.from_float(w, activation_group=32)
+    assert q.kernel and q.activation_group == 32
+    weight_only = x @ q.dequantize().T
+    grouped = (_fake_quantized(x.double(), 32) @ q.dequantize().double().T).float()
+    torch.testing.assert_close(q(x), grouped, rtol=1e-5, atol=1e-5 * grouped.abs().max().item())
+    one_row = _fake_quantized(x, 512) @ q.dequantize().T
+    err = ((q(x) - weight_only).norm() / weight_only.norm()).item()
+    assert err < ((one_row - weight_only).norm() / weight_only.norm()).item() / 3
+
+
+def _outlier_problem() -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(2)
     w = torch.randn(64, 512, generator=gen) * 0.05
     x = torch.randn(9, 512, generator=gen)
     x[:, 7] *= 40  # an outlier channel, as RMSNorm outputs have: one scale per row coarsens the rest
-    q = Int8Weight.from_float(w)
-    assert q.kernel == kernel
-    weight_only = x @ q.dequantize().T
-    err = ((q(x) - weight_only).norm() / weight_only.norm()).item()
-    rows = x.abs().amax(1, keepdim=True) / 127
-    one_row = (torch.round(x / rows) * rows) @ q.dequantize().T  # the single-row (q8_0) scheme
-    err_one_row = ((one_row - weight_only).norm() / weight_only.norm()).item()
-    assert err < 1e-3 and err < err_one_row / 50
-    fast = Int8Weight.from_float(w, activation_rows=1)  # the q8_0 scheme, on request
-    assert torch.allclose(fast(x), one_row, rtol=1e-4, atol=1e-4)
+    return x, w
+
+
+def _fake_quantized(x: torch.Tensor, group: int) -> torch.Tensor:
+    """``x`` rounded to int8 with one symmetric scale per ``group`` columns (the kernel's rounding:
+    ``round(x * (127 / amax))``, in float32) and scaled back."""
+    g = x.float().reshape(x.shape[0], -1, group)
+    amax = g.abs().amax(-1, keepdim=True)
+    values = torch.round((g * (127.0 / amax)).clamp(-127, 127))
+    return (values.to(x.dtype) * (amax / 127.0).to(x.dtype)).reshape(x.shape)
 
 
 def test_int8_weight_runs_the_int16_kernel_on_cpu_and_holds_the_weight_once():
@@ -147,8 +200,11 @@ def test_int8_weight_runs_the_int16_kernel_on_cpu_and_holds_the_weight_once():
     weight_only = reference(x)
     assert q(x).shape == (2, 3, 100)
     assert ((q(x) - weight_only).norm() / weight_only.norm()).item() < 1e-4  # int16: ~weight-only
-    assert not Int8Weight.from_float(w, activation_rows=1).kernel  # q8_0 stays on torch._int_mm
-    moved = Int8Weight.from_float(w).to("meta")  # off the CPU (as .cuda()): plain int8 rows again
+    grouped = Int8Weight.from_float(w, activation_group=32)  # the same packed weight, int8 activations
+    assert grouped.kernel and torch.equal(grouped.packed, q.packed)
+    assert 1e-4 < ((grouped(x) - weight_only).norm() / weight_only.norm()).item() < 1e-2
+    assert not Int8Weight.from_float(w, activation_rows=1).kernel  # torch._int_mm
+    moved = Int8Weight.from_float(w, activation_group=32).to("meta")  # off the CPU (as .cuda()): plain int8 rows again
     assert not moved.kernel and moved.qweight.shape == (100, 300) and moved.qweight.dtype == torch.int8
 
 

@@ -56,7 +56,8 @@ def quantize_model(
         method = config.method_for(prefix)
         chosen[prefix] = method or "none"
         if method is not None:
-            module.quantize(method, config.group_size, config.activations, config.activation_rows)
+            module.quantize(method, config.group_size, config.activations, config.activation_rows,
+                            config.activation_group)
     config.check_all_matched(_other_stages(chosen, num_layers))
     counts = {m: sum(1 for v in chosen.values() if v == m) for m in set(chosen.values())}
     logger.info("quantized linear layers: %s", counts)

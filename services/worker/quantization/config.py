@@ -37,10 +37,12 @@ class QuantizationConfig:
     # and int8 stays weight-only (no activation quantization) when ``activations`` is False.
     only: set[str] | None = None
     activations: bool = True
-    # int8 on CPU: activation precision (2: 16-bit, the int8 x int16 C++ GEMM, or two int8 rows per
-    # activation row without it: the accuracy of weight-only; 1: one int8 row, llama.cpp q8_0's
-    # scheme, faster, coarser).
+    # int8 on CPU: how activations are quantized. ``activation_group`` 0: one scale per row, with
+    # ``activation_rows`` 2: 16-bit (the int8 x int16 C++ GEMM, or two int8 rows per activation row
+    # without it: the accuracy of weight-only), 1: one int8 row (coarser); 32: int8 with one scale
+    # per 32 input columns (llama.cpp q8_0's scheme, the C++ GEMM's faster mode, coarser).
     activation_rows: int = 2
+    activation_group: int = 0
     _matched: set[str] = field(default_factory=set, repr=False)
 
     @classmethod
@@ -53,6 +55,7 @@ class QuantizationConfig:
             int(raw.get("group_size", 128)),
             activations=not raw.get("weight_only", False),
             activation_rows=int(raw.get("activation_rows", 2)),
+            activation_group=int(raw.get("activation_group", 0)),
         )
 
     def method_for(self, prefix: str) -> str | None:
