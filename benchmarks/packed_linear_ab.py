@@ -87,13 +87,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         load.append(os.getloadavg()[0])
     finally:
         llm.shutdown()
-    # the last prefill step is a partial chunk: leave it out of both
-    prefill_ms = {name: statistics.median(t[:-1] or t) * 1e3 for name, t in prefill.items()}
+    # each variant's first prefill step warms up, the last one is a partial chunk: leave both out
+    prefill_ms = {name: statistics.median(t[1:-1]) * 1e3 if len(t) > 2 else float("nan")
+                  for name, t in prefill.items()}
     decode_ms = {name: {k: statistics.median(s[k] for s in steps) * 1e3 for k in steps[0]}
                  for name, steps in decode.items()}
     return {"model": model, "batch_size": args.batch_size, "decode_steps_each": args.steps,
             "max_num_batched_tokens": args.max_num_batched_tokens, "load_average": load,
-            "prefill_step_ms": prefill_ms, "prefill_steps": {k: len(v) for k, v in prefill.items()},
+            "prefill_step_ms": prefill_ms, "prefill_steps": {k: max(len(v) - 2, 0) for k, v in prefill.items()},
             "decode_ms": decode_ms,
             "decode_speedup": decode_ms["plain"]["total"] / decode_ms["packed"]["total"],
             "prefill_speedup": prefill_ms["plain"] / prefill_ms["packed"]}
