@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 
 from gridserve.kernels.dispatch import one_thread
-from gridserve.services.worker import batch_invariant
+from gridserve.services.worker import batch_invariant, cpu_packed_linear
 from gridserve.services.worker.attention import AttentionMetadata
 from gridserve.services.worker.encoder_cache import EncoderCache, ImageRows
 from gridserve.services.worker.loader import KV_CACHE_TORCH_DTYPES, TORCH_DTYPES, load_model
@@ -102,6 +102,7 @@ class ModelRunner:
         if self.config.device.batch_invariant:
             batch_invariant.check_available(self.device)
             batch_invariant.enable(self.model)
+        cpu_packed_linear.pack_model(self.model, self.device)
         if hasattr(self.model, "encode_images"):
             self.encoder_cache = EncoderCache(self.model, self.device)
 

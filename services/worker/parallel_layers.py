@@ -11,7 +11,8 @@ With one rank each is exactly ``nn.Linear`` / ``nn.Embedding`` (no collective, w
 
 Every layer carries its checkpoint ``prefix``; after loading, ``quantization.quantize_model`` may
 swap a layer's float weight for a ``QuantizedWeight`` (int8 / int4) chosen by that prefix. Each
-rank quantizes only the shard it holds.
+rank quantizes only the shard it holds. On the CPU, ``cpu_packed_linear.pack_model`` then holds each
+remaining fp32 weight in oneDNN's blocked layout (``pack_for_cpu``) instead of the plain one.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gridserve.services.worker import cpu_packed_linear
 from gridserve.services.worker.batch_invariant import fixed_row_blocks
 from gridserve.services.worker.loader import CheckpointTensor
 from gridserve.services.worker.parallel_state import ParallelState, get_parallel_state
@@ -46,14 +48,36 @@ class QuantizableLinear(nn.Module):
         self.qweight: Optional[QuantizedWeight] = None
         self.keeps_float_weight = False  # True where the float weight has another use (tied embedding)
         self.batch_invariant = False  # GEMMs on fixed row blocks (``batch_invariant.enable``)
+        self.cpu_packed = False  # the fp32 weight is held in oneDNN's layout (``pack_for_cpu``)
 
     def quantize(self, method: str, group_size: int = 128, activations: bool = True,
                  activation_rows: int = 2, activation_group: int = 0) -> None:
         """Swap the loaded float weight for its ``method`` form (call once the weight is loaded)."""
-        self.qweight = quantize_weight(self.weight.data, method, group_size, activations, activation_rows,
-                                       activation_group)
+        self.qweight = quantize_weight(self._writable("weight"), method, group_size, activations,
+                                       activation_rows, activation_group)
         if not self.keeps_float_weight:
             self.weight = None
+
+    def pack_for_cpu(self) -> bool:
+        """Hold the fp32 weight in oneDNN's blocked layout (``cpu_packed_linear``), replacing the
+        plain one; False (nothing changed) for a quantized, batch-invariant or looked-up weight."""
+        if (self.qweight is not None or self.batch_invariant or self.keeps_float_weight
+                or not cpu_packed_linear.packable(self.weight)):
+            return False
+        self.weight = cpu_packed_linear.pack(self.weight.data)
+        self.cpu_packed = True
+        return True
+
+    def _writable(self, param: str) -> torch.Tensor:
+        """``param``'s data to load into: a packed weight turns plain again (``cpu_packed_linear.repack``)."""
+        if param == "weight" and self.weight is not None and self.weight.is_mkldnn:
+            self.weight = cpu_packed_linear.unpack(self.weight)
+        return getattr(self, param).data
+
+    def _float_linear(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if self.weight.is_mkldnn:
+            return cpu_packed_linear.linear(x, self.weight, bias)
+        return F.linear(x, self.weight, bias)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ W.T`` with whichever form of the weight this layer holds."""
@@ -64,7 +88,7 @@ class QuantizableLinear(nn.Module):
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.qweight is not None:
             return self.qweight(x)
-        return F.linear(x, self.weight)
+        return self._float_linear(x)
 
 
 class ColumnParallelLinear(QuantizableLinear):
@@ -81,7 +105,7 @@ class ColumnParallelLinear(QuantizableLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.qweight is None and not self.batch_invariant:
-            return F.linear(x, self.weight, self.bias)
+            return self._float_linear(x, self.bias)
         y = self.matmul(x)
         return y if self.bias is None else y + self.bias
 
@@ -89,7 +113,7 @@ class ColumnParallelLinear(QuantizableLinear):
         """Copy this rank's rows of checkpoint matrix ``shard_id`` into its place in the merged ``param``."""
         shard = self.shards[shard_id]
         offset = sum(self.output_sizes[:shard_id])
-        getattr(self, param).data.narrow(0, offset, shard.size).copy_(tensor.rows(shard.start, shard.end))
+        self._writable(param).narrow(0, offset, shard.size).copy_(tensor.rows(shard.start, shard.end))
 
 
 class RowParallelLinear(QuantizableLinear):
@@ -106,7 +130,7 @@ class RowParallelLinear(QuantizableLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.state.tp_size == 1 and self.qweight is None and not self.batch_invariant:
-            return F.linear(x, self.weight, self.bias)
+            return self._float_linear(x, self.bias)
         y = self.matmul(x)
         if self.state.tp_size > 1:
             y = self.state.all_reduce(y)
@@ -116,7 +140,7 @@ class RowParallelLinear(QuantizableLinear):
         if param == "bias":  # replicated: every rank adds it once, after the reduction
             self.bias.data.copy_(tensor.full())
         else:
-            self.weight.data.copy_(tensor.cols(self.shard.start, self.shard.end))
+            self._writable("weight").copy_(tensor.cols(self.shard.start, self.shard.end))
 
 
 class VocabParallelEmbedding(QuantizableLinear):
@@ -146,8 +170,9 @@ class VocabParallelEmbedding(QuantizableLinear):
 
     def load(self, param: str, tensor: CheckpointTensor, shard_id: int = 0) -> None:
         rows = self.shard.size
-        self.weight.data[:rows].copy_(tensor.rows(self.shard.start, self.shard.end))
-        self.weight.data[rows:].zero_()
+        weight = self._writable("weight")
+        weight[:rows].copy_(tensor.rows(self.shard.start, self.shard.end))
+        weight[rows:].zero_()
 
 
 def parallel_logits(hidden: torch.Tensor, head: VocabParallelEmbedding, vocab_size: int,

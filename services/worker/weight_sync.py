@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from gridserve.services.worker import cpu_packed_linear
 from gridserve.services.worker.loader import CheckpointTensor, LoadReport
 from gridserve.shared.errors import FailedPreconditionError, InvalidArgumentError
 
@@ -31,6 +32,7 @@ class WeightSyncExtension:
         try:
             with torch.no_grad():
                 loaded = model.load_weights(items)
+                cpu_packed_linear.repack(model)
         except KeyError as exc:
             raise InvalidArgumentError("weights", str(exc)) from None
         return len(loaded)

@@ -17,6 +17,7 @@ from typing import Any, Optional
 import torch
 
 from gridserve.kernels import dispatch
+from gridserve.services.worker import cpu_packed_linear
 from gridserve.services.worker.memory import MemoryUsage
 from gridserve.services.worker.model_runner import ModelRunner
 from gridserve.services.worker.parallel_state import (
@@ -166,6 +167,7 @@ class Worker:
         model = self.runner.model
         if level >= 2:
             self._sleeping_weights = None
+            cpu_packed_linear.release(model)  # oneDNN tensors cannot go to_empty
             model.to_empty(device="meta")
         elif self.device.type == "cuda":
             self._sleeping_weights = {k: v.to("cpu") for k, v in model.state_dict().items()}

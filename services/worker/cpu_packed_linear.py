@@ -1,0 +1,90 @@
+"""fp32 linear layers on the CPU with their weights held in oneDNN's blocked layout.
+
+``F.linear(x, W)`` hands the plain ``[N, K]`` weight to MKL's sgemm, which repacks it into its
+own panels on every call. Reordered once after loading (``torch.ops.mkldnn._reorder_linear_weight``),
+a weight is read by ``torch.ops.mkldnn._linear_pointwise`` as it lies, for any number of rows
+(``benchmarks/linear_bench.py`` measures each layer's shape; the README's "Where a decode step goes"
+has the figures). The packed weight *replaces* the plain one (one copy resident): the layer's
+``weight`` parameter becomes the oneDNN tensor, same shape and dtype, so names, shapes and the
+memory accounting stay as they were.
+
+Results are not bit-identical to ``F.linear`` (another summation order: ~1e-6 relative).
+Only plain fp32 CPU weights are packed: not quantized layers (``qweight``), not batch-invariant
+ones (their fixed-block GEMMs stay as they are), not an embedding that is also the LM head (its
+rows are looked up). Loading into a packed layer (weight sync) restores the plain weight first;
+``repack`` packs it again. ``GRIDSERVE_CPU_PACKED_LINEAR=0`` turns the whole path off (A/B).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Optional
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+ENABLED = os.environ.get("GRIDSERVE_CPU_PACKED_LINEAR", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def available() -> bool:
+    """Whether this torch build has oneDNN and its packed-linear ops."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        return bool(torch.ops.mkldnn._reorder_linear_weight and torch.ops.mkldnn._linear_pointwise)
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def packable(weight: Optional[torch.Tensor]) -> bool:
+    """A plain, materialized fp32 CPU weight matrix."""
+    return (weight is not None and not weight.is_mkldnn and weight.device.type == "cpu"
+            and weight.dtype == torch.float32 and weight.dim() == 2)
+
+
+def pack(weight: torch.Tensor) -> nn.Parameter:
+    """``weight`` ([N, K], fp32) reordered into oneDNN's blocked layout, as a frozen parameter."""
+    return nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None),
+                        requires_grad=False)
+
+
+def unpack(weight: torch.Tensor) -> nn.Parameter:
+    """The plain ``[N, K]`` parameter again (exactly the values that were packed)."""
+    return nn.Parameter(weight.to_dense())
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``x @ weight.T (+ bias)`` with a packed ``weight``; ``x`` of any leading shape."""
+    if not x.is_contiguous():
+        x = x.contiguous()
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+def pack_model(model: nn.Module, device: torch.device) -> int:
+    """Pack every eligible layer of ``model`` (a no-op off the CPU or when disabled); returns how many."""
+    if device.type != "cpu" or not ENABLED or not available():
+        return 0
+    packed = sum(1 for m in model.modules() if hasattr(m, "pack_for_cpu") and m.pack_for_cpu())
+    if packed:
+        logger.info("packed %d fp32 linear weights into oneDNN's layout (GRIDSERVE_CPU_PACKED_LINEAR=0: off)", packed)
+    return packed
+
+
+def repack(model: nn.Module) -> int:
+    """Pack again the layers ``pack_model`` chose whose plain weight was restored by a load."""
+    return sum(1 for m in model.modules() if getattr(m, "cpu_packed", False) and m.pack_for_cpu())
+
+
+def release(model: nn.Module) -> int:
+    """Swap each packed weight for an empty one of its shape on the meta device (before
+    ``model.to_empty``, which oneDNN tensors do not support); the layer packs again once reloaded."""
+    count = 0
+    for m in model.modules():
+        weight = getattr(m, "weight", None)
+        if getattr(m, "cpu_packed", False) and weight is not None and weight.is_mkldnn:
+            m.weight = nn.Parameter(torch.empty(weight.shape, dtype=weight.dtype, device="meta"))
+            count += 1
+    return count
