@@ -232,6 +232,21 @@ GS_AVX512 inline __m512 sum_each(const __m512* v) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, 0x88), _mm512_shuffle_f32x4(w0, w1, 0xDD));
 }
 
+// Asks for one KV head's rows of the next 16-position chunk while this one is computed: chunks
+// sit in blocks scattered over the cache, where the hardware prefetcher cannot follow. Into L1 for
+// 16-bit rows (1.28x at batch 256, bf16); into L2 for fp32 ones, whose 48 KB chunk would evict the
+// one being read from L1 (into L1: 0.96x; into L2: 1.02x).
+template <typename C>
+GS_AVX512 inline void prefetch_chunk(const C* rows, int64_t stride_pos, int64_t d) {
+  const char* base = reinterpret_cast<const char*>(rows);
+  const int64_t bytes = d * static_cast<int64_t>(sizeof(C)), step = stride_pos * static_cast<int64_t>(sizeof(C));
+  for (int64_t p = 0; p < 16; ++p)
+    for (int64_t off = 0; off < bytes; off += 64) {
+      if (sizeof(C) >= 4) _mm_prefetch(base + p * step + off, _MM_HINT_T1);
+      else _mm_prefetch(base + p * step + off, _MM_HINT_T0);
+    }
+}
+
 template <typename T, typename C>
 GS_AVX512 void attend_token_avx512(
     const Geometry& g, const T* query, const C* keys, const C* values, T* out,
@@ -247,12 +262,17 @@ GS_AVX512 void attend_token_avx512(
   const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
 
   // Pass 1: scores, 16 positions (one chunk, inside one block) at a time.
+  auto chunk_at = [&](const C* half, int64_t start) {
+    return half + blocks[start / g.block_size] * g.kv_stride_block + (start % g.block_size) * g.kv_stride_pos;
+  };
   __m512 dots[16];
   for (int64_t c = 0; c < chunks; ++c) {
     const int64_t start = 16 * c, n = std::min<int64_t>(16, visible - start);
-    const C* chunk = keys + blocks[start / g.block_size] * g.kv_stride_block + (start % g.block_size) * g.kv_stride_pos;
+    const C* chunk = chunk_at(keys, start);
+    const C* next = c + 1 < chunks ? chunk_at(keys, start + 16) : chunk_at(values, 0);  // then V's first
     for (int64_t kvh = kv0; kvh < kv1; ++kvh) {
       const C* rows = chunk + kvh * g.kv_stride_head;
+      prefetch_chunk(next + kvh * g.kv_stride_head, g.kv_stride_pos, d);
       for (int64_t h = kvh * G; h < (kvh + 1) * G; ++h) {
         const float* q = s.q.data() + h * d;
         for (int64_t p = 0; p < 16; ++p) {
@@ -290,9 +310,10 @@ GS_AVX512 void attend_token_avx512(
   std::fill(s.acc.begin() + h0 * d, s.acc.begin() + h1 * d, 0.f);
   for (int64_t c = 0; c < chunks; ++c) {
     const int64_t start = 16 * c, n = std::min<int64_t>(16, visible - start);
-    const C* chunk = values + blocks[start / g.block_size] * g.kv_stride_block + (start % g.block_size) * g.kv_stride_pos;
+    const C* chunk = chunk_at(values, start);
     for (int64_t kvh = kv0; kvh < kv1; ++kvh) {
       const C* rows = chunk + kvh * g.kv_stride_head;
+      if (c + 1 < chunks) prefetch_chunk(chunk_at(values, start + 16) + kvh * g.kv_stride_head, g.kv_stride_pos, d);
       for (int64_t h = kvh * G; h < (kvh + 1) * G; ++h) {
         const float* w = scores + h * stride + start;
         float* acc = s.acc.data() + h * d;
