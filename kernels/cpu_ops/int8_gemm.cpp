@@ -134,6 +134,26 @@ void tile_q8_scalar(const int8_t* x, const float* s, const uint8_t* w, int64_t q
 }
 
 #if defined(GS_X86)
+// One k-quad of one digit plane: R rows x 64 columns, one `vpdpbusd` per 4 MACs.
+template <int R>
+__attribute__((target("avx512f,avx512bw,avx512vnni"), always_inline)) inline void quad_q8_vnni(
+    __m512i (&h)[R][4], const int8_t* x, int64_t lda, const uint8_t* wq, int64_t q) {
+  const __m512i b0 = _mm512_loadu_si512(wq);
+  const __m512i b1 = _mm512_loadu_si512(wq + 64);
+  const __m512i b2 = _mm512_loadu_si512(wq + 128);
+  const __m512i b3 = _mm512_loadu_si512(wq + 192);
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    int32_t digits;
+    std::memcpy(&digits, x + r * lda + 4 * q, sizeof(digits));
+    const __m512i xv = _mm512_set1_epi32(digits);
+    h[r][0] = _mm512_dpbusd_epi32(h[r][0], b0, xv);
+    h[r][1] = _mm512_dpbusd_epi32(h[r][1], b1, xv);
+    h[r][2] = _mm512_dpbusd_epi32(h[r][2], b2, xv);
+    h[r][3] = _mm512_dpbusd_epi32(h[r][3], b3, xv);
+  }
+}
+
 // VNNI: R rows x 64 columns x 2 digit planes = 8R accumulators of 16 lanes.
 template <int R>
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) void tile_vnni(
@@ -144,28 +164,9 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void tile_vnni(
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) h[r][j] = l[r][j] = _mm512_setzero_si512();
-  for (int64_t q = 0; q < quads; ++q) {
-    const uint8_t* wq = w + q * kQuadBytes;
-    const __m512i b0 = _mm512_loadu_si512(wq);
-    const __m512i b1 = _mm512_loadu_si512(wq + 64);
-    const __m512i b2 = _mm512_loadu_si512(wq + 128);
-    const __m512i b3 = _mm512_loadu_si512(wq + 192);
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      int32_t digits;
-      std::memcpy(&digits, hi + r * lda + 4 * q, sizeof(digits));
-      const __m512i xh = _mm512_set1_epi32(digits);
-      h[r][0] = _mm512_dpbusd_epi32(h[r][0], b0, xh);
-      h[r][1] = _mm512_dpbusd_epi32(h[r][1], b1, xh);
-      h[r][2] = _mm512_dpbusd_epi32(h[r][2], b2, xh);
-      h[r][3] = _mm512_dpbusd_epi32(h[r][3], b3, xh);
-      std::memcpy(&digits, lo + r * lda + 4 * q, sizeof(digits));
-      const __m512i xl = _mm512_set1_epi32(digits);
-      l[r][0] = _mm512_dpbusd_epi32(l[r][0], b0, xl);
-      l[r][1] = _mm512_dpbusd_epi32(l[r][1], b1, xl);
-      l[r][2] = _mm512_dpbusd_epi32(l[r][2], b2, xl);
-      l[r][3] = _mm512_dpbusd_epi32(l[r][3], b3, xl);
-    }
+  for (int64_t q = 0; q < quads; ++q) {  // both planes against the same 4 weight vectors
+    quad_q8_vnni<R>(h, hi, lda, w + q * kQuadBytes, q);
+    quad_q8_vnni<R>(l, lo, lda, w + q * kQuadBytes, q);
   }
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
@@ -209,25 +210,6 @@ __attribute__((target("avx2,fma"))) void tile_avx2(
       const __m256i sums = _mm256_permute4x64_epi64(_mm256_hadd_epi32(c[r][0], c[r][1]), 0xD8);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(acc + r * kGroup + 8 * s), sums);
     }
-  }
-}
-// One k-quad of a grouped tile: R rows x 64 columns, one `vpdpbusd` per 4 MACs.
-template <int R>
-__attribute__((target("avx512f,avx512bw,avx512vnni"), always_inline)) inline void quad_q8_vnni(
-    __m512i (&h)[R][4], const int8_t* x, int64_t lda, const uint8_t* wq, int64_t q) {
-  const __m512i b0 = _mm512_loadu_si512(wq);
-  const __m512i b1 = _mm512_loadu_si512(wq + 64);
-  const __m512i b2 = _mm512_loadu_si512(wq + 128);
-  const __m512i b3 = _mm512_loadu_si512(wq + 192);
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) {
-    int32_t digits;
-    std::memcpy(&digits, x + r * lda + 4 * q, sizeof(digits));
-    const __m512i xv = _mm512_set1_epi32(digits);
-    h[r][0] = _mm512_dpbusd_epi32(h[r][0], b0, xv);
-    h[r][1] = _mm512_dpbusd_epi32(h[r][1], b1, xv);
-    h[r][2] = _mm512_dpbusd_epi32(h[r][2], b2, xv);
-    h[r][3] = _mm512_dpbusd_epi32(h[r][3], b3, xv);
   }
 }
 
