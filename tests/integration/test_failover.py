@@ -35,7 +35,7 @@ from gridserve.benchmarks.chaos import (
 from gridserve.launcher import free_port
 from gridserve.shared.rpc.client import wait_until_serving
 
-from .services import deployment
+from .services import ENGINE_ARGS, deployment
 
 pytestmark = pytest.mark.slow
 
@@ -47,7 +47,12 @@ MAX_TOKENS = 120  # long enough that the engines are still generating when the t
 def served(llama_tiny, tmp_path_factory):
     saved, launcher_module.RESTART_BACKOFF_S = launcher_module.RESTART_BACKOFF_S, (0.2, 1.0)
     logs = tmp_path_factory.mktemp("logs")
-    with deployment(llama_tiny, logs, edge_port=free_port(), data_parallel_size=2) as launcher:
+    # batch-invariant (as `bench chaos`): a stream continued on the other engine recomputes its
+    # tokens so far as a prefill; only then are its logits bitwise those of the fault-free decode, so
+    # greedy near-ties cannot flip (without it, a continuation may differ from the fault-free run)
+    engine_args = [*ENGINE_ARGS, "--batch-invariant"]
+    with deployment(llama_tiny, logs, edge_port=free_port(), data_parallel_size=2,
+                    engine_args=engine_args) as launcher:
         thread = threading.Thread(target=launcher.supervise, kwargs={"poll_s": 0.05}, daemon=True)
         thread.start()
         requests = make_requests(STREAMS, MAX_TOKENS)
@@ -181,7 +186,8 @@ def test_an_engine_killed_with_32_streams_in_flight_loses_no_token(served, capsy
 @pytest.fixture(scope="module")
 def single(llama_tiny, tmp_path_factory):
     saved, launcher_module.RESTART_BACKOFF_S = launcher_module.RESTART_BACKOFF_S, (0.2, 1.0)
-    with deployment(llama_tiny, tmp_path_factory.mktemp("logs"), edge_port=free_port()) as launcher:
+    with deployment(llama_tiny, tmp_path_factory.mktemp("logs"), edge_port=free_port(),
+                    engine_args=[*ENGINE_ARGS, "--batch-invariant"]) as launcher:  # as above
         thread = threading.Thread(target=launcher.supervise, kwargs={"poll_s": 0.05}, daemon=True)
         thread.start()
         yield launcher
