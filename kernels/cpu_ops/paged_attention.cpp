@@ -122,6 +122,26 @@ struct Scratch {
         acc(g.num_heads * g.head_size), row(g.head_size), inv_sum(g.num_heads) {}
 };
 
+// Query heads [h0, h1) of `token` into the scratch in float32, scaled (and k_scale folded in).
+template <typename T>
+inline void load_query(const Geometry& g, const T* query, int64_t token, int64_t h0, int64_t h1, Scratch& s) {
+  const int64_t d = g.head_size;
+  for (int64_t h = h0; h < h1; ++h) {
+    const T* q = query + token * g.q_stride_token + h * g.q_stride_head;
+    for (int64_t j = 0; j < d; ++j) s.q[h * d + j] = to_float(q[j]) * g.scale * g.k_scale;
+  }
+}
+
+// The weighted sums of query heads [h0, h1), normalized, into `out`.
+template <typename T>
+inline void store_output(const Geometry& g, T* out, int64_t token, int64_t h0, int64_t h1, const Scratch& s) {
+  const int64_t d = g.head_size;
+  for (int64_t h = h0; h < h1; ++h) {
+    T* o = out + token * g.o_stride_token + h * g.o_stride_head;
+    for (int64_t j = 0; j < d; ++j) o[j] = static_cast<T>(s.acc[h * d + j] * s.inv_sum[h]);
+  }
+}
+
 // KV heads [kv0, kv1) of one query token (and their query heads) over its first `visible`
 // positions. Each position's K (then V) row holds the KV heads contiguously, so the walk reads
 // whole rows in cache order.
@@ -130,10 +150,7 @@ GS_SIMD_CLONES void attend_token(
     const Geometry& g, const T* query, const C* keys, const C* values, T* out,
     const int32_t* blocks, int64_t token, int64_t visible, int64_t kv0, int64_t kv1, Scratch& s) {
   const int64_t d = g.head_size, G = g.group, h0 = kv0 * G, h1 = kv1 * G;
-  for (int64_t h = h0; h < h1; ++h) {
-    const T* q = query + token * g.q_stride_token + h * g.q_stride_head;
-    for (int64_t j = 0; j < d; ++j) s.q[h * d + j] = to_float(q[j]) * g.scale * g.k_scale;
-  }
+  load_query(g, query, token, h0, h1, s);
   float* scores = s.scores.data();  // [H, visible]
 
   // Pass 1: scores, walking the block table a block at a time.
@@ -174,10 +191,7 @@ GS_SIMD_CLONES void attend_token(
       }
     }
   }
-  for (int64_t h = h0; h < h1; ++h) {
-    T* o = out + token * g.o_stride_token + h * g.o_stride_head;
-    for (int64_t j = 0; j < d; ++j) o[j] = static_cast<T>(s.acc[h * d + j] * inv_sum[h]);
-  }
+  store_output(g, out, token, h0, h1, s);
 }
 
 #if defined(GS_X86)
@@ -254,10 +268,7 @@ GS_AVX512 void attend_token_avx512(
   const int64_t d = g.head_size, G = g.group, h0 = kv0 * G, h1 = kv1 * G;
   const int64_t chunks = (visible + 15) / 16, stride = chunks * 16;
   const __mmask16 tail = static_cast<__mmask16>((1u << (visible - (chunks - 1) * 16)) - 1);
-  for (int64_t h = h0; h < h1; ++h) {
-    const T* q = query + token * g.q_stride_token + h * g.q_stride_head;
-    for (int64_t j = 0; j < d; ++j) s.q[h * d + j] = to_float(q[j]) * g.scale * g.k_scale;
-  }
+  load_query(g, query, token, h0, h1, s);
   float* scores = s.scores.data();  // [H, stride]: chunk c of head h at h * stride + 16 c
   const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
 
@@ -331,10 +342,7 @@ GS_AVX512 void attend_token_avx512(
       }
     }
   }
-  for (int64_t h = h0; h < h1; ++h) {
-    T* o = out + token * g.o_stride_token + h * g.o_stride_head;
-    for (int64_t j = 0; j < d; ++j) o[j] = static_cast<T>(s.acc[h * d + j] * inv_sum[h]);
-  }
+  store_output(g, out, token, h0, h1, s);
 }
 #endif
 
