@@ -32,7 +32,7 @@ def add_step_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=20, help="decode steps measured")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output-json", default=None)
-    parser.add_argument("--quantization", default=None, help="weights: int8 / int4 (default: as the checkpoint)")
+    parser.add_argument("--quantization", default=None, help="weights: int8 / int4, or a quantization config as JSON (default: as the checkpoint)")
     parser.add_argument("--kv-cache-dtype", default="auto", help="e.g. bfloat16, float16, fp8")
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=None,
                         help="default: enough for the batch at its longest context, at least 2 GiB")
@@ -132,7 +132,9 @@ def step_overhead(args: argparse.Namespace) -> dict[str, Any]:
     model = _model_path(args.model)
     shape = step_model.DecoderShape.from_hf(AutoConfig.from_pretrained(model))
     engine_kwargs = {"kv_cache_dtype": args.kv_cache_dtype}
-    if args.quantization:
+    if args.quantization and args.quantization.lstrip().startswith("{"):  # a --quantization-config
+        engine_kwargs["quantization_config"] = json.loads(args.quantization)
+    elif args.quantization:
         engine_kwargs["quantization"] = args.quantization
     llm = _llm(model, _kv_cache_bytes(args, shape), max_num_seqs=args.batch_size, **engine_kwargs)
     engine = llm.llm_engine
