@@ -37,7 +37,7 @@ def _cpu_kernel(name: str, mode: str):
 
     if name not in cpu_ops.KERNELS:
         return None
-    if cpu_ops.load() is None:
+    if cpu_ops.loader(name)() is None:
         if mode == "cpu":
             raise RuntimeError(f"GRIDSERVE_KERNELS=cpu but the C++ kernel for {name!r} did not build")
         return None
@@ -110,7 +110,7 @@ def prepare(device: torch.device) -> None:
     the C++ CPU kernels take seconds to compile on a machine that has not built them yet."""
     mode = os.environ.get("GRIDSERVE_KERNELS", "auto")
     if device.type == "cpu" and mode in ("auto", "cpu"):
-        for name in ("paged_attention",):
+        for name in ("paged_attention", "rms_norm"):  # rms_norm: the layer-ops library
             _cpu_kernel(name, mode)
 
 

@@ -2,7 +2,9 @@
 
 ``load()`` builds ``paged_attention.cpp`` the first time a worker runs attention on CPU (never at
 import: the engine and gateway import gridserve without torch) and returns ``None``, logging why,
-when it cannot (no compiler, no ninja, a build error). The build lands in torch's extensions
+when it cannot (no compiler, no ninja, a build error). ``load_layer_ops()`` does the same for
+``layer_ops.cpp``, the per-token ops (RMSNorm, fused add + RMSNorm, rotary embedding,
+SiLU-and-mul, the KV-cache write), on their first CPU call or at ``dispatch.prepare``. The build lands in torch's extensions
 folder (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``) and later processes
 reuse it; editing the source rebuilds it.
 """
@@ -21,8 +23,12 @@ from gridserve.kernels import reference
 
 logger = logging.getLogger(__name__)
 
-KERNELS = frozenset({"paged_attention"})  # the ops this package implements
+# the per-token ops of layer_ops.cpp (their own library, loaded by ``load_layer_ops``)
+LAYER_KERNELS = frozenset({"rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul",
+                           "reshape_and_cache"})
+KERNELS = frozenset({"paged_attention"}) | LAYER_KERNELS  # the ops this package implements
 _SOURCE = Path(__file__).with_name("paged_attention.cpp")
+_LAYER_SOURCE = Path(__file__).with_name("layer_ops.cpp")
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _CACHE_DTYPES = _DTYPES + (torch.float8_e4m3fn, torch.float8_e5m2)
 # Rows with more new tokens than this go to the reference's per-sequence SDPA (tiled, GEMM-based);
@@ -45,6 +51,27 @@ def load():
         return None
     logger.info("C++ CPU paged attention ready (%.1f s)", time.perf_counter() - start)
     return torch.ops.gridserve_cpu
+
+
+@functools.lru_cache(maxsize=1)
+def load_layer_ops():
+    """The ``torch.ops.gridserve_cpu_layer`` namespace, or None (reason logged) when it cannot be built."""
+    if not _LAYER_SOURCE.is_file():
+        logger.warning("C++ CPU layer ops unavailable, using the torch reference: %s missing", _LAYER_SOURCE)
+        return None
+    try:
+        start = time.perf_counter()
+        build_extension(_LAYER_SOURCE, "gridserve_cpu_layer_ops")
+    except Exception as exc:  # a missing compiler / ninja or a build error: fall back, don't crash
+        logger.warning("C++ CPU layer ops unavailable, using the torch reference: %s", exc)
+        return None
+    logger.info("C++ CPU layer ops ready (%.1f s)", time.perf_counter() - start)
+    return torch.ops.gridserve_cpu_layer
+
+
+def loader(name: str):
+    """The loader of the library that implements op ``name`` (one of ``KERNELS``)."""
+    return load_layer_ops if name in LAYER_KERNELS else load
 
 
 def build_extension(source: Path, prefix: str) -> bool:
@@ -129,3 +156,90 @@ def _supported(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
 
 def _int32(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.int32).contiguous()
+
+
+# --- per-token layer ops (layer_ops.cpp) ------------------------------------------------------
+# Same signatures and results as the reference (new tensors, never in place on the inputs); a call
+# the C++ does not take (another dtype, mixed dtypes, a tensor not on the CPU, a strided last
+# dimension, an unusual shape) goes to the reference.
+
+
+def _plain(*tensors: torch.Tensor) -> bool:
+    """All on the CPU, of one kernel dtype, unit stride along the last dimension."""
+    dtype = tensors[0].dtype
+    return dtype in _DTYPES and all(
+        t.device.type == "cpu" and t.dtype == dtype and t.dim() > 0 and t.stride(-1) == 1 for t in tensors)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as [rows, last] without a copy when its leading dims flatten, else a contiguous copy."""
+    if x.dim() == 2 and x.stride(1) == 1:
+        return x
+    try:
+        return x.view(-1, x.shape[-1])
+    except RuntimeError:
+        return x.reshape(-1, x.shape[-1]).contiguous()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``reference.rms_norm`` (weight of x's dtype; other weight dtypes go to the reference)."""
+    ops = load_layer_ops()
+    if ops is None or not _plain(x, weight) or weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
+        return reference.rms_norm(x, weight, eps)
+    out = torch.empty(x.shape, dtype=x.dtype)
+    ops.rms_norm(out, _rows(x), weight.detach().contiguous(), float(eps))
+    return out
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``reference.fused_add_rms_norm``: ``(rms_norm(x + residual), x + residual)``, new tensors."""
+    ops = load_layer_ops()
+    if (ops is None or not _plain(x, residual, weight) or residual.shape != x.shape or weight.dim() != 1
+            or weight.shape[0] != x.shape[-1]):
+        return reference.fused_add_rms_norm(x, residual, weight, eps)
+    out = torch.empty(x.shape, dtype=x.dtype)
+    residual_out = torch.empty(x.shape, dtype=x.dtype)
+    ops.fused_add_rms_norm(out, residual_out, _rows(x), _rows(residual), weight.detach().contiguous(), float(eps))
+    return out, residual_out
+
+
+def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                     cos_sin_cache: torch.Tensor, is_neox: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """``reference.rotary_embedding``; ``query`` / ``key`` may be strided views (e.g. of a fused QKV)."""
+    ops = load_layer_ops()
+    if (ops is None or query.dim() != 3 or key.dim() != 3 or not _plain(query, key)
+            or cos_sin_cache.dtype not in _DTYPES or cos_sin_cache.device.type != "cpu"
+            or cos_sin_cache.dim() != 2 or cos_sin_cache.shape[1] % 2 or cos_sin_cache.shape[1] > query.shape[2]
+            or positions.dim() != 1 or positions.shape[0] != query.shape[0] or positions.device.type != "cpu"
+            or positions.dtype.is_floating_point or key.shape[0] != query.shape[0] or key.shape[2] != query.shape[2]):
+        return reference.rotary_embedding(positions, query, key, cos_sin_cache, is_neox)
+    q_out = torch.empty(query.shape, dtype=query.dtype)
+    k_out = torch.empty(key.shape, dtype=key.dtype)
+    ops.rotary_embedding(q_out, k_out, positions.to(torch.int64).contiguous(), query, key,
+                         cos_sin_cache.contiguous(), bool(is_neox))
+    return q_out, k_out
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``reference.silu_and_mul``: ``silu(x[..., :d]) * x[..., d:]``."""
+    ops = load_layer_ops()
+    if ops is None or not _plain(x) or x.shape[-1] % 2:
+        return reference.silu_and_mul(x)
+    out = torch.empty((*x.shape[:-1], x.shape[-1] // 2), dtype=x.dtype)
+    ops.silu_and_mul(out, _rows(x))
+    return out
+
+
+def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                      k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+    """``reference.reshape_and_cache`` (every cache dtype, fp8 included); negative slots are skipped."""
+    ops = load_layer_ops()
+    if (ops is None or key.dim() != 3 or not _plain(key, value) or value.shape != key.shape
+            or kv_cache.dtype not in _CACHE_DTYPES or kv_cache.device.type != "cpu" or kv_cache.dim() != 5
+            or kv_cache.shape[0] != 2 or kv_cache.shape[3:] != key.shape[1:] or kv_cache.stride(-1) != 1
+            or slot_mapping.dim() != 1 or slot_mapping.shape[0] != key.shape[0]
+            or slot_mapping.device.type != "cpu" or slot_mapping.dtype.is_floating_point):
+        return reference.reshape_and_cache(key, value, kv_cache, slot_mapping, k_scale, v_scale)
+    ops.reshape_and_cache(key, value, kv_cache, slot_mapping.to(torch.int64).contiguous(), float(k_scale),
+                          float(v_scale))

@@ -189,6 +189,8 @@ def test_bad_metadata_raises_instead_of_reading_out_of_bounds(ops):
 def test_auto_uses_the_cpp_kernel_for_cpu_attention_only(ops, monkeypatch):
     monkeypatch.delenv("GRIDSERVE_KERNELS", raising=False)
     assert dispatch._impl("paged_attention", torch.ones(1)) is cpu_ops.paged_attention
+    # the layer ops without their library: the reference (with it: test_cpu_layer_ops)
+    monkeypatch.setattr(cpu_ops, "load_layer_ops", lambda: None)
     assert dispatch._impl("rms_norm", torch.ones(1)) is reference.rms_norm
     monkeypatch.setenv("GRIDSERVE_KERNELS", "reference")
     assert dispatch._impl("paged_attention", torch.ones(1)) is reference.paged_attention
@@ -198,12 +200,15 @@ def test_auto_uses_the_cpp_kernel_for_cpu_attention_only(ops, monkeypatch):
 
 def test_a_failed_build_falls_back_under_auto_and_raises_under_cpu(monkeypatch):
     monkeypatch.setattr(cpu_ops, "load", lambda: None)
+    monkeypatch.setattr(cpu_ops, "load_layer_ops", lambda: None)
     monkeypatch.setenv("GRIDSERVE_KERNELS", "auto")
     assert dispatch._impl("paged_attention", torch.ones(1)) is reference.paged_attention
+    assert dispatch._impl("silu_and_mul", torch.ones(2)) is reference.silu_and_mul
     monkeypatch.setenv("GRIDSERVE_KERNELS", "cpu")
     with pytest.raises(RuntimeError, match="did not build"):
         dispatch._impl("paged_attention", torch.ones(1))
-    assert dispatch._impl("silu_and_mul", torch.ones(2)) is reference.silu_and_mul
+    with pytest.raises(RuntimeError, match="did not build"):
+        dispatch._impl("silu_and_mul", torch.ones(2))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -221,6 +221,7 @@ def test_silu_and_mul_matches_reference(dtype):
 def test_dispatcher_never_picks_triton_for_cpu_tensors_by_default(monkeypatch):
     monkeypatch.delenv("GRIDSERVE_KERNELS", raising=False)
     monkeypatch.setattr(cpu_ops, "load", lambda: None)  # the C++ choice: test_cpu_paged_attention
+    monkeypatch.setattr(cpu_ops, "load_layer_ops", lambda: None)  # and test_cpu_layer_ops
     assert dispatch._impl("rms_norm", torch.ones(1)) is reference.rms_norm
     assert dispatch._impl("paged_attention", torch.ones(1)) is reference.paged_attention
 
@@ -240,6 +241,7 @@ def test_without_triton_the_import_fails_cleanly_and_dispatch_falls_back(monkeyp
     with pytest.raises(ImportError):
         importlib.import_module("gridserve.kernels.triton_ops")
     dispatch._triton_ops.cache_clear()
+    monkeypatch.setattr(cpu_ops, "load_layer_ops", lambda: None)  # without the C++ op too
     try:
         monkeypatch.delenv("GRIDSERVE_KERNELS", raising=False)
         assert dispatch._impl("silu_and_mul", torch.ones(2)) is reference.silu_and_mul
