@@ -415,6 +415,11 @@ GS_SIMD_CLONES void split_row(const int16_t* q, int64_t kp, int64_t blocks, int8
   }
 }
 
+GS_SIMD_CLONES void combine_row(const float* hi, const float* lo, float s, const float* sw,
+                                const float* bias, int64_t n, float* y) {
+  for (int64_t c = 0; c < n; ++c) y[c] = (256.f * hi[c] + lo[c]) * s * sw[c] + (bias ? bias[c] : 0.f);
+}
+
 // Each row to int16 with one symmetric scale (and, for VNNI, to its digit planes and sums).
 Activations quantize_rows(const float* x, int64_t m, int64_t k, Isa isa) {
   Activations a;
@@ -645,6 +650,62 @@ void int8_gemm_quantize_groups(const at::Tensor& q, const at::Tensor& group_scal
   std::memcpy(offset.data_ptr<float>(), a.offset.data(), a.offset.size() * sizeof(float));
 }
 
+constexpr int64_t kSerialElements = 1 << 19;  // up to this many elements per thread (planes ops)
+
+// For a library GEMM of int8 x int8 -> int32 (oneDNN's AMX matmul): x [m, k] float32 as the
+// int16 rows of the int16 mode (same values, same scales), each split into its two int8 digits,
+// the high digits in rows [0, m) of `planes` and the low ones in rows [m, 2m).
+void int8_gemm_quantize_planes(const at::Tensor& planes, const at::Tensor& scale, const at::Tensor& x) {
+  check(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+        "x must be a contiguous 2-D float32 tensor");
+  const int64_t m = x.size(0), k = x.size(1);
+  check(planes.scalar_type() == at::kChar && planes.is_contiguous() && planes.dim() == 2 &&
+            planes.size(0) == 2 * m && planes.size(1) == k && scale.scalar_type() == at::kFloat &&
+            scale.is_contiguous() && scale.numel() == m,
+        "quantize_planes wants planes int8 [2m, k] and scale float32 [m]");
+  const float* xp = x.data_ptr<float>();
+  int8_t* hi = planes.data_ptr<int8_t>();
+  int8_t* lo = hi + m * k;
+  float* sp = scale.data_ptr<float>();
+  // Decode-sized inputs on the calling thread: another parallel region per GEMM is another wait
+  // for a descheduled thread on cores shared with other processes.
+  at::parallel_for(0, m, std::max<int64_t>(1, kSerialElements / std::max<int64_t>(k, 1)), [&](int64_t begin, int64_t end) {
+    std::vector<int16_t> q(static_cast<size_t>(k));
+    for (int64_t i = begin; i < end; ++i) {
+      sp[i] = quantize_row(xp + i * k, k, k, q.data());
+      split_row(q.data(), k, 0, hi + i * k, lo + i * k, nullptr, nullptr);
+    }
+  });
+}
+
+// out [m, n] = (256 acc[r] + acc[m + r]) * scale[r] * wscale (+ bias): the digit planes' products
+// (float32, exact integers) combined as the int16 mode's epilogue does.
+void int8_gemm_combine_planes(const at::Tensor& out, const at::Tensor& acc, const at::Tensor& scale,
+                              const at::Tensor& wscale, const c10::optional<at::Tensor>& bias) {
+  check(out.dim() == 2 && out.scalar_type() == at::kFloat && out.is_contiguous(),
+        "out must be a contiguous float32 [m, n] tensor");
+  const int64_t m = out.size(0), n = out.size(1);
+  check(acc.scalar_type() == at::kFloat && acc.is_contiguous() && acc.dim() == 2 &&
+            acc.size(0) == 2 * m && acc.size(1) == n,
+        "acc must be a contiguous float32 [2m, n] tensor");
+  check(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == m &&
+            wscale.scalar_type() == at::kFloat && wscale.is_contiguous() && wscale.numel() == n,
+        "scale must be m and wscale n contiguous float32 values");
+  const float* bias_ptr = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    check(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n,
+          "bias must be n contiguous float32 values");
+    bias_ptr = bias->data_ptr<float>();
+  }
+  const float* a = acc.data_ptr<float>();
+  const float* sx = scale.data_ptr<float>();
+  const float* sw = wscale.data_ptr<float>();
+  float* y = out.data_ptr<float>();
+  at::parallel_for(0, m, std::max<int64_t>(1, kSerialElements / std::max<int64_t>(n, 1)), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) combine_row(a + r * n, a + (m + r) * n, sx[r], sw, bias_ptr, n, y + r * n);
+  });
+}
+
 int64_t int8_gemm_packed_numel(int64_t n, int64_t k) { return packed_numel(n, k); }
 
 // 2: AVX-512 VNNI, 1: AVX2, 0: scalar (the best this CPU runs).
@@ -658,6 +719,8 @@ TORCH_LIBRARY(gridserve_int8_gemm, m) {
         "int activation_group) -> ()");
   m.def("quantize_groups(Tensor(a!) q, Tensor(a!) group_scale, Tensor(a!) offset, Tensor x, "
         "int isa_cap) -> ()");
+  m.def("quantize_planes(Tensor(a!) planes, Tensor(a!) scale, Tensor x) -> ()");
+  m.def("combine_planes(Tensor(a!) out, Tensor acc, Tensor scale, Tensor wscale, Tensor? bias) -> ()");
   m.def("packed_numel(int n, int k) -> int", &int8_gemm_packed_numel);
   m.def("isa() -> int", &int8_gemm_isa);
 }
@@ -666,4 +729,6 @@ TORCH_LIBRARY_IMPL(gridserve_int8_gemm, CPU, m) {
   m.impl("pack", int8_gemm_pack);
   m.impl("gemm", int8_gemm);
   m.impl("quantize_groups", int8_gemm_quantize_groups);
+  m.impl("quantize_planes", int8_gemm_quantize_planes);
+  m.impl("combine_planes", int8_gemm_combine_planes);
 }

@@ -123,20 +123,32 @@ def test_int8_weight_is_per_output_channel_and_close_to_float():
     assert ((q(x) - exact).norm() / exact.norm()).item() < 0.01
 
 
-@pytest.mark.parametrize("kernel", [True, False], ids=["int16-kernel", "two-int8-rows"])
-def test_int8_cpu_matmul_keeps_activations_exact_enough_to_match_weight_only(kernel, monkeypatch):
-    """16-bit activations (the int8 x int16 kernel, or without it two int8 rows per activation
-    row): what is left is the weights' rounding alone, so the integer GEMM agrees with the
-    dequantized weight in fp32 far closer than one int8 row per activation."""
+def _int8_backend(backend: str, monkeypatch) -> None:
+    """Make ``Int8Weight`` pick ``backend`` for its int16 mode: ``kernel`` (the C++ VNNI GEMM),
+    ``onednn`` (oneDNN's int8 matmul, as on an AMX CPU) or ``torch`` (no compiler: two int8 rows
+    through ``torch._int_mm``)."""
     from gridserve.kernels.cpu_ops import int8_gemm
 
-    if not kernel:
+    if backend == "torch":
         monkeypatch.setattr(int8_gemm, "load", lambda: None)  # as where no compiler builds it
     elif int8_gemm.load() is None:
         pytest.skip("the C++ int8 GEMM cannot be built here")
+    if backend == "onednn" and not hasattr(torch.ops.onednn, "qlinear_pointwise"):
+        pytest.skip("this torch has no oneDNN quantized linear")
+    monkeypatch.setattr(int8_gemm, "onednn_available", lambda: backend == "onednn")
+
+
+@pytest.mark.parametrize("backend", ["kernel", "onednn", "torch"])
+def test_int8_cpu_matmul_keeps_activations_exact_enough_to_match_weight_only(backend, monkeypatch):
+    """16-bit activations (the int8 x int16 kernel, oneDNN's int8 matmul on their two int8
+    digits, or without a compiler two int8 rows per activation row): what is left is the weights'
+    rounding alone, so the integer GEMM agrees with the dequantized weight in fp32 far closer than
+    one int8 row per activation."""
+    _int8_backend(backend, monkeypatch)
+    kernel = backend == "kernel"
     x, w = _outlier_problem()
     q = Int8Weight.from_float(w)
-    assert q.kernel == kernel and q.activation_group == 0
+    assert (q.kernel, q.onednn) == (kernel, backend == "onednn") and q.activation_group == 0
     weight_only = x @ q.dequantize().T
     err = ((q(x) - weight_only).norm() / weight_only.norm()).item()
     one_row = _fake_quantized(x, 512) @ q.dequantize().T  # one int8 scale per row
@@ -144,8 +156,34 @@ def test_int8_cpu_matmul_keeps_activations_exact_enough_to_match_weight_only(ker
     assert err < 1e-3 and err < err_one_row / 50
     fast = Int8Weight.from_float(w, activation_rows=1)  # one int8 row, on request
     assert torch.allclose(fast(x), one_row, rtol=1e-4, atol=1e-4)
-    if not kernel:  # int8 per 32 columns needs the kernel: two int8 rows without it
+    if backend == "torch":  # int8 per 32 columns needs the kernel: two int8 rows without it
         assert torch.equal(Int8Weight.from_float(w, activation_group=32)(x), q(x))
+
+
+def test_int8_through_onednn_equals_the_int16_kernel_and_is_batch_invariant(monkeypatch):
+    """oneDNN's int8 matmul on the int16 rows' two digit planes forms the same integers as the
+    VNNI kernel (results equal to float rounding), and a row's result does not depend on the
+    rows beside it (its chunks of rows included)."""
+    from gridserve.kernels.cpu_ops import int8_gemm
+
+    _int8_backend("onednn", monkeypatch)
+    gen = torch.Generator().manual_seed(4)
+    w = torch.randn(200, 300, generator=gen) * 0.05
+    x = torch.randn(int8_gemm.onednn_rows(200) + 37, 300, generator=gen)
+    x[:, 5] *= 30
+    bias = torch.randn(200, generator=gen)
+    q = Int8Weight.from_float(w)
+    assert q.onednn and not hasattr(q, "packed") and not hasattr(q, "values")
+    monkeypatch.setattr(int8_gemm, "onednn_available", lambda: False)
+    vnni = Int8Weight.from_float(w)
+    assert vnni.kernel and torch.equal(vnni.qweight, q.qweight)
+    y = q(x)
+    torch.testing.assert_close(y, vnni(x), rtol=1e-6, atol=1e-6 * y.abs().max().item())
+    for i in (0, 1, int8_gemm.onednn_rows(200), x.shape[0] - 1):
+        assert torch.equal(q(x[i:i + 1]), y[i:i + 1])
+    with_bias = int8_gemm.onednn_gemm(x, q.onednn_weight, q.scales, 200, bias=bias)
+    torch.testing.assert_close(with_bias, y + bias)
+    assert int8_gemm.onednn_gemm(x[:0], q.onednn_weight, q.scales, 200).shape == (0, 200)
 
 
 def test_int8_activations_per_32_columns_run_the_kernel_on_request():
@@ -184,28 +222,33 @@ def _fake_quantized(x: torch.Tensor, group: int) -> torch.Tensor:
     return (values.to(x.dtype) * (amax / 127.0).to(x.dtype)).reshape(x.shape)
 
 
-def test_int8_weight_runs_the_int16_kernel_on_cpu_and_holds_the_weight_once():
+@pytest.mark.parametrize("backend", ["kernel", "onednn"])
+def test_int8_weight_runs_an_integer_gemm_on_cpu_and_holds_the_weight_once(backend, monkeypatch):
     from gridserve.kernels.cpu_ops import int8_gemm
 
-    if int8_gemm.load() is None:
-        pytest.skip("the C++ int8 GEMM cannot be built here")
+    _int8_backend(backend, monkeypatch)
     gen = torch.Generator().manual_seed(3)
     w = torch.randn(100, 300, generator=gen) * 0.05
     q = Int8Weight.from_float(w)
-    assert q.kernel and not hasattr(q, "values")
-    assert q.nbytes() == int8_gemm.load().packed_numel(100, 300) + 100 * 4  # packed once + scales
+    assert not hasattr(q, "values")
+    if backend == "kernel":
+        assert q.kernel and q.nbytes() == int8_gemm.load().packed_numel(100, 300) + 100 * 4  # packed once + scales
+    else:
+        assert q.onednn and q.nbytes() == 100 * 300 + 100 * 4
     reference = Int8Weight.from_float(w, activations=False)  # weight-only: the same int8 values
     assert torch.equal(q.qweight, reference.qweight)
     x = torch.randn(2, 3, 300, generator=gen)
     weight_only = reference(x)
     assert q(x).shape == (2, 3, 100)
     assert ((q(x) - weight_only).norm() / weight_only.norm()).item() < 1e-4  # int16: ~weight-only
-    grouped = Int8Weight.from_float(w, activation_group=32)  # the same packed weight, int8 activations
-    assert grouped.kernel and torch.equal(grouped.packed, q.packed)
+    grouped = Int8Weight.from_float(w, activation_group=32)  # the VNNI kernel, int8 activations
+    assert grouped.kernel and torch.equal(grouped.qweight, q.qweight)
     assert 1e-4 < ((grouped(x) - weight_only).norm() / weight_only.norm()).item() < 1e-2
     assert not Int8Weight.from_float(w, activation_rows=1).kernel  # torch._int_mm
     moved = Int8Weight.from_float(w, activation_group=32).to("meta")  # off the CPU (as .cuda()): plain int8 rows again
     assert not moved.kernel and moved.qweight.shape == (100, 300) and moved.qweight.dtype == torch.int8
+    moved = q.to("meta")  # as sleep level 2 does: the packed copy goes
+    assert not moved.onednn and not moved.kernel and moved.qweight.is_meta and moved.qweight.shape == (100, 300)
 
 
 def test_int4_weight_uses_group_scales():

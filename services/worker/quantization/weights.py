@@ -55,7 +55,9 @@ class QuantizedWeight(nn.Module, ABC):
         """The float32 weight these values stand for (for tests and checks)."""
 
     def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self.buffers())
+        held = sum(b.numel() * b.element_size() for b in self.buffers())
+        packed = getattr(self, "onednn_weight", None)  # an opaque oneDNN tensor, not a buffer
+        return held + (packed.numel() * packed.element_size() if packed is not None else 0)
 
 
 class Int8Weight(QuantizedWeight):
@@ -74,12 +76,19 @@ class Int8Weight(QuantizedWeight):
         self.activation_group = activation_group  # 32: int8 per 32 columns (the kernel); 0: per row
         self.out_features, self.in_features = qweight.shape
         self.register_buffer("scales", scales.float().contiguous())  # [out]
-        # The C++ int8 x int16 GEMM holds the weight in its own layout (and only there).
-        self.kernel = (
+        # The C++ int8 x int16 GEMM holds the weight in its own layout (and only there). On a CPU
+        # with AMX the int16 mode runs through oneDNN's int8 matmul instead, which holds the weight
+        # in its layout (and only there; ``onednn_weight``, an opaque tensor, not a buffer).
+        integer_gemm = (
             activations and (activation_group or activation_rows == 2) and qweight.device.type == "cpu"
             and int8_gemm.load() is not None
         )
-        if self.kernel:
+        self.onednn = bool(integer_gemm and not activation_group and int8_gemm.onednn_available())
+        self.kernel = bool(integer_gemm and not self.onednn)
+        self.onednn_weight: Optional[torch.Tensor] = None
+        if self.onednn:
+            self.onednn_weight = int8_gemm.onednn_pack(qweight)
+        elif self.kernel:
             self.register_buffer("packed", int8_gemm.pack(qweight))
         else:
             self.register_buffer("values", qweight.contiguous())  # [out, in] int8
@@ -88,6 +97,10 @@ class Int8Weight(QuantizedWeight):
         """``.to`` / ``.cuda``: a packed weight moved off the CPU goes back to plain int8 rows (the
         kernel's layout has no reader there; CUDA dequantizes per call)."""
         super()._apply(fn, recurse)
+        if self.onednn and fn(torch.empty(0, dtype=torch.int8)).device.type != "cpu":
+            values = fn(self.qweight)  # e.g. meta for sleep level 2: the packed copy is freed
+            self.onednn, self.onednn_weight = False, None
+            self.register_buffer("values", values)
         if self.kernel and self.packed.device.type != "cpu":
             values = int8_gemm.unpack(self.packed, self.out_features, self.in_features)
             del self._buffers["packed"]
@@ -98,6 +111,8 @@ class Int8Weight(QuantizedWeight):
     @property
     def qweight(self) -> torch.Tensor:
         """The int8 values [out, in]."""
+        if self.onednn:
+            return self.onednn_weight.to_dense().t().contiguous()
         if self.kernel:
             return int8_gemm.unpack(self.packed, self.out_features, self.in_features)
         return self.values
@@ -113,6 +128,10 @@ class Int8Weight(QuantizedWeight):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
+        if self.onednn and x.device.type == "cpu":
+            y = int8_gemm.onednn_gemm(x.reshape(-1, shape[-1]).float(), self.onednn_weight, self.scales,
+                                      self.out_features)
+            return y.to(x.dtype).reshape(*shape[:-1], -1)
         if self.kernel and x.device.type == "cpu":
             y = int8_gemm.gemm(x.reshape(-1, shape[-1]).float(), self.packed, self.scales, self.out_features,
                                activation_group=self.activation_group)
