@@ -5,6 +5,7 @@
 
 Per (M, N, K): median (or with ``--best`` fastest) milliseconds of fp32 ``F.linear``, the C++ kernel
 with int16 activations per row ("int16") and with int8 activations per 32 columns ("group32"),
+the int16 mode's digit planes through oneDNN's int8 matmul ("onednn": AMX where the CPU has it),
 activation quantization included, and ``torch._int_mm`` with one int8 row per activation and with
 two (the torch fallback of ``Int8Weight``); and both kernel modes' speed-up over fp32.
 The calls are interleaved round by round so that load on a shared machine hits them alike.
@@ -50,6 +51,7 @@ def bench(rows: list[int], shapes: list[tuple[int, int]], repeats: int, best: bo
         sw = w.abs().amax(1) / 127
         q = torch.round(w / sw[:, None]).to(torch.int8)
         packed, wt = int8_gemm.pack(q), q.t()
+        onednn = int8_gemm.onednn_pack(q) if hasattr(torch.ops.onednn, "qlinear_pointwise") else None
         for m in rows:
             x = torch.randn(m, k, generator=gen)
             calls = {
@@ -58,6 +60,8 @@ def bench(rows: list[int], shapes: list[tuple[int, int]], repeats: int, best: bo
                 "group32": functools.partial(int8_gemm.gemm, x, packed, sw, n, isa_cap=isa_cap,
                                              activation_group=int8_gemm.ACTIVATION_GROUP),
             }
+            if onednn is not None:  # the int16 mode's digit planes through oneDNN (AMX where present)
+                calls["onednn"] = functools.partial(int8_gemm.onednn_gemm, x, onednn, sw, n)
             if m > 16 and torch_int_mm:  # torch._int_mm needs more than 16 rows
                 calls["int_mm_1row"] = functools.partial(_int_mm, x, wt, sw, 1)
                 calls["int_mm_2row"] = functools.partial(_int_mm, x, wt, sw, 2)
@@ -86,8 +90,8 @@ def _line(row: dict) -> str:
         return f"{row[key]:9.3f}" if key in row else f"{'-':>9}"
 
     return (f"{row['m']:5d} {row['n']:6d} {row['k']:5d} {ms('fp32')} {ms('int16')} {ms('group32')} "
-            f"{ms('int_mm_1row')} {ms('int_mm_2row')} {row['speedup_int16']:7.2f}x "
-            f"{row['speedup_group32']:7.2f}x")
+            f"{ms('onednn')} {ms('int_mm_1row')} {ms('int_mm_2row')} {row['speedup_int16']:7.2f}x "
+            f"{row['speedup_group32']:7.2f}x " + (f"{row['fp32'] / row['onednn']:7.2f}x" if "onednn" in row else ""))
 
 
 def int8_gemm_isas() -> tuple[str, ...]:
@@ -115,7 +119,8 @@ def main(argv: list[str] | None = None) -> None:
 
     print(f"kernel ISA: {int8_gemm.isa()} (capped at {args.isa}), torch threads: {torch.get_num_threads()}")
     shapes = [tuple(int(v) for v in pair.split(":")) for pair in args.shapes.split(",")] if args.shapes else SHAPES
-    print("    M      N     K   fp32 ms  int16 ms  grp32 ms   1row ms   2row ms  int16/fp32 grp32/fp32")
+    print("    M      N     K   fp32 ms  int16 ms  grp32 ms onednn ms   1row ms   2row ms  int16/fp32 "
+          "grp32/fp32 onednn/fp32")
     bench(args.rows, shapes, args.repeats, args.best, int8_gemm.ISA_NAMES.index(args.isa), not args.no_int_mm)
 
 
