@@ -26,6 +26,7 @@ from .services import KV_BYTES, deployment, gateway_stub, greedy, token_prompt
 pytestmark = pytest.mark.slow
 
 MAX_TOKENS = 6
+LONG = 505  # + the 5-token prompt: llama-tiny's 512 positions, less a few
 
 
 @pytest.fixture(scope="module")
@@ -61,12 +62,14 @@ def _prompt(i: int) -> list[int]:
     return [5 + i % 97, 17, 300 + i % 13, 42, 901]
 
 
-def _generate(address: str, prompt: list[int], max_tokens: int = MAX_TOKENS, **fields) -> list[int]:
-    with grpc.insecure_channel(address) as channel:
-        request = token_prompt(prompt, greedy(max_tokens))
-        for name, value in fields.items():
-            setattr(request, name, value)
-        return [t for r in gateway_stub(channel).Generate(request, timeout=120) for t in r.token_ids]
+def _generate(address: str, prompt: list[int], max_tokens: int = MAX_TOKENS, channel=None, **fields) -> list[int]:
+    if channel is None:
+        with grpc.insecure_channel(address) as own:
+            return _generate(address, prompt, max_tokens, own, **fields)
+    request = token_prompt(prompt, greedy(max_tokens))
+    for name, value in fields.items():
+        setattr(request, name, value)
+    return [t for r in gateway_stub(channel).Generate(request, timeout=120) for t in r.token_ids]
 
 
 def test_process_table_counts_a_plus_dp_plus_n_plus_coordinator(dp):
@@ -101,9 +104,12 @@ def test_requests_spread_over_both_engines_with_dp1_outputs(dp, llama_tiny):
 def test_new_short_requests_avoid_the_loaded_engine(dp):
     engines = _engines(dp)
     gateway = dp.gateway_addresses[0]
-    with ThreadPoolExecutor(max_workers=8) as pool:
+    # The long requests fill llama-tiny's 512 positions; the short ones share one channel and take
+    # one token each, so that they all run while the long ones do (the tiny model got fast enough
+    # with the C++ layer ops to finish 400 tokens while 10 short requests opened 10 channels).
+    with ThreadPoolExecutor(max_workers=8) as pool, grpc.insecure_channel(gateway) as channel:
         # Pin 6 long requests on engine 0 (an explicit data_parallel_rank wins over the load).
-        long = [pool.submit(_generate, gateway, _prompt(500 + i), 400, data_parallel_rank=0) for i in range(6)]
+        long = [pool.submit(_generate, gateway, _prompt(500 + i), LONG, data_parallel_rank=0) for i in range(6)]
         deadline = time.monotonic() + 60
         while _running(engines[0]) < 6:
             assert time.monotonic() < deadline and not any(f.done() for f in long)
@@ -111,12 +117,12 @@ def test_new_short_requests_avoid_the_loaded_engine(dp):
         time.sleep(0.5)  # the coordinator's snapshot reaches the gateways
         before = [_finished(e) for e in engines]
         for i in range(10):
-            _generate(gateway, _prompt(700 + i), 4)
+            _generate(gateway, _prompt(700 + i), 1, channel)
         served = [_finished(e) - b for e, b in zip(engines, before)]
         assert served == [0, 10], served
         assert all(not f.done() for f in long)  # still loaded while the short ones ran
         for f in long:
-            assert len(f.result(timeout=180)) == 400
+            assert len(f.result(timeout=180)) == LONG
 
 
 def test_killing_an_engine_keeps_the_others_serving(dp):
