@@ -126,6 +126,9 @@ def run(args: argparse.Namespace) -> int:
         paths: dict[str, Callable[[], float]] = {}
         for suffix, launcher in launchers.items():
             stack.callback(launcher.stop)
+            # A port picked when the launchers were built may since have gone to a role of the
+            # first deployment (roles bind ephemeral ports): pick the edge's just before it starts.
+            launcher.edge_port = free_port()
             launcher.start()
             paths.update(_paths(launcher, suffix, args.max_tokens, stack))
         for measure in paths.values():  # warm-up: connections, first-step allocations
