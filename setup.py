@@ -40,5 +40,5 @@ for name, folder in ROOTS.items():
 
 # Non-Python files the packages read at run time (the C++ CPU kernels are compiled on first use;
 # the gateway serves the web console's static files).
-setup(packages=packages, package_dir=ROOTS, package_data={"gridserve.kernels.cpu_ops": ["*.cpp"],
+setup(packages=packages, package_dir=ROOTS, package_data={"gridserve.kernels.cpu_ops": ["*.cpp", "*.h"],
                                                      "gridserve.services.gateway": ["static/*"]})

@@ -77,11 +77,15 @@ def loader(name: str):
 def build_extension(source: Path, prefix: str) -> bool:
     """Load ``source``'s library (registering its ``torch.ops`` namespace): the build an earlier
     process cached for this exact source, else compiled now (``-O3 -fopenmp``; each hot loop carries
-    its own target attributes). The source's hash is in the name, so checkouts with different
-    sources never share a build. True when a cached build served; raises when the build fails."""
+    its own target attributes). The hash of the source and of the headers beside it (which it may
+    include) is in the name, so checkouts with different sources never share a build. True when a
+    cached build served; raises when the build fails."""
     from torch.utils import cpp_extension
 
-    name = f"{prefix}_{hashlib.sha256(source.read_bytes()).hexdigest()[:10]}"
+    digest = hashlib.sha256(source.read_bytes())
+    for header in sorted(source.parent.glob("*.h")):
+        digest.update(header.read_bytes())
+    name = f"{prefix}_{digest.hexdigest()[:10]}"
     if _load_built(cpp_extension, name):
         return True
     cpp_extension.load(name=name, sources=[str(source)], extra_cflags=["-O3", "-fopenmp"],

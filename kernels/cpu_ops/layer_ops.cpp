@@ -32,27 +32,13 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__x86_64__) && defined(__GNUC__)
-#include <immintrin.h>
-#define GS_X86 1
-#define GS_AVX512 __attribute__((target("avx512f")))
-#endif
+#include "cpu_simd.h"
 
 namespace {
 
-std::atomic<int64_t> max_isa{1};
+using gs_simd::best_isa;
 
-int64_t best_isa() {
-#if defined(GS_X86)
-  static const bool avx512 = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") != 0;
-  }();
-  return avx512 ? 1 : 0;
-#else
-  return 0;
-#endif
-}
+std::atomic<int64_t> max_isa{1};
 
 inline bool use_avx512() { return std::min(best_isa(), max_isa.load(std::memory_order_relaxed)) >= 1; }
 
@@ -85,19 +71,7 @@ inline float product(float a, float b) {
 // ---------------------------------------------------------------------------------------------
 // AVX-512 helpers: 16 lanes in float32; 16-bit types converted on load / store.
 #if defined(GS_X86)
-template <typename T>
-GS_AVX512 inline __m512 load16(const T* p);
-template <>
-GS_AVX512 inline __m512 load16<float>(const float* p) { return _mm512_loadu_ps(p); }
-template <>
-GS_AVX512 inline __m512 load16<c10::BFloat16>(const c10::BFloat16* p) {
-  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-}
-template <>
-GS_AVX512 inline __m512 load16<c10::Half>(const c10::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
+using gs_simd::load16;
 
 // float32 -> bf16 bits, round to nearest even, NaN -> 0x7FC0 (as c10::BFloat16).
 GS_AVX512 inline __m256i bf16_bits(__m512 v) {

@@ -34,12 +34,11 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__x86_64__) && defined(__GNUC__)
-#include <immintrin.h>
-#define GS_X86 1
-#endif
+#include "cpu_simd.h"
 
 namespace {
+
+using gs_simd::best_isa;
 
 // Hot loops get an AVX2 clone picked at load time on x86 (GCC ifunc); the default clone keeps
 // the library portable, so the build never depends on the machine it was compiled on.
@@ -200,21 +199,7 @@ GS_SIMD_CLONES void attend_token(
 // at a time (16 dot products reduced together into one vector instead of 16 horizontal sums),
 // the softmax (a polynomial exp over 16 scores), and V accumulated in registers across a chunk's
 // positions. The portable loop spends more time on that bookkeeping than on reading K/V.
-#define GS_AVX512 __attribute__((target("avx512f")))
-
-template <typename C>
-GS_AVX512 inline __m512 load16(const C* p);
-template <>
-GS_AVX512 inline __m512 load16<float>(const float* p) { return _mm512_loadu_ps(p); }
-template <>
-GS_AVX512 inline __m512 load16<c10::BFloat16>(const c10::BFloat16* p) {
-  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-}
-template <>
-GS_AVX512 inline __m512 load16<c10::Half>(const c10::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
+using gs_simd::load16;
 
 // exp(x) for x <= 0: 2^(x log2 e) split into an integer power (scalef) and 2^f, f in [-0.5, 0.5],
 // by a degree-6 polynomial (relative error ~2e-7); below -87 it flushes to ~0 like expf.
@@ -349,18 +334,6 @@ GS_AVX512 void attend_token_avx512(
 // Instruction sets: 0 the portable loops, 1 AVX-512 (when the CPU has it). Tests lower the cap to
 // compare the two.
 std::atomic<int64_t> max_isa{1};
-
-int64_t best_isa() {
-#if defined(GS_X86)
-  static const bool avx512 = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") != 0;
-  }();
-  return avx512 ? 1 : 0;
-#else
-  return 0;
-#endif
-}
 
 // The AVX-512 kernel for this cache type and geometry, or null for the portable one.
 template <typename T, typename C>
