@@ -39,39 +39,39 @@ MAX_KERNEL_QUERY_LEN = 4
 @functools.lru_cache(maxsize=1)
 def load():
     """The ``torch.ops.gridserve_cpu`` namespace, or None (reason logged) when it cannot be built."""
-    if not _SOURCE.is_file():  # e.g. a wheel built without package data
-        logger.warning("C++ CPU paged attention unavailable, using the torch reference: %s missing", _SOURCE)
+    if not load_library(_SOURCE, "gridserve_cpu_paged_attention", "C++ CPU paged attention", "the torch reference"):
         return None
-    try:
-        logger.info("Loading the C++ CPU paged-attention kernel (compiled on first use, then cached)")
-        start = time.perf_counter()
-        build_extension(_SOURCE, "gridserve_cpu_paged_attention")
-    except Exception as exc:  # a missing compiler / ninja or a build error: fall back, don't crash
-        logger.warning("C++ CPU paged attention unavailable, using the torch reference: %s", exc)
-        return None
-    logger.info("C++ CPU paged attention ready (%.1f s)", time.perf_counter() - start)
     return torch.ops.gridserve_cpu
 
 
 @functools.lru_cache(maxsize=1)
 def load_layer_ops():
     """The ``torch.ops.gridserve_cpu_layer`` namespace, or None (reason logged) when it cannot be built."""
-    if not _LAYER_SOURCE.is_file():
-        logger.warning("C++ CPU layer ops unavailable, using the torch reference: %s missing", _LAYER_SOURCE)
+    if not load_library(_LAYER_SOURCE, "gridserve_cpu_layer_ops", "C++ CPU layer ops", "the torch reference"):
         return None
-    try:
-        start = time.perf_counter()
-        build_extension(_LAYER_SOURCE, "gridserve_cpu_layer_ops")
-    except Exception as exc:  # a missing compiler / ninja or a build error: fall back, don't crash
-        logger.warning("C++ CPU layer ops unavailable, using the torch reference: %s", exc)
-        return None
-    logger.info("C++ CPU layer ops ready (%.1f s)", time.perf_counter() - start)
     return torch.ops.gridserve_cpu_layer
 
 
 def loader(name: str):
     """The loader of the library that implements op ``name`` (one of ``KERNELS``)."""
     return load_layer_ops if name in LAYER_KERNELS else load
+
+
+def load_library(source: Path, prefix: str, what: str, fallback: str) -> bool:
+    """``build_extension`` for a loader: False, logging "``what`` unavailable, using ``fallback``" and
+    why, when the library cannot be had (the source missing, as from a wheel built without package
+    data; no compiler or ninja; a build error): callers fall back, never crash."""
+    if not source.is_file():
+        logger.warning("%s unavailable, using %s: %s missing", what, fallback, source)
+        return False
+    try:
+        start = time.perf_counter()
+        cached = build_extension(source, prefix)
+    except Exception as exc:  # a missing compiler / ninja or a build error
+        logger.warning("%s unavailable, using %s: %s", what, fallback, exc)
+        return False
+    logger.info("%s ready (%s, %.1f s)", what, "cached build" if cached else "compiled", time.perf_counter() - start)
+    return True
 
 
 def build_extension(source: Path, prefix: str) -> bool:

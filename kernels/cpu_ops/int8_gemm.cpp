@@ -533,6 +533,14 @@ Activations quantize_groups(const float* x, int64_t m, int64_t k, Isa isa) {
 
 void check(bool ok, const char* what) { TORCH_CHECK(ok, "int8_gemm: ", what); }
 
+// The optional bias's n float32 values, or null without one.
+const float* bias_values(const c10::optional<at::Tensor>& bias, int64_t n) {
+  if (!bias.has_value() || !bias->defined()) return nullptr;
+  check(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n,
+        "bias must be n contiguous float32 values");
+  return bias->data_ptr<float>();
+}
+
 int64_t packed_numel(int64_t n, int64_t k) {
   return (n + kGroup - 1) / kGroup * ((k + 3) / 4) * kQuadBytes;
 }
@@ -582,12 +590,7 @@ void int8_gemm(const at::Tensor& out, const at::Tensor& x, const at::Tensor& pac
   check(packed.scalar_type() == at::kByte && packed.is_contiguous() &&
             packed.numel() == packed_numel(n, k),
         "packed does not hold an [n, k] weight");
-  const float* bias_ptr = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    check(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n,
-          "bias must be n contiguous float32 values");
-    bias_ptr = bias->data_ptr<float>();
-  }
+  const float* bias_ptr = bias_values(bias, n);
   if (m == 0 || n == 0) return;
   float* y = out.data_ptr<float>();
   const int64_t quads = (k + 3) / 4, groups = (n + kGroup - 1) / kGroup;
@@ -691,12 +694,7 @@ void int8_gemm_combine_planes(const at::Tensor& out, const at::Tensor& acc, cons
   check(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == m &&
             wscale.scalar_type() == at::kFloat && wscale.is_contiguous() && wscale.numel() == n,
         "scale must be m and wscale n contiguous float32 values");
-  const float* bias_ptr = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    check(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n,
-          "bias must be n contiguous float32 values");
-    bias_ptr = bias->data_ptr<float>();
-  }
+  const float* bias_ptr = bias_values(bias, n);
   const float* a = acc.data_ptr<float>();
   const float* sx = scale.data_ptr<float>();
   const float* sw = wscale.data_ptr<float>();

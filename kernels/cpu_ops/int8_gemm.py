@@ -20,7 +20,6 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import time
 from pathlib import Path
 from typing import Optional
 
@@ -37,22 +36,14 @@ ACTIVATION_GROUP = 32  # input columns per activation scale in the int8-activati
 @functools.lru_cache(maxsize=1)
 def load():
     """The ``torch.ops.gridserve_int8_gemm`` namespace, or None when it cannot be built."""
-    if not _SOURCE.is_file():
-        logger.warning("int8 x int16 CPU GEMM unavailable: %s missing", _SOURCE)
-        return None
-    try:
-        from gridserve.kernels.cpu_ops import build_extension
+    from gridserve.kernels.cpu_ops import load_library
 
-        start = time.perf_counter()
-        # No -mavx2 for the whole file: the tiles carry their own target attributes and are
-        # picked at run time, so the library also loads on CPUs without AVX2.
-        if not build_extension(_SOURCE, "gridserve_cpu_int8_gemm"):
-            logger.info("Built the int8 x int16 CPU GEMM (once, then cached)")
-    except Exception as exc:  # a missing compiler / ninja or a build error: fall back, don't crash
-        logger.warning("int8 x int16 CPU GEMM unavailable, using torch._int_mm: %s", exc)
+    # No -mavx2 for the whole file: the tiles carry their own target attributes and are picked at
+    # run time, so the library also loads on CPUs without AVX2.
+    if not load_library(_SOURCE, "gridserve_cpu_int8_gemm", "int8 x int16 CPU GEMM", "torch._int_mm"):
         return None
     ops = torch.ops.gridserve_int8_gemm
-    logger.info("int8 x int16 CPU GEMM ready (%s, %.2f s)", ISA_NAMES[ops.isa()], time.perf_counter() - start)
+    logger.info("int8 x int16 CPU GEMM: %s", ISA_NAMES[ops.isa()])
     return ops
 
 
