@@ -55,9 +55,7 @@ class QuantizedWeight(nn.Module, ABC):
         """The float32 weight these values stand for (for tests and checks)."""
 
     def nbytes(self) -> int:
-        held = sum(b.numel() * b.element_size() for b in self.buffers())
-        packed = getattr(self, "onednn_weight", None)  # an opaque oneDNN tensor, not a buffer
-        return held + (packed.numel() * packed.element_size() if packed is not None else 0)
+        return sum(b.numel() * b.element_size() for b in self.buffers())
 
 
 class Int8Weight(QuantizedWeight):
@@ -108,6 +106,10 @@ class Int8Weight(QuantizedWeight):
             self.register_buffer("values", values)
         return self
 
+    def nbytes(self) -> int:
+        packed = self.onednn_weight  # an opaque oneDNN tensor, not a buffer
+        return super().nbytes() + (packed.numel() * packed.element_size() if packed is not None else 0)
+
     @property
     def qweight(self) -> torch.Tensor:
         """The int8 values [out, in]."""
@@ -128,13 +130,13 @@ class Int8Weight(QuantizedWeight):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        if self.onednn and x.device.type == "cpu":
-            y = int8_gemm.onednn_gemm(x.reshape(-1, shape[-1]).float(), self.onednn_weight, self.scales,
-                                      self.out_features)
-            return y.to(x.dtype).reshape(*shape[:-1], -1)
-        if self.kernel and x.device.type == "cpu":
-            y = int8_gemm.gemm(x.reshape(-1, shape[-1]).float(), self.packed, self.scales, self.out_features,
-                               activation_group=self.activation_group)
+        if (self.onednn or self.kernel) and x.device.type == "cpu":
+            rows = x.reshape(-1, shape[-1]).float()
+            if self.onednn:
+                y = int8_gemm.onednn_gemm(rows, self.onednn_weight, self.scales, self.out_features)
+            else:
+                y = int8_gemm.gemm(rows, self.packed, self.scales, self.out_features,
+                                   activation_group=self.activation_group)
             return y.to(x.dtype).reshape(*shape[:-1], -1)
         if (
             self.values.device.type != "cpu" or not self.activations
