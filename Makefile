@@ -7,7 +7,7 @@ PORT ?= 8000
 MODEL ?=
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test install browser lint demo-model bench bench-executor bench-serve clean images fuzz peer
+.PHONY: serve test test-fast install browser lint demo-model bench bench-executor bench-serve clean images fuzz peer reference
 
 # The venv is rebuilt when the project's dependency list changes.
 $(STAMP): pyproject.toml setup.py
@@ -54,6 +54,16 @@ test: install browser
 	$(PY) -m gridserve.demo.recipe --arch llama --size tiny >/dev/null
 	$(PY) -m ruff check .
 	$(PY) -m pytest -q
+
+# The inner loop: the unit and contract tests (tests/unit, none marked slow), under 2 minutes on 2 cores.
+test-fast: install
+	$(PY) -m gridserve.demo.recipe --arch llama --size tiny >/dev/null
+	$(PY) -m ruff check .
+	$(PY) -m pytest -q -m "not slow" tests/unit
+
+# docs/reference/cli.md and environment.md, generated from the parsers and the settings table.
+reference: install
+	$(PY) -m gridserve.reference
 
 # The long fuzz run (the bounded one is part of `make test`): FUZZ_EXAMPLES requests through the edge.
 FUZZ_EXAMPLES ?= 5000

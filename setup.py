@@ -33,6 +33,8 @@ def _generate_protos() -> None:
 
 
 _generate_protos()
+# A folder left out of a build context (the images leave out benchmarks/) is left out of the package.
+ROOTS = {name: folder for name, folder in ROOTS.items() if (Path(__file__).resolve().parent / folder).is_dir()}
 packages = []
 for name, folder in ROOTS.items():
     packages.append(name)

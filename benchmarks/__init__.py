@@ -1,3 +1,59 @@
-"""Benchmarks, one package: `gridserve bench <name>` (see ``COMMANDS`` in ``gridserve.cli``) and the
-scripts run as ``python -m gridserve.benchmarks.<script>``; results and sweep scripts live beside them
-in ``benchmarks/``."""
+"""Benchmarks, one package: every benchmark is a ``gridserve bench NAME`` command (``BENCHMARKS``
+below; what each measures, how, and its current figures: docs/benchmarks/README.md). Their current
+results live in ``benchmarks/results/``; the ``*.sh`` scripts are the GPU / device-machine checks.
+
+Import-light: this module imports nothing, and every command's module imports torch (or any other
+heavy dependency) only inside its run function, since ``gridserve`` builds every bench parser at
+start. The runtime images do not ship this package (``gridserve bench`` then says so).
+"""
+
+# `gridserve bench NAME`: (module in gridserve.benchmarks, help, its add-arguments fn, its run fn).
+BENCHMARKS = {
+    "throughput": ("throughput", "offline throughput vs transformers generate", "add_arguments", "run"),
+    "executor": ("executor", "GrpcExecutor vs UniProcExecutor throughput and round trips",
+                 "add_arguments", "run"),
+    "sampler": ("sampler", "sampler cost per step: plain vs mixed batch", "add_arguments", "run"),
+    "quantization": ("quantization", "accuracy (KL, greedy agreement) and memory per weight / KV mode vs fp32",
+                     "add_arguments", "run"),
+    "quantization-speed": ("quantization", "offline throughput per weight / KV mode vs fp32",
+                           "add_speed_arguments", "run_speed"),
+    "quantization-step": ("quantization", "decode step per weight / KV mode vs its memory-bandwidth floor",
+                          "add_step_arguments", "run_step"),
+    "serve": ("serve", "online load against an OpenAI-compatible server", "add_arguments", "run"),
+    "peer": ("peer", "workload W on gridserve (Envoy) vs llama.cpp's llama-server per precision pair",
+             "add_arguments", "run"),
+    "step": ("engine", "decode-step wall time vs the model forward inside it", "add_step_arguments",
+             "run_step"),
+    "prefix": ("engine", "TTFT with a cached long prefix vs a cold one", "add_prefix_arguments",
+               "run_prefix"),
+    "observability": ("observability", "engine step time with metrics / tracing off and on",
+                      "add_arguments", "run"),
+    "edge": ("edge", "TTFT through the Envoy edge vs straight to the gateway", "add_arguments", "run"),
+    "plot": ("plot", "throughput and latency vs concurrency from bench serve JSON", "add_arguments", "run"),
+    "fuzz": ("fuzz", "hostile generated requests through the edge: never a 5xx, a hang or a leak",
+             "add_arguments", "run"),
+    "chaos": ("chaos", "DP=2 streaming load while engines / coordinator / workers are SIGKILLed",
+              "add_arguments", "run"),
+    "kernels": ("kernels_bench", "Triton kernels vs the torch reference and the bandwidth roofline (CUDA; "
+                "--interpret on CPU)", "add_arguments", "run"),
+    "gpu-attention": ("gpu_attention_bandwidth", "CUDA paged-attention decode bandwidth vs a copy and the HBM peak",
+                      "add_arguments", "run"),
+    "cpu-attention": ("cpu_attention_bench", "C++ CPU paged attention vs the torch reference (or its portable loops)",
+                      "add_arguments", "run"),
+    "layer-ops": ("layer_ops_bench", "C++ CPU layer ops (norms, RoPE, SiLU, KV write) vs the torch reference",
+                  "add_arguments", "run"),
+    "int8-gemm": ("int8_gemm_bench", "int8-weight CPU GEMM (int16 / group-32 / oneDNN) vs fp32 F.linear",
+                  "add_arguments", "run"),
+    "batch-invariant": ("batch_invariant_bench", "decode step and prefill with batch-invariant mode vs without",
+                        "add_arguments", "run"),
+    "parallel": ("parallel_bench", "decode step per TPxPP layout and the gloo collectives inside a TP step",
+                 "add_arguments", "run"),
+    "vision": ("vision_bench", "image preprocessing, media loader pool, image-request TTFT cold vs warm",
+               "add_arguments", "run"),
+    "cpu-by-process": ("cpu_by_process", "CPU seconds of every process on the machine while a command runs",
+                       "add_arguments", "run"),
+}
+
+# Modules that are not a command's own but libraries the commands import (a test keeps the
+# package to commands + these).
+LIBRARIES = ("datasets", "metrics", "llama_server", "peer_report", "step_model")

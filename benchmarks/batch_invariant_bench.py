@@ -1,4 +1,4 @@
-"""Script: what batch-invariant mode costs (``python -m gridserve.benchmarks.batch_invariant_bench``).
+"""What batch-invariant mode costs (``gridserve bench batch-invariant``).
 
 Two in-process engines on the same model, one normal and one with ``batch_invariant=True``, each
 holding the same ``B`` running requests (prompts of 64-128 tokens); their decode steps alternate
@@ -110,8 +110,7 @@ def prefill(model: str, length: int, pairs: int, seed: int) -> dict:
     return {"prefill_len": length, **times.summary()}
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="HF folder (default: the demo model)")
     parser.add_argument("--batches", default="1,16,64")
     parser.add_argument("--steps", type=int, default=15, help="decode steps measured per engine and batch")
@@ -119,7 +118,9 @@ def main() -> int:
     parser.add_argument("--pairs", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output-json", default=None)
-    args = parser.parse_args()
+
+
+def run(args: argparse.Namespace) -> int:
     model = args.model
     if model is None:
         from gridserve.demo.train import ensure_demo_model
@@ -138,6 +139,12 @@ def main() -> int:
         Path(args.output_json).write_text(json.dumps({"decode": rows, "prefill": first, "model": model,
                                                       "load_average": os.getloadavg()}, indent=2) + "\n")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
 
 
 if __name__ == "__main__":

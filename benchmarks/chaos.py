@@ -15,7 +15,7 @@ The engines serve with ``--batch-invariant`` (``--no-batch-invariant`` turns it 
 logits are then bitwise the same in any batch mix and after a continuation's re-prefill, so every
 output — greedy or seeded — must equal the fault-free run's, and any difference fails the run.
 Without it only a greedy output that an engine / worker fault struck fails it (seeded draws near a
-CDF step may flip with the batch mix; see the README).
+CDF step may flip with the batch mix; see docs/serving/limits.md).
 """
 
 from __future__ import annotations
@@ -385,7 +385,7 @@ def run(args: argparse.Namespace) -> int:
 def passed(report: dict) -> bool:
     """No lost request, no broken stream, and no differing output that counts: with batch-invariant
     engines every difference (greedy or seeded, chaos or the second fault-free run); without, only
-    a greedy output that a fault struck while the fault-free runs agree (see the README)."""
+    a greedy output that a fault struck while the fault-free runs agree (see docs/serving/limits.md)."""
     if report["failed"] or report["bad_streams"]:
         return False
     if report.get("batch_invariant"):

@@ -1,8 +1,8 @@
 """CPU paged attention: the torch reference (gather + masked SDPA) against the C++ kernel.
 
-    python -m gridserve.benchmarks.cpu_attention_bench                      # batch 64, contexts 64..512
-    python -m gridserve.benchmarks.cpu_attention_bench --batch 16 --layers 4
-    python -m gridserve.benchmarks.cpu_attention_bench --batch 256 --against portable   # AVX-512 vs loops
+    gridserve bench cpu-attention                      # batch 64, contexts 64..512
+    gridserve bench cpu-attention --batch 16 --layers 4
+    gridserve bench cpu-attention --batch 256 --against portable   # AVX-512 vs loops
 
 One decode step's attention for every layer (`--layers` calls on separate caches), fp32, blocks
 scattered over the cache as after a while of serving. ``--against portable`` compares the kernel's
@@ -16,13 +16,12 @@ import argparse
 import statistics
 import time
 
-import torch
-
-from gridserve.kernels import cpu_ops, reference
-
 
 def decode_batch(batch: int, ctx_min: int, ctx_max: int, heads: int, kv_heads: int, head_size: int,
-                 block_size: int, gen: torch.Generator, dtype: torch.dtype = torch.float32):
+                 block_size: int, gen, dtype=None):
+    import torch
+
+    dtype = dtype or torch.float32
     contexts = torch.randint(ctx_min, ctx_max + 1, (batch,), generator=gen).tolist()
     blocks = [(c + block_size - 1) // block_size for c in contexts]
     num_blocks = sum(blocks) + 1
@@ -37,8 +36,7 @@ def decode_batch(batch: int, ctx_min: int, ctx_max: int, heads: int, kv_heads: i
     return query, kv_cache, qsl, torch.tensor(contexts, dtype=torch.int32), table
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--ctx-min", type=int, default=64)
     parser.add_argument("--ctx-max", type=int, default=512)
@@ -50,7 +48,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--kv-cache-dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     parser.add_argument("--against", default="reference", choices=("reference", "portable"))
-    args = parser.parse_args()
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from gridserve.kernels import cpu_ops, reference
+
     if cpu_ops.load() is None:
         raise SystemExit("the C++ kernel did not build (see the log)")
     gen = torch.Generator().manual_seed(0)
@@ -91,7 +95,14 @@ def main() -> None:
           f"{kv_bytes / 1e6:.0f} MB of {args.kv_cache_dtype} K/V")
     print(f"{args.against} {ref:.1f} ms   cpp {cpp:.1f} ms   speed-up {ref / cpp:.2f}x   "
           f"cpp {kv_bytes / cpp / 1e6:.1f} GB/s   max diff {float(diff):.1e}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

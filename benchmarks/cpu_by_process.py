@@ -1,11 +1,11 @@
 """Run a command and report the CPU seconds every process on the machine used meanwhile.
 
-    python -m gridserve.benchmarks.cpu_by_process --json out.json -- CMD ARGS...
+    gridserve bench cpu-by-process --output-json out.json -- CMD ARGS...
 
 Reads utime + stime from /proc/<pid>/stat before and after (Linux); the command's own share (it
-has exited by then) comes from the children's rusage. Used by ``served_vs_offline.sh`` to show
-where the two cores go while W is served: the worker's forward passes against the gateway, Envoy,
-the engine and the load generator. ``bench peer`` uses :func:`cpu_used` around its served runs.
+has exited by then) comes from the children's rusage: e.g. where the cores go while a ``bench serve``
+load runs against a server: the worker's forward passes against the gateway, Envoy, the engine and
+the load generator. ``bench peer`` uses :func:`cpu_used` around its served runs.
 """
 
 from __future__ import annotations
@@ -64,13 +64,17 @@ def role(cmdline: str) -> str:
     return " ".join(os.path.basename(w) for w in words[:2]) or "?"
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", default=None, help="also write the table here")
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--output-json", "--json", dest="output_json", default=None,
+                        help="also write the table here")
     parser.add_argument("--min-seconds", type=float, default=0.5)
-    parser.add_argument("command", nargs=argparse.REMAINDER)
-    args = parser.parse_args()
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD ARGS...: the command to run")
+
+
+def run(args: argparse.Namespace) -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        raise SystemExit("bench cpu-by-process: give the command to run after --")
     before, start = cpu_seconds(), time.monotonic()
     rc = subprocess.call(command)
     after, wall = cpu_seconds(), time.monotonic() - start
@@ -86,10 +90,16 @@ def main() -> int:
     for r in rows:
         r["share_of_machine"] = round(r["cpu_s"] / (wall * cores), 3)
         print(f"  {r['cpu_s']:8.1f} s  {100 * r['share_of_machine']:5.1f}%  {r['process']}")
-    if args.json:
-        with open(args.json, "w") as f:
+    if args.output_json:
+        with open(args.output_json, "w") as f:
             json.dump({"wall_s": round(wall, 1), "cores": cores, "processes": rows}, f, indent=2)
     return rc
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ scattered over the cache) at several batch sizes and context lengths, and report
 bytes per second against (a) a device-to-device copy measured in the same run and (b) the
 datasheet's HBM peak. Medians of CUDA-event timings.
 
-    python -m gridserve.benchmarks.gpu_attention_bandwidth --output-json out.json [--peak-tbps 4.8]
+    gridserve bench gpu-attention --output-json out.json [--peak-tbps 4.8]
 """
 
 from __future__ import annotations
@@ -15,11 +15,15 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch is imported where it is used: `gridserve bench` lists this without it
+    import torch
 
 
 def _time_ms(fn, iters: int = 20, warmup: int = 3) -> float:
+    import torch
+
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -36,6 +40,8 @@ def _time_ms(fn, iters: int = 20, warmup: int = 3) -> float:
 
 def copy_bandwidth_gbps(size_bytes: int = 4 << 30) -> float:
     """Device-to-device copy, counting bytes read plus bytes written."""
+    import torch
+
     src = torch.empty(size_bytes, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
     ms = _time_ms(lambda: dst.copy_(src), iters=10)
@@ -45,6 +51,8 @@ def copy_bandwidth_gbps(size_bytes: int = 4 << 30) -> float:
 
 def decode_case(batch: int, context: int, dtype: torch.dtype, heads=32, kv_heads=8, head=128, page=16,
                 plan=None):
+    import torch
+
     from gridserve.kernels.triton_ops import attention
 
     pages_per_seq = (context + page - 1) // page
@@ -70,14 +78,19 @@ def decode_case(batch: int, context: int, dtype: torch.dtype, heads=32, kv_heads
                      "num_warps": plan.num_warps}}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-json")
     parser.add_argument("--peak-tbps", type=float, default=4.8, help="datasheet HBM peak (H200: 4.8)")
     parser.add_argument("--batches", default="1,64,256")
     parser.add_argument("--contexts", default="512,2048,4096")
     parser.add_argument("--sweep-plans", action="store_true", help="also time alternative launch plans")
-    args = parser.parse_args()
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit("bench gpu-attention: no CUDA device (run it on a GPU machine: benchmarks/gpu_check.sh)")
     copy = copy_bandwidth_gbps()
     rows = []
     for dtype in (torch.float16, torch.bfloat16, torch.float32):
@@ -115,7 +128,14 @@ def main() -> None:
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(result, f, indent=1)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -15,5 +15,5 @@ timeout 240 $PY -m pytest -q -p no:cacheprovider tests/gpu -rA $($PY -c "import 
 echo "pytest exit: ${PIPESTATUS[0]}" | tee -a "$OUT/pytest_gpu.log"
 
 echo "== 3: paged-attention bandwidth"
-timeout 150 $PY -m gridserve.benchmarks.gpu_attention_bandwidth ${SWEEP:+--sweep-plans} --output-json "$OUT/gpu_attention_bandwidth.json" 2>&1 \
+timeout 150 $PY -m gridserve.cli bench gpu-attention ${SWEEP:+--sweep-plans} --output-json "$OUT/gpu_attention_bandwidth.json" 2>&1 \
   | tee "$OUT/bandwidth.log" | tail -40

@@ -1,7 +1,7 @@
 """Micro-benchmark of the int8-weight CPU GEMM against fp32 ``F.linear`` and the torch int8 paths.
 
-    python -m gridserve.benchmarks.int8_gemm_bench                      # llama-base shapes, M 1..256
-    python -m gridserve.benchmarks.int8_gemm_bench --rows 64 --repeats 9 --threads 1
+    gridserve bench int8-gemm                      # llama-base shapes, M 1..256
+    gridserve bench int8-gemm --rows 64 --repeats 9 --threads 1
 
 Per (M, N, K): median (or with ``--best`` fastest) milliseconds of fp32 ``F.linear``, the C++ kernel
 with int16 activations per row ("int16") and with int8 activations per 32 columns ("group32"),
@@ -17,20 +17,25 @@ import argparse
 import functools
 import statistics
 import time
+from typing import TYPE_CHECKING
 
-import torch
-import torch.nn.functional as F
+if TYPE_CHECKING:  # torch is imported where it is used: `gridserve bench` lists this without it
+    import torch
 
 # llama-base (hidden 768, MLP 2048, vocab 32000): fused QKV, o_proj, fused gate/up, down, LM head.
 SHAPES = [(2304, 768), (768, 768), (4096, 768), (768, 2048), (32000, 768)]
 
 
 def _int8_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    import torch
+
     scales = (rows.abs().amax(dim=1, keepdim=True) / 127.0).clamp_(min=1e-12)
     return torch.round(rows / scales).to(torch.int8), scales
 
 
 def _int_mm(x: torch.Tensor, wt: torch.Tensor, sw: torch.Tensor, rows: int) -> torch.Tensor:
+    import torch
+
     high, hs = _int8_rows(x)
     if rows == 1:
         return torch._int_mm(high, wt).float() * hs * sw
@@ -42,6 +47,9 @@ def _int_mm(x: torch.Tensor, wt: torch.Tensor, sw: torch.Tensor, rows: int) -> t
 
 def bench(rows: list[int], shapes: list[tuple[int, int]], repeats: int, best: bool = False,
           isa_cap: int = 2, torch_int_mm: bool = True) -> list[dict]:
+    import torch
+    import torch.nn.functional as F
+
     from gridserve.kernels.cpu_ops import int8_gemm
 
     gen = torch.Generator().manual_seed(0)
@@ -94,25 +102,26 @@ def _line(row: dict) -> str:
             f"{row['speedup_group32']:7.2f}x " + (f"{row['fp32'] / row['onednn']:7.2f}x" if "onednn" in row else ""))
 
 
-def int8_gemm_isas() -> tuple[str, ...]:
-    from gridserve.kernels.cpu_ops import int8_gemm
-
-    return int8_gemm.ISA_NAMES
+# gridserve.kernels.cpu_ops.int8_gemm.ISA_NAMES (that module imports torch); a test keeps them equal
+ISA_NAMES = ("scalar", "avx2", "avx512-vnni")
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64, 256])
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--best", action="store_true",
                         help="fastest sample instead of the median (a loaded machine's noise is one-sided)")
-    parser.add_argument("--isa", choices=int8_gemm_isas(), default="avx512-vnni",
+    parser.add_argument("--isa", choices=ISA_NAMES, default="avx512-vnni",
                         help="cap the kernel's instruction set (to time the AVX2 / scalar paths)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--no-int-mm", action="store_true", help="skip the torch._int_mm columns")
     parser.add_argument("--shapes", default="",
                         help="N:K pairs, comma-separated (default: llama-base's five linears)")
-    args = parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
     if args.threads:
         torch.set_num_threads(args.threads)
     from gridserve.kernels.cpu_ops import int8_gemm
@@ -122,7 +131,14 @@ def main(argv: list[str] | None = None) -> None:
     print("    M      N     K   fp32 ms  int16 ms  grp32 ms onednn ms   1row ms   2row ms  int16/fp32 "
           "grp32/fp32 onednn/fp32")
     bench(args.rows, shapes, args.repeats, args.best, int8_gemm.ISA_NAMES.index(args.isa), not args.no_int_mm)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

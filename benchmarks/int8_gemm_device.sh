@@ -14,7 +14,7 @@ echo "== 1: CUDA int8"
 timeout 60 $PY -m pytest -q -p no:cacheprovider tests/gpu/test_quantization_cuda.py -k "matmul" 2>&1 | tail -2
 echo "== 2: kernel tests, 2 pinned cores"
 export GRIDSERVE_CPU_THREADS=2 CUDA_VISIBLE_DEVICES=
-timeout 120 taskset -c 0,1 $PY -m pytest -q -p no:cacheprovider tests/unit/test_int8_gemm.py 2>&1 | tail -2
+timeout 120 taskset -c 0,1 $PY -m pytest -q -p no:cacheprovider tests/unit/kernels/test_int8_gemm.py 2>&1 | tail -2
 echo "== 3: W offline and the decode step, llama base"
 MODEL=$($PY -c "from gridserve.demo.recipe import ensure_checkpoint; print(ensure_checkpoint('llama', 'base'))")
 timeout ${SPEED_TIMEOUT:-150} taskset -c 0,1 $PY -m gridserve.cli bench quantization-speed --device cpu --model "$MODEL" \
@@ -22,5 +22,5 @@ timeout ${SPEED_TIMEOUT:-150} taskset -c 0,1 $PY -m gridserve.cli bench quantiza
 timeout ${STEP_TIMEOUT:-90} taskset -c 0,1 $PY -m gridserve.cli bench quantization-step --model "$MODEL" \
   --modes ${SPEED_MODES:-fp32,int8+kv-bf16} --output-json "$OUT/quantization_step_cpu_base.json" 2>&1 | grep -v INFO | tail -8
 echo "== 4: kernel micro-benchmark"
-timeout 120 taskset -c 0,1 $PY -m gridserve.benchmarks.int8_gemm_bench --threads 2 --repeats 5 2>&1 | tee "$OUT/int8_gemm_micro.txt"
+timeout 120 taskset -c 0,1 $PY -m gridserve.cli bench int8-gemm --threads 2 --repeats 5 2>&1 | tee "$OUT/int8_gemm_micro.txt"
 uptime

@@ -1,8 +1,8 @@
 """Micro-benchmark of gridserve's Triton kernels against the torch reference and a bandwidth roofline.
 
-    python -m gridserve.benchmarks.kernels_bench --peak-gbps 4800     # H200 HBM3e; H100 SXM: 3350
-    python -m gridserve.benchmarks.kernels_bench --only attention      # cases whose name contains the word
-    python -m gridserve.benchmarks.kernels_bench --interpret           # no GPU: tiny shapes, Triton interpreter
+    gridserve bench kernels --peak-gbps 4800     # H200 HBM3e; H100 SXM: 3350
+    gridserve bench kernels --only attention      # cases whose name contains the word
+    gridserve bench kernels --interpret           # no GPU: tiny shapes, Triton interpreter
 
 Each row: the Triton kernel's time, the torch reference's time, the speed-up, the bytes the
 operation must move at the least (each input read once, each output written once), the roofline
@@ -19,8 +19,10 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch is imported where it is used: `gridserve bench` lists this without it
+    import torch
 
 PEAK_GBPS = {"H200": 4800.0, "H100": 3350.0, "A100": 2039.0, "L40S": 864.0, "A10": 600.0}
 
@@ -42,6 +44,8 @@ def nbytes(*tensors: torch.Tensor) -> int:
 
 def attention_case(name, contexts, q_lens, dtype, device, heads=32, kv_heads=8, head_size=128, page=16):
     """A paged-attention step; the KV of every context is read once (blocks scattered randomly)."""
+    import torch
+
     ops, ref = _modules()
     pages = [(c + page - 1) // page for c in contexts]
     num_blocks = sum(pages) + 1
@@ -64,6 +68,8 @@ def attention_case(name, contexts, q_lens, dtype, device, heads=32, kv_heads=8, 
 
 def cases(dtype: torch.dtype, device: str, tiny: bool) -> list[Case]:
     """The benchmark rows: decode-sized and prefill-sized shapes (``tiny`` for the interpreter)."""
+    import torch
+
     ops, ref = _modules()
     t, hidden, inter = (8, 128, 96) if tiny else (4096, 4096, 14336)
     heads, kv_heads, d = (4, 2, 64) if tiny else (32, 8, 128)
@@ -113,6 +119,8 @@ def cases(dtype: torch.dtype, device: str, tiny: bool) -> list[Case]:
 
 def sample_sorted(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Top-k then top-p over the whole vocabulary with one full sort (vLLM's torch fallback)."""
+    import torch
+
     sorted_logits, order = logits.sort(dim=-1)
     kth = sorted_logits.gather(-1, (logits.shape[-1] - top_k).unsqueeze(1))
     sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
@@ -125,6 +133,8 @@ def sample_sorted(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
 
 def sample_top_k_first(logits: torch.Tensor, k: int, top_p: torch.Tensor) -> torch.Tensor:
     """The same draw when every row has ``top_k <= k``: top-p only sorts the k candidates."""
+    import torch
+
     values, ids = logits.topk(k, dim=-1)  # sorted, descending
     probs = values.softmax(-1)
     outside = probs.cumsum(-1) - probs > top_p.unsqueeze(1)
@@ -133,6 +143,8 @@ def sample_top_k_first(logits: torch.Tensor, k: int, top_p: torch.Tensor) -> tor
 
 
 def sampling_cases(device: str, tiny: bool) -> list[Case]:
+    import torch
+
     batch, vocab = (4, 1000) if tiny else (256, 128256)
     logits = torch.randn(batch, vocab, device=device)
     top_k = torch.full((batch,), 50, device=device)
@@ -193,17 +205,20 @@ def run_case(case: Case, on_gpu: bool, peak_gbps: float | None) -> str:
             f"{roof} {gbps:8.1f} {frac} {err:>9}  {case.shape}")
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--peak-gbps", type=float, help="peak memory bandwidth (default: by GPU name)")
     parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
     parser.add_argument("--only", default="", help="run the cases whose name contains this text")
     parser.add_argument("--interpret", action="store_true",
                         help="no GPU: tiny shapes on CPU in the Triton interpreter (plumbing check)")
-    args = parser.parse_args()
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
     on_gpu = torch.cuda.is_available() and not args.interpret
     if not on_gpu and not args.interpret:
-        sys.exit("kernels_bench: no CUDA device. Run it on a GPU, or pass --interpret to run tiny "
+        sys.exit("bench kernels: no CUDA device. Run it on a GPU, or pass --interpret to run tiny "
                  "shapes on CPU in the Triton interpreter (a plumbing check; timings mean nothing).")
     if args.interpret:
         os.environ["TRITON_INTERPRET"] = "1"  # before gridserve.kernels.triton_ops is imported
@@ -220,6 +235,12 @@ def main() -> int:
         if args.only in case.name:
             print(run_case(case, on_gpu, peak), flush=True)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """A decoder layer's per-token ops on CPU: the torch reference against the C++ kernels (``cpu_ops``).
 
-    python -m gridserve.benchmarks.layer_ops_bench                       # 256 and 2,048 tokens, 1 and all threads
-    python -m gridserve.benchmarks.layer_ops_bench --tokens 256 --threads 1 --dtype bfloat16
+    gridserve bench layer-ops                       # 256 and 2,048 tokens, 1 and all threads
+    gridserve bench layer-ops --tokens 256 --threads 1 --dtype bfloat16
 
 Shapes of llama ``base``: hidden 768, 12 query heads and 12 (``--kv-heads``) KV heads of 64 (q and
 k are strided views of a fused QKV output, as in the model), MLP 2,048 (SiLU-and-mul of a
@@ -16,14 +16,14 @@ import argparse
 import statistics
 import time
 
-import torch
-
-from gridserve.kernels import cpu_ops, reference
-
 
 def cases(tokens: int, hidden: int, heads: int, kv_heads: int, head_size: int, mlp: int, dtype, cache_dtype,
-          gen: torch.Generator):
+          gen):
     """(name, reference call, kernel call) per op, on fresh inputs of the given shape."""
+    import torch
+
+    from gridserve.kernels import cpu_ops, reference
+
     x = torch.randn(tokens, hidden, generator=gen).to(dtype)
     residual = torch.randn(tokens, hidden, generator=gen).to(dtype)
     weight = torch.randn(hidden, generator=gen).to(dtype)
@@ -61,8 +61,7 @@ def timed(fn, inner: int) -> float:
     return (time.perf_counter() - start) / inner
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[256, 2048])
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 0], help="0 = torch's default")
     parser.add_argument("--hidden", type=int, default=768)
@@ -74,7 +73,13 @@ def main() -> None:
     parser.add_argument("--cache-dtype", default=None, help="default: --dtype; e.g. float8_e4m3fn")
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--inner", type=int, default=0, help="calls per sample (0: ~2 ms of reference work)")
-    args = parser.parse_args()
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from gridserve.kernels import cpu_ops
+
     if cpu_ops.load_layer_ops() is None:
         raise SystemExit("the C++ layer ops did not build (see the log)")
     dtype = getattr(torch, args.dtype)
@@ -99,7 +104,14 @@ def main() -> None:
                 print(f"{tokens:>6} {torch.get_num_threads():>7} {name:<26} {r * 1e3:>10.3f} {c * 1e3:>9.3f} "
                       f"{r / c:>8.2f}x", flush=True)
     torch.set_num_threads(default_threads)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

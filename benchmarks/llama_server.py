@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import IO, Optional
 
+from gridserve.shared import envs
 from gridserve.shared.errors import GridserveError
 
 logger = logging.getLogger(__name__)
@@ -33,7 +34,7 @@ class PeerSetupError(GridserveError, RuntimeError):
 
 def default_scripts_dir() -> Path:
     """``$GRIDSERVE_PEER_SCRIPTS``, else ``<checkout>/../shared/tools/peer-llamacpp``."""
-    env = os.environ.get("GRIDSERVE_PEER_SCRIPTS")
+    env = envs.GRIDSERVE_PEER_SCRIPTS
     return Path(env) if env else Path(__file__).resolve().parents[1].parent / "shared" / "tools" / "peer-llamacpp"
 
 

@@ -1,7 +1,7 @@
 """Per-step cost of tensor parallelism on this machine, and the all-reduce time inside a step.
 
-    python -m gridserve.benchmarks.parallel_bench --size small --batch 8 --max-tokens 32
-    python -m gridserve.benchmarks.parallel_bench --size base --layouts 1x1,2x1,1x2
+    gridserve bench parallel --size small --batch 8 --max-tokens 32
+    gridserve bench parallel --size base --layouts 1x1,2x1,1x2
 
 Part 1 runs the same greedy requests through ``LLM`` once per layout (``TPxPP``; every layout's
 workers are local processes behind the gRPC executor, gloo between them) and reports the wall time
@@ -20,8 +20,6 @@ import statistics
 import subprocess
 import sys
 import time
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 def round_time(model: str, tp: int, pp: int, batch: int, max_tokens: int) -> float:
@@ -76,8 +74,7 @@ def collective_times(rank: int, port: int, batch: int, hidden: int, vocab: int, 
     return result
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--size", default="small", help="recipe llama size (tiny, small, base)")
     parser.add_argument("--layouts", default="1x1,2x1", help="TPxPP layouts to time")
     parser.add_argument("--batch", type=int, default=8)
@@ -85,8 +82,10 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=200)
     parser.add_argument("--collective-rank", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args()
 
+
+def run(args: argparse.Namespace) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the recipe's checkpoints are local
     from gridserve.demo.recipe import ensure_checkpoint
 
     model = ensure_checkpoint("llama", args.size)
@@ -121,6 +120,12 @@ def main() -> int:
           f"{out['all_reduce'] * 1e6:.0f} us, logits gather {out['gather_logits'] * 1e6:.0f} us; "
           f"per TP=2 step {n} all-reduces + 1 gather = {per_step * 1e3:.2f} ms")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:  # also the collective ranks' entry (see run)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
 
 
 if __name__ == "__main__":

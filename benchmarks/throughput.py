@@ -40,6 +40,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from gridserve.shared import envs
+
 logger = logging.getLogger(__name__)
 
 #: Ids 0..5 are the recipe tokenizer's special tokens (unk, bos, eos, pad, im_start, im_end).
@@ -461,7 +463,7 @@ def run(args: argparse.Namespace) -> int:
     import transformers
 
     started_at = _now()
-    threads = args.threads or int(os.environ.get("GRIDSERVE_CPU_THREADS", "0")) or cpu_count()
+    threads = args.threads or envs.GRIDSERVE_CPU_THREADS or cpu_count()
     torch.set_num_threads(threads)
     os.environ["GRIDSERVE_CPU_THREADS"] = str(threads)  # the gridserve worker reads it
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")

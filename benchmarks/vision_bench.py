@@ -1,7 +1,7 @@
 """Image input costs, one run: the gateway's preprocessing per image, the media loader pool's
 throughput with 8 threads vs 1, and TTFT of an image request with a cold vs a warm prefix cache.
 
-    python -m gridserve.benchmarks.vision_bench [--json out.json]
+    gridserve bench vision [--output-json out.json]
 
 Preprocessing: decode a 640x480 JPEG and run the image processor (the llava-tiny recipe's and
 CLIP-L/336's configuration), median of 50. Loader: 64 ``http://127.0.0.1`` fetches from a local
@@ -21,18 +21,15 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-import numpy as np
-from PIL import Image
-
-from gridserve.services.gateway.image_processor import ImageProcessor
-from gridserve.services.gateway.media_loader import MediaConfig, MediaLoader, decode_image
-
 CLIP_336 = {"size": {"shortest_edge": 336}, "crop_size": {"height": 336, "width": 336}}
 TINY = {"size": {"shortest_edge": 32}, "crop_size": {"height": 30, "width": 30}}
 LATENCY_S = 0.05
 
 
 def _jpeg(seed: int, height: int = 480, width: int = 640) -> bytes:
+    import numpy as np
+    from PIL import Image
+
     rng = np.random.default_rng(seed)
     smooth = rng.integers(0, 256, (height // 8, width // 8, 3), dtype=np.uint8)
     image = Image.fromarray(smooth).resize((width, height), Image.Resampling.BILINEAR)
@@ -42,6 +39,9 @@ def _jpeg(seed: int, height: int = 480, width: int = 640) -> bytes:
 
 
 def preprocessing_ms(config: dict, data: bytes, repeats: int = 50) -> float:
+    from gridserve.services.gateway.image_processor import ImageProcessor
+    from gridserve.services.gateway.media_loader import decode_image
+
     processor = ImageProcessor.from_config(config)
     times = []
     for _ in range(repeats):
@@ -52,6 +52,8 @@ def preprocessing_ms(config: dict, data: bytes, repeats: int = 50) -> float:
 
 
 def loader_images_per_s(threads: int, url: str, count: int = 64) -> float:
+    from gridserve.services.gateway.media_loader import MediaConfig, MediaLoader
+
     loader = MediaLoader(MediaConfig(thread_count=threads))
     start = time.perf_counter()
     asyncio.run(loader.load_all([(f"image[{i}]", url) for i in range(count)]))
@@ -60,6 +62,8 @@ def loader_images_per_s(threads: int, url: str, count: int = 64) -> float:
 
 
 def ttft_ms(repeats: int = 5) -> tuple[float, float]:
+    from PIL import Image
+
     from gridserve import LLM, SamplingParams
     from gridserve.demo.recipe import ensure_checkpoint
 
@@ -82,7 +86,7 @@ def ttft_ms(repeats: int = 5) -> tuple[float, float]:
 
 
 class _Slow(BaseHTTPRequestHandler):
-    body = _jpeg(0)
+    body = b""  # the JPEG, set by run()
 
     def do_GET(self):  # noqa: N802 - http.server's name
         time.sleep(LATENCY_S)
@@ -95,11 +99,12 @@ class _Slow(BaseHTTPRequestHandler):
         pass
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", help="write the results here too")
-    args = parser.parse_args()
-    data = _jpeg(0)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--output-json", "--json", dest="output_json", help="write the results here too")
+
+
+def run(args: argparse.Namespace) -> int:
+    data = _Slow.body = _jpeg(0)
     results = {"preprocess_ms_llava_tiny": preprocessing_ms(TINY, data),
                "preprocess_ms_clip_336": preprocessing_ms(CLIP_336, data)}
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), _Slow)
@@ -112,10 +117,17 @@ def main() -> None:
     results["ttft_ms_cold"], results["ttft_ms_warm"] = ttft_ms()
     for name, value in results.items():
         print(f"{name:34s} {value:10.2f}")
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
+    if args.output_json:
+        with open(args.output_json, "w", encoding="utf-8") as f:
             json.dump(results, f, indent=2)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -62,6 +62,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from gridserve.shared import envs
+
 logger = logging.getLogger(__name__)
 
 #: Bump when the files produced change (a hash of this file is in the cache key too).
@@ -152,7 +154,7 @@ _OPT_FIXED = {"do_layer_norm_before": True, "dropout": 0.0, "attention_dropout":
 
 def default_cache_dir() -> Path:
     """``$GRIDSERVE_MODEL_CACHE`` if set, else ``~/.cache/gridserve/models``."""
-    env = os.environ.get(CACHE_ENV)
+    env = envs.GRIDSERVE_MODEL_CACHE
     return Path(env).expanduser() if env else Path.home() / ".cache" / "gridserve" / "models"
 
 

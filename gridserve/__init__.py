@@ -9,17 +9,12 @@ Offline use::
 
 from __future__ import annotations
 
-from pathlib import Path as _Path
-
-# Running from a source checkout without installing: the roles live in top-level folders beside
-# this package (services/, shared/, kernels/); make them importable as gridserve.<folder>.
-_checkout = _Path(__file__).resolve().parent.parent
-if (_checkout / "setup.py").is_file() and (_checkout / "services").is_dir():
-    __path__.append(str(_checkout))  # type: ignore[name-defined]  # noqa: F821
-
-from gridserve.shared.model_registry import ModelRegistry  # noqa: E402
-from gridserve.shared.outputs import CompletionOutput, RequestOutput  # noqa: E402
-from gridserve.shared.sampling_params import SamplingParams, StructuredOutputsParams  # noqa: E402
+# The top-level folders services/, shared/, kernels/, demo/ and benchmarks/ are the subpackages
+# gridserve.services, gridserve.shared, ... through one mechanism: the build's package-dir mapping
+# (setup.py ROOTS; an editable install's finder or a wheel). Install first: `make install`.
+from gridserve.shared.model_registry import ModelRegistry
+from gridserve.shared.outputs import CompletionOutput, RequestOutput
+from gridserve.shared.sampling_params import SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "AsyncLLM", "ModelRegistry", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput",

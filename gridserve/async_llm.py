@@ -25,6 +25,7 @@ from gridserve.services.gateway.processor import (
     child_requests,
 )
 from gridserve.shared.config import GridserveConfig
+from gridserve.shared.engine_client_protocol import EngineClientProtocol
 from gridserve.shared.errors import ConfigError, EngineDeadError, InvalidArgumentError
 from gridserve.shared.outputs import RequestOutput
 from gridserve.shared.sampling_params import SamplingParams
@@ -56,11 +57,11 @@ class AsyncLLM:
         self.config: Optional[GridserveConfig] = None
         if not self.engine_addresses:
             self.config = GridserveConfig.from_kwargs(model=model, **engine_kwargs).finalize()
-        self.engines: list[Any] = []
+        self.engines: list[EngineClientProtocol] = []
         self.tokenizer: Any = None
         self._launchers: list[Any] = []
         self._start_lock: Optional[asyncio.Lock] = None
-        self._requests: dict[str, tuple[Any, list[str]]] = {}  # request id -> (engine, engine ids)
+        self._requests: dict[str, tuple[EngineClientProtocol, list[str]]] = {}  # id -> (engine, engine ids)
 
     @classmethod
     def from_engine_args(cls, engine_args: Union[Mapping[str, Any], Any]) -> AsyncLLM:
@@ -130,9 +131,7 @@ class AsyncLLM:
         """Disconnect from remote engines, or stop the in-process engine and its workers."""
         engines, self.engines = self.engines, []
         for engine in engines:
-            result = engine.close()
-            if asyncio.iscoroutine(result):
-                await result
+            await engine.close()
         for launcher in self._launchers:
             launcher.stop()
         self._launchers = []
@@ -167,7 +166,7 @@ class AsyncLLM:
                 engines.append(LocalEngineClient(config, loop))
         except BaseException:
             for engine in engines:
-                engine.close()
+                engine.shutdown()  # this thread is not the event loop's: close() would need it
             for launcher in self._launchers:
                 launcher.stop()
             self._launchers = []

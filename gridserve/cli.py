@@ -19,16 +19,17 @@ from gridserve.roles import (
     add_batch_invariant_argument,
     add_engine_arguments,
     add_observability_arguments,
+    add_option,
     add_server_arguments,
     check_parallel_sizes,
     engine_argv,
     engine_config,
-    env_default,
     observability_argv,
     require,
 )
 from gridserve.services.gateway.limits import RequestLimits, add_limit_arguments, gateway_argv
 from gridserve.services.gateway.media_loader import MediaConfig
+from gridserve.shared import envs
 from gridserve.shared.errors import ConfigError, GridserveError
 from gridserve.shared.observability.logs import configure_logging
 
@@ -41,8 +42,9 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="start worker, engine and gateway as local processes")
-    serve.add_argument("model", nargs="?", default=env_default("--model"),
-                       help="HF folder or hub id (default: the trained demo model, built on first use)")
+    serve.add_argument("model", nargs="?", default=envs.flag_default("--model"),
+                       help="HF folder or hub id (default: the trained demo model, built on first use)"
+                       ).env_var = envs.flag_env_name("--model")
     serve.add_argument("--host", default="127.0.0.1", help="address the public gateway binds")
     serve.add_argument("--port", type=int, default=8000,
                        help="REST/OpenAI (and gRPC) port of the Envoy edge in front of the gateways")
@@ -51,10 +53,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="engines (DP), each with its own PP x TP workers; a coordinator when > 1")
     serve.add_argument("--api-server-count", type=int, default=None,
                        help="number of gateway processes (A; default: DP)")
-    serve.add_argument("--served-model-name", default=env_default("--served-model-name"),
-                       help="model name of the OpenAI API (default: the model argument)")
-    serve.add_argument("--api-key", default=env_default("--api-key"),
-                       help="require `Authorization: Bearer KEY` on /v1 routes and gRPC calls [GRIDSERVE_API_KEY]")
+    add_option(serve, "--served-model-name", help="model name of the OpenAI API (default: the model argument)")
+    add_option(serve, "--api-key", help="require `Authorization: Bearer KEY` on /v1 routes and gRPC calls")
     serve.add_argument("--grace-period", type=float, default=10.0, help="seconds in-flight requests get on stop")
     serve.add_argument("--log-dir", default=None, help="write each role's log to DIR/<role>-<i>.log")
     serve.add_argument("--max-request-body-bytes", type=int, default=EdgeLimits.max_request_body_bytes,
@@ -66,10 +66,8 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--tls", action="store_true",
                        help="mutual TLS on every gRPC link: a throwaway CA and one certificate per role in a "
                             "private temp dir removed on exit; the edge serves HTTPS with its certificate")
-    serve.add_argument("--ssl-certfile", default=env_default("--ssl-certfile"),
-                       help="the edge serves HTTPS / gRPC over TLS with this certificate [GRIDSERVE_SSL_CERTFILE]")
-    serve.add_argument("--ssl-keyfile", default=env_default("--ssl-keyfile"),
-                       help="the key of --ssl-certfile [GRIDSERVE_SSL_KEYFILE]")
+    add_option(serve, "--ssl-certfile", help="the edge serves HTTPS / gRPC over TLS with this certificate")
+    add_option(serve, "--ssl-keyfile", help="the key of --ssl-certfile")
     add_engine_arguments(serve)
     add_observability_arguments(serve, metrics_port=False)
     add_limit_arguments(serve)
@@ -82,42 +80,30 @@ def _parser() -> argparse.ArgumentParser:
     engine = sub.add_parser("engine", help="run one engine core service")
     add_server_arguments(engine, default_port=50051)
     add_observability_arguments(engine)
-    engine.add_argument("--model", default=env_default("--model"), help="HF folder or hub id [GRIDSERVE_MODEL]")
-    engine.add_argument("--workers", default=env_default("--workers"),
-                        help="worker addresses host:port,... in rank order [GRIDSERVE_WORKERS]")
+    add_option(engine, "--model", help="HF folder or hub id")
+    add_option(engine, "--workers", help="worker addresses host:port,... in rank order")
     add_engine_arguments(engine)
-    engine.add_argument("--data-parallel-rank", type=int, default=env_default("--data-parallel-rank", 0, int),
-                        help="this engine's data-parallel rank [GRIDSERVE_DATA_PARALLEL_RANK]")
-    engine.add_argument("--data-parallel-size", type=int, default=env_default("--data-parallel-size", 1, int),
-                        help="number of engines in the DP group (MoE waves) [GRIDSERVE_DATA_PARALLEL_SIZE]")
-    engine.add_argument("--coordinator", default=env_default("--coordinator"),
-                        help="DP coordinator address host:port to report load to (DP > 1) [GRIDSERVE_COORDINATOR]")
+    add_option(engine, "--data-parallel-rank", type=int, default=0, help="this engine's data-parallel rank")
+    add_option(engine, "--data-parallel-size", type=int, default=1,
+               help="number of engines in the DP group (MoE waves)")
+    add_option(engine, "--coordinator", help="DP coordinator address host:port to report load to (DP > 1)")
 
     coordinator = sub.add_parser("coordinator", help="run the data-parallel coordinator (DP > 1)")
     add_server_arguments(coordinator, default_port=50040)
-    coordinator.add_argument("--data-parallel-size", type=int,
-                             default=env_default("--data-parallel-size", 1, int),
-                             help="number of engines (the size of the MoE wave barrier) [GRIDSERVE_DATA_PARALLEL_SIZE]")
+    add_option(coordinator, "--data-parallel-size", type=int, default=1,
+               help="number of engines (the size of the MoE wave barrier)")
     add_observability_arguments(coordinator)
 
     gateway = sub.add_parser("gateway", help="run one gateway (the public gRPC API)")
     add_server_arguments(gateway, default_port=50050)
     add_observability_arguments(gateway)
-    gateway.add_argument("--engines", default=env_default("--engines"),
-                         help="engine addresses host:port,... [GRIDSERVE_ENGINES]")
-    gateway.add_argument("--served-model-name", default=env_default("--served-model-name"),
-                         help="model name of the OpenAI API (default: the engine's model) [GRIDSERVE_SERVED_MODEL_NAME]")
-    gateway.add_argument("--api-key", default=env_default("--api-key"),
-                         help="require `Authorization: Bearer KEY` on /v1 routes and gRPC calls "
-                              "[GRIDSERVE_API_KEY]")
-    gateway.add_argument("--coordinator", default=env_default("--coordinator"),
-                         help="DP coordinator address host:port: route by the engines' load [GRIDSERVE_COORDINATOR]")
+    add_option(gateway, "--engines", help="engine addresses host:port,...")
+    add_option(gateway, "--served-model-name", help="model name of the OpenAI API (default: the engine's model)")
+    add_option(gateway, "--api-key", help="require `Authorization: Bearer KEY` on /v1 routes and gRPC calls")
+    add_option(gateway, "--coordinator", help="DP coordinator address host:port: route by the engines' load")
     add_limit_arguments(gateway)
 
-    bench = sub.add_parser("bench", help="benchmarks")
-    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    for name, (module, help_text, add_arguments, _run) in BENCHMARKS.items():
-        getattr(_bench_module(module), add_arguments)(bench_sub.add_parser(name, help=help_text))
+    _add_bench_parsers(sub.add_parser("bench", help="benchmarks (gridserve bench NAME --help)"))
 
     evaluate = sub.add_parser("eval", help="model quality")
     eval_sub = evaluate.add_subparsers(dest="eval_command", required=True)
@@ -248,34 +234,24 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"gridserve stopped: {launcher.exit_codes}", flush=True)
 
 
-# `gridserve bench NAME`: module in gridserve.benchmarks, help, its add-arguments and run functions.
-BENCHMARKS = {
-    "throughput": ("throughput", "offline throughput vs transformers generate", "add_arguments", "run"),
-    "executor": ("executor", "GrpcExecutor vs UniProcExecutor throughput and round trips",
-                 "add_arguments", "run"),
-    "sampler": ("sampler", "sampler cost per step: plain vs mixed batch", "add_arguments", "run"),
-    "quantization": ("quantization", "accuracy (KL, greedy agreement) and memory per weight / KV mode vs fp32",
-                     "add_arguments", "run"),
-    "quantization-speed": ("quantization", "offline throughput per weight / KV mode vs fp32",
-                           "add_speed_arguments", "run_speed"),
-    "quantization-step": ("quantization", "decode step per weight / KV mode vs its memory-bandwidth floor",
-                          "add_step_arguments", "run_step"),
-    "serve": ("serve", "online load against an OpenAI-compatible server", "add_arguments", "run"),
-    "peer": ("peer", "workload W on gridserve (Envoy) vs llama.cpp's llama-server per precision pair",
-             "add_arguments", "run"),
-    "step": ("engine", "decode-step wall time vs the model forward inside it", "add_step_arguments",
-             "run_step"),
-    "prefix": ("engine", "TTFT with a cached long prefix vs a cold one", "add_prefix_arguments",
-               "run_prefix"),
-    "observability": ("observability", "engine step time with metrics / tracing off and on",
-                      "add_arguments", "run"),
-    "edge": ("edge", "TTFT through the Envoy edge vs straight to the gateway", "add_arguments", "run"),
-    "plot": ("plot", "throughput and latency vs concurrency from bench serve JSON", "add_arguments", "run"),
-    "fuzz": ("fuzz", "hostile generated requests through the edge: never a 5xx, a hang or a leak",
-             "add_arguments", "run"),
-    "chaos": ("chaos", "DP=2 streaming load while engines / coordinator / workers are SIGKILLed",
-              "add_arguments", "run"),
-}
+# `gridserve bench NAME`: the table lives with the benchmarks, which the runtime images leave out.
+try:
+    from gridserve.benchmarks import BENCHMARKS
+except ModuleNotFoundError as _missing:
+    if _missing.name not in ("gridserve.benchmarks", "gridserve"):
+        raise
+    BENCHMARKS = {}
+_NO_BENCHMARKS = "benchmarks are not installed in this image (they ship with the source checkout: pip install -e .)"
+
+
+def _add_bench_parsers(bench: argparse.ArgumentParser) -> None:
+    if not BENCHMARKS:
+        bench.add_argument("bench_command", nargs="?", help=_NO_BENCHMARKS)
+        bench.add_argument("bench_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+        return
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    for name, (module, help_text, add_arguments, _run) in BENCHMARKS.items():
+        getattr(_bench_module(module), add_arguments)(bench_sub.add_parser(name, help=help_text))
 
 
 def _bench_module(name: str):
@@ -285,6 +261,9 @@ def _bench_module(name: str):
 
 
 def _bench(args: argparse.Namespace) -> int:
+    if not BENCHMARKS:
+        print(f"gridserve bench: {_NO_BENCHMARKS}", file=sys.stderr)
+        return 2
     module, _help, _add, run = BENCHMARKS[args.bench_command]
     return getattr(_bench_module(module), run)(args)
 

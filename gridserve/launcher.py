@@ -35,13 +35,13 @@ from pathlib import Path
 from typing import IO, Optional
 
 from gridserve.edge import EdgeLimits
+from gridserve.shared import envs
 from gridserve.shared.readiness import LIVENESS_SERVICE
 from gridserve.shared.rpc.client import health_status, make_channel, wait_until_serving
 from gridserve.shared.rpc.tls import TlsFiles
 
 logger = logging.getLogger(__name__)
 
-STARTUP_TIMEOUT_S = float(os.environ.get("GRIDSERVE_STARTUP_TIMEOUT_S", "600"))
 
 
 RESTART_BACKOFF_S = (1.0, 30.0)  # first delay, cap: doubles with each failure in a row
@@ -212,7 +212,7 @@ class Launcher:
         """The ``PP x TP`` workers of the engine of DP rank ``dp_rank``."""
         env = None
         total = self.num_workers * self.data_parallel_size
-        if total > 1 and "GRIDSERVE_CPU_THREADS" not in os.environ:
+        if total > 1 and not envs.is_set("GRIDSERVE_CPU_THREADS"):
             # Several workers share this machine's cores: oversubscribed OpenMP threads stall badly.
             env = {"GRIDSERVE_CPU_THREADS": str(max(1, (os.cpu_count() or 1) // total))}
         first = dp_rank * self.num_workers
@@ -298,7 +298,7 @@ class Launcher:
         return f"; see {proc.log.name}" if proc.log is not None else ""
 
     def _wait_reachable(self, proc: RoleProcess) -> None:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        deadline = time.monotonic() + envs.GRIDSERVE_STARTUP_TIMEOUT_S
         with make_channel(proc.address, self.admin_tls) as channel:
             while health_status(channel) == "UNREACHABLE":
                 self._check_alive(proc)
@@ -307,7 +307,7 @@ class Launcher:
                 time.sleep(0.1)
 
     def _wait_serving(self, proc: RoleProcess) -> None:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        deadline = time.monotonic() + envs.GRIDSERVE_STARTUP_TIMEOUT_S
         tls = self.admin_tls
         if proc.role == "edge" and (self.ssl_files or tls):
             if self.edge_ca_file is None:  # an operator's certificate: wait for REST /health over HTTPS

@@ -1,4 +1,5 @@
-"""``LocalEngineClient``: an in-process ``EngineCore`` behind the remote ``EngineClient``'s interface.
+"""``LocalEngineClient``: an in-process ``EngineCore`` behind ``EngineClientProtocol``
+(``shared/engine_client_protocol.py``), the interface of the gateway's remote ``EngineClient``.
 
 ``AsyncLLM`` drives engines through ``register`` / ``add_request`` / ``abort``; remotely that is the
 gateway's own ``EngineClient`` (gRPC), in process it is this: the engine's busy loop
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from typing import Any, Optional
 
 from gridserve.llm_engine import in_process_executor
@@ -18,8 +20,10 @@ from gridserve.services.engine.core import EngineCore
 from gridserve.services.engine.loop import END, EngineLoop
 from gridserve.services.engine.request import Request
 from gridserve.shared.config import GridserveConfig
+from gridserve.shared.engine_client_protocol import OutputSink
 from gridserve.shared.errors import EngineDeadError
 from gridserve.shared.load import EngineLoad
+from gridserve.shared.multimodal import ImageFeature
 from gridserve.shared.readiness import Readiness, State
 from gridserve.shared.sampling_params import SamplingParams
 
@@ -29,7 +33,9 @@ GATEWAY_ID = "in-process"
 
 
 class LocalEngineClient:
-    """One in-process engine whose outputs go to ``aio_loop`` (built in any thread: it loads the model)."""
+    """One in-process engine whose outputs go to ``aio_loop`` (built in any thread: it loads the
+    model); an ``EngineClientProtocol``. It is READY from the start and ``ready`` until the engine
+    stops; ``shutdown`` is ``close`` for a caller off the event loop."""
 
     def __init__(self, config: GridserveConfig, aio_loop: asyncio.AbstractEventLoop) -> None:
         self.address = "in-process"
@@ -38,12 +44,17 @@ class LocalEngineClient:
         self.core = EngineCore(config, in_process_executor(config))
         self.engine_loop = EngineLoop(self.core, self.readiness)
         self.readiness.set(State.READY, "model loaded")
-        self._aio_loop = aio_loop
-        self._sinks: dict[str, Any] = {}
+        self.loop = aio_loop
+        self.serving = True
+        self.recovering = False
+        self.sessions = 1  # the one output stream, opened here
+        self.ready = threading.Event()
+        self._sinks: dict[str, OutputSink] = {}
         self.engine_loop.open_stream(GATEWAY_ID, self).result()
+        self.ready.set()
 
-    # ---- the engine client interface (as ``shared/rpc/engine_client.EngineClient``) ------------------
-    def register(self, request_id: str, outputs: Any) -> None:
+    # ---- EngineClientProtocol -----------------------------------------------------------------------
+    def register(self, request_id: str, outputs: OutputSink) -> None:
         self._sinks[request_id] = outputs
 
     def unregister(self, request_id: str) -> None:
@@ -55,9 +66,12 @@ class LocalEngineClient:
 
     async def add_request(self, request_id: str, token_ids: list[int], params: SamplingParams,
                           parent_request_id: str = "", traceparent: str = "",
-                          mm_features: Optional[list] = None) -> None:
+                          mm_features: Optional[list[ImageFeature]] = None,
+                          output_token_ids: Optional[list[int]] = None, continuation: bool = False) -> None:
+        """``traceparent`` is not used: an in-process engine records no spans of its own."""
         request = Request(request_id, token_ids, params, eos_token_id=self.config.model.eos_token_id,
-                          parent_request_id=parent_request_id or None, mm_features=mm_features or [])
+                          parent_request_id=parent_request_id or None, mm_features=mm_features or [],
+                          admit_always=continuation, output_token_ids=output_token_ids)
         await asyncio.wrap_future(self.engine_loop.add_request(request, GATEWAY_ID))
 
     async def abort(self, request_ids: list[str]) -> None:
@@ -66,16 +80,23 @@ class LocalEngineClient:
     async def load(self) -> EngineLoad:
         return await asyncio.wrap_future(self.engine_loop.load())
 
-    def close(self) -> None:
+    async def close(self) -> None:
+        """Stop the engine thread and its workers (in a thread: that waits for the engine's step)."""
+        await asyncio.to_thread(self.shutdown)
+
+    def shutdown(self) -> None:
+        """``close``, blocking, from any thread but the event loop's."""
+        self.ready.clear()
         self.engine_loop.stop()
         self.core.shutdown()
 
     # ---- the engine loop's output sink (called on the engine thread) ---------------------------------
     def put(self, item: Any) -> None:
-        self._aio_loop.call_soon_threadsafe(self._route, item)
+        self.loop.call_soon_threadsafe(self._route, item)
 
     def _route(self, item: Any) -> None:
         if item is END:
+            self.ready.clear()
             item = EngineDeadError("the engine stopped")
         if isinstance(item, Exception):
             for outputs in list(self._sinks.values()):

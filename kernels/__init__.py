@@ -1,6 +1,7 @@
 """gridserve's kernels: Triton on CUDA, C++ (``cpu_ops``) or torch reference code on CPU, chosen per call.
 
-Models call the functions exported here and never choose an implementation themselves.
+Models call the functions exported here and never choose an implementation themselves; paged
+attention is an ``AttentionBackend`` (reference, C++ CPU or Triton) that ``select_attention_backend`` picks.
 ``GRIDSERVE_KERNELS=reference`` forces the torch code; ``GRIDSERVE_KERNELS=triton`` forces Triton
 (on CPU that needs ``TRITON_INTERPRET=1``, for tests); ``GRIDSERVE_KERNELS=cpu`` requires the C++
 kernels to build instead of falling back.
@@ -8,19 +9,23 @@ kernels to build instead of falling back.
 
 from __future__ import annotations
 
+from gridserve.kernels.attention_backend import (
+    AttentionBackend,
+    AttentionMetadata,
+    select_attention_backend,
+)
 from gridserve.kernels.dispatch import (
     fused_add_rms_norm,
-    paged_attention,
-    reshape_and_cache,
     rms_norm,
     rotary_embedding,
     silu_and_mul,
 )
 
 __all__ = [
+    "AttentionBackend",
+    "AttentionMetadata",
+    "select_attention_backend",
     "fused_add_rms_norm",
-    "paged_attention",
-    "reshape_and_cache",
     "rms_norm",
     "rotary_embedding",
     "silu_and_mul",

@@ -4,6 +4,10 @@ tensors where one exists and builds, the torch reference otherwise.
 ``GRIDSERVE_KERNELS``: ``auto`` (default), ``reference`` (always torch), ``triton`` (always Triton),
 ``cpu`` (as ``auto``, but a CPU op with a C++ kernel raises instead of falling back when it
 cannot be built).
+
+Paged attention (the KV-cache write and attention over it) is one ``AttentionBackend`` per call,
+picked by the same rules in ``attention_backend.select_attention_backend``; this module keeps the
+per-token ops.
 """
 
 from __future__ import annotations
@@ -11,11 +15,11 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import os
 
 import torch
 
 from gridserve.kernels import reference
+from gridserve.shared import envs
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +58,7 @@ def _cpu_kernel(name: str, mode: str):
 SERIAL_CPU_OPS = frozenset({"rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul",
                             "reshape_and_cache"})
 # e.g. SiLU-and-mul of 256 tokens x 2 x 2,048; GRIDSERVE_SERIAL_MAX_ELEMENTS=0 turns this off
-SERIAL_MAX_ELEMENTS = int(os.environ.get("GRIDSERVE_SERIAL_MAX_ELEMENTS", 1 << 20))
+SERIAL_MAX_ELEMENTS = envs.GRIDSERVE_SERIAL_MAX_ELEMENTS  # read once, at import
 
 
 @contextlib.contextmanager
@@ -90,7 +94,7 @@ def _serial_impl(name: str, tensor: torch.Tensor):
 
 
 def _impl(name: str, tensor: torch.Tensor):
-    mode = os.environ.get("GRIDSERVE_KERNELS", "auto")
+    mode = envs.GRIDSERVE_KERNELS
     if mode != "reference" and (tensor.is_cuda or mode == "triton"):
         ops = _triton_ops()
         fn = getattr(ops, name, None) if ops is not None else None
@@ -108,42 +112,10 @@ def _impl(name: str, tensor: torch.Tensor):
 def prepare(device: torch.device) -> None:
     """Build (or load from the cache) what this device's kernels need now, not on the first request:
     the C++ CPU kernels take seconds to compile on a machine that has not built them yet."""
-    mode = os.environ.get("GRIDSERVE_KERNELS", "auto")
+    mode = envs.GRIDSERVE_KERNELS
     if device.type == "cpu" and mode in ("auto", "cpu"):
         for name in ("paged_attention", "rms_norm"):  # rms_norm: the layer-ops library
             _cpu_kernel(name, mode)
-
-
-def reshape_and_cache(key, value, kv_cache, slot_mapping, k_scale=1.0, v_scale=1.0) -> None:
-    """K/V into their cache slots; an fp8 cache stores ``key / k_scale`` and ``value / v_scale``."""
-    return _serial_impl("reshape_and_cache", key)(key, value, kv_cache, slot_mapping, k_scale, v_scale)
-
-
-def paged_attention(query, kv_cache, query_start_loc, seq_lens, block_table, scale, max_query_len=None,
-                    k_scale=1.0, v_scale=1.0, batch_invariant=False):
-    """Attention over the paged cache; a cache narrower than ``query`` is widened as it is read.
-
-    ``batch_invariant``: each query token's result independent of the batch and of prefill vs
-    decode (CPU: every row in the C++ kernel, which must then build; other devices: refused)."""
-    if batch_invariant:
-        return _batch_invariant_attention(
-            query, kv_cache, query_start_loc, seq_lens, block_table, scale, k_scale, v_scale
-        )
-    return _impl("paged_attention", query)(
-        query, kv_cache, query_start_loc, seq_lens, block_table, scale, max_query_len, k_scale, v_scale
-    )
-
-
-def _batch_invariant_attention(query, kv_cache, query_start_loc, seq_lens, block_table, scale,
-                               k_scale, v_scale):
-    if query.device.type != "cpu":
-        raise RuntimeError("batch-invariant attention is implemented for the CPU only")
-    from gridserve.kernels import cpu_ops
-
-    if cpu_ops.load() is None:
-        raise RuntimeError("batch-invariant mode needs the C++ CPU paged-attention kernel, which did not build")
-    return cpu_ops.paged_attention(query, kv_cache, query_start_loc, seq_lens, block_table, scale,
-                                   None, k_scale, v_scale, all_rows=True)
 
 
 def rms_norm(x, weight, eps):

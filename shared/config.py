@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from gridserve.shared import envs
 from gridserve.shared.errors import ConfigError
 from gridserve.shared.model_registry import ModelRegistry
 from gridserve.shared.parallel import check_model_shardable, kv_head_shard, stage_layers
@@ -309,7 +309,7 @@ class ParallelConfig:
 
 def batch_invariant_from_env() -> bool:
     """``GRIDSERVE_BATCH_INVARIANT`` set to anything but empty / 0 / false."""
-    return os.environ.get("GRIDSERVE_BATCH_INVARIANT", "").strip().lower() not in ("", "0", "false", "no")
+    return envs.GRIDSERVE_BATCH_INVARIANT
 
 
 @dataclass

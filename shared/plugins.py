@@ -15,9 +15,10 @@ point names) limits which run; unset runs all, empty runs none.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from importlib.metadata import entry_points
+
+from gridserve.shared import envs
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +41,7 @@ class _PluginLoader:
 
 
 def _run_plugins() -> list[str]:
-    allowed = os.environ.get(PLUGINS_ENV)
+    allowed = envs.GRIDSERVE_PLUGINS
     names = None if allowed is None else {n.strip() for n in allowed.split(",") if n.strip()}
     loaded = []
     for entry in entry_points(group=PLUGIN_GROUP):

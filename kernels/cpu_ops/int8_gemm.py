@@ -11,7 +11,7 @@ On a CPU with AMX (``onednn_available()``), the int16 mode's product goes to one
 matmul instead (its AMX kernel, through ``torch.ops.onednn.qlinear_pointwise``): the same int16
 rows, split into their two int8 digits as the VNNI tile splits them, as twice the rows of one
 int8 x int8 matmul, combined by this extension's epilogue (``onednn_gemm``). 2.3-4x the VNNI
-kernel at decode batch sizes where measured (README). ``GRIDSERVE_INT8_ONEDNN=0`` keeps the VNNI
+kernel at decode batch sizes where measured (docs/benchmarks/README.md, int8-gemm). ``GRIDSERVE_INT8_ONEDNN=0`` keeps the VNNI
 kernel; ``=1`` uses oneDNN without AMX too.
 """
 
@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 from pathlib import Path
 from typing import Optional
 
 import torch
+
+from gridserve.shared import envs
 
 logger = logging.getLogger(__name__)
 
@@ -114,7 +115,7 @@ def onednn_available() -> bool:
     oneDNN picks its AMX kernel), torch's ``onednn`` quantized-linear ops, and this extension (for
     the quantization and the epilogue). ``GRIDSERVE_INT8_ONEDNN``: ``0`` never, ``1`` whenever the
     ops exist (tests on CPUs without AMX), else automatic."""
-    setting = os.environ.get("GRIDSERVE_INT8_ONEDNN", "auto")
+    setting = envs.GRIDSERVE_INT8_ONEDNN
     if setting == "0":
         return False
     ops_exist = torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_pointwise")

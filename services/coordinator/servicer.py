@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -15,12 +14,10 @@ import grpc
 from gridserve.api.coordinator.v1 import coordinator_pb2, coordinator_pb2_grpc
 from gridserve.services.coordinator.load_table import Entry, LoadTable
 from gridserve.services.coordinator.waves import WaveError, Waves
+from gridserve.shared import envs
 from gridserve.shared.load import EngineLoad
 
 logger = logging.getLogger(__name__)
-
-# A snapshot goes out at once when something changed, and at least this often otherwise.
-PUBLISH_INTERVAL_S = float(os.environ.get("GRIDSERVE_COORDINATOR_PUBLISH_INTERVAL_S", "1.0"))
 
 
 def entry_to_pb(entry: Entry) -> coordinator_pb2.EngineLoad:
@@ -62,7 +59,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         logger.info("%s watches the load", request.subscriber_id or "?")
         version = -1
         while not self.stopping.is_set():
-            version, entries = await self.table.wait_for_change(version, PUBLISH_INTERVAL_S)
+            version, entries = await self.table.wait_for_change(
+                version, envs.GRIDSERVE_COORDINATOR_PUBLISH_INTERVAL_S)  # at least this often
             wave, running = self.waves.state()
             yield coordinator_pb2.WatchLoadResponse(engines=[entry_to_pb(x) for x in entries], wave=wave,
                                                     wave_running=running)

@@ -11,7 +11,6 @@ while the group is rebuilt (``EngineLoop``); ``gridserve:worker_recoveries_total
 from __future__ import annotations
 
 import logging
-import os
 from typing import Optional
 
 from prometheus_client import CollectorRegistry
@@ -26,6 +25,7 @@ from gridserve.services.engine.metrics import EngineMetrics
 from gridserve.services.engine.observability import EngineObserver
 from gridserve.services.engine.servicer import EngineServicer
 from gridserve.services.engine.waves import WaveClient, is_moe
+from gridserve.shared import envs
 from gridserve.shared.config import GridserveConfig
 from gridserve.shared.load import EngineLoad
 from gridserve.shared.observability.metrics import start_metrics_server
@@ -39,7 +39,6 @@ logger = logging.getLogger(__name__)
 SERVICE = engine_pb2.DESCRIPTOR.services_by_name["EngineCore"].full_name
 SCRAPE_TIMEOUT_S = 5.0
 # The busy loop beats every iteration (at least every 0.2 s when idle); tests shorten it.
-LOOP_WATCHDOG_S = float(os.environ.get("GRIDSERVE_LOOP_WATCHDOG_S", "30"))
 
 
 def serve(config: GridserveConfig, host: str, port: int, grace_s: float = 10.0, *,
@@ -83,7 +82,7 @@ def serve(config: GridserveConfig, host: str, port: int, grace_s: float = 10.0, 
         registry.register(_RecoveryMetrics(loop, str(data_parallel_rank)))
     core.executor.on_failure = loop.fail
     servicer.loop = loop
-    install_fault_injection(loop)  # tests only: GRIDSERVE_FAULT_INJECTION=1
+    install_fault_injection(loop)  # tests only (GRIDSERVE_TEST_HOOKS)
 
     def drain(timeout: float) -> None:
         loop.drain(timeout)
@@ -96,7 +95,7 @@ def serve(config: GridserveConfig, host: str, port: int, grace_s: float = 10.0, 
             tracing.shutdown()
 
     server.on_drain = drain
-    server.readiness.arm_watchdog(LOOP_WATCHDOG_S)
+    server.readiness.arm_watchdog(envs.GRIDSERVE_LOOP_WATCHDOG_S)
     server.readiness.set(State.READY, "workers loaded")
     logger.info("engine ready on %s: %d KV blocks", server.address, config.cache.num_blocks or 0)
     server.wait()

@@ -17,7 +17,6 @@ import base64
 import binascii
 import io
 import logging
-import os
 import time
 import urllib.error
 import urllib.parse
@@ -27,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
+from gridserve.shared import envs
 from gridserve.shared.errors import InvalidArgumentError
 
 if TYPE_CHECKING:
@@ -74,19 +74,14 @@ def add_media_arguments(parser: argparse.ArgumentParser) -> None:
                        help=f"largest image, encoded, in bytes (default {MediaConfig.max_image_bytes})")
     group.add_argument("--media-fetch-timeout-s", type=float, default=MediaConfig.media_fetch_timeout_s,
                        help="seconds one image URL may take to fetch (default %(default)s)")
-    domains = os.environ.get("GRIDSERVE_ALLOWED_MEDIA_DOMAINS", "").replace(",", " ").split()
-    group.add_argument("--allowed-media-domains", nargs="+", default=domains or None, metavar="HOST",
-                       help="hosts image URLs may name (default: any) [GRIDSERVE_ALLOWED_MEDIA_DOMAINS]")
-    group.add_argument("--allowed-local-media-path", default=os.environ.get("GRIDSERVE_ALLOWED_LOCAL_MEDIA_PATH"),
-                       metavar="DIR", help="folder file: image URLs may read from (default: none) "
-                                           "[GRIDSERVE_ALLOWED_LOCAL_MEDIA_PATH]")
+    envs.add_option(group, "--allowed-media-domains", nargs="+", metavar="HOST",
+                    help="hosts image URLs may name (default: any; the variable: comma or space separated)")
+    envs.add_option(group, "--allowed-local-media-path", metavar="DIR",
+                    help="folder file: image URLs may read from (default: none)")
 
 
 def thread_count_from_env() -> int:
-    value = os.environ.get(THREADS_ENV, "8")
-    if not value.isdigit() or int(value) < 1:
-        raise ValueError(f"{THREADS_ENV} must be a positive integer, got {value!r}")
-    return int(value)
+    return envs.GRIDSERVE_MEDIA_LOADING_THREAD_COUNT
 
 
 class MediaLoader:

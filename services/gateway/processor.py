@@ -23,6 +23,7 @@ from gridserve.shared.outputs import (
     Logprob,
     RequestOutput,
 )
+from gridserve.shared.request_checks import check_request
 from gridserve.shared.sampling_params import SamplingParams
 from gridserve.shared.scheduler_output import TokenLogprobs
 
@@ -38,7 +39,9 @@ class ProcessedPrompt:
 
 
 class InputProcessor:
-    """Validates and tokenizes prompts against the model's limits."""
+    """Validates and tokenizes prompts against the model's limits (``shared.request_checks``, the
+    check the engine runs again); ``max_tokens`` defaults to, and is capped at, what the prompt
+    leaves of ``max_model_len``."""
 
     def __init__(self, tokenizer: Any, max_model_len: int, vocab_size: int, max_logprobs: int = 20,
                  multimodal: Any = None) -> None:
@@ -54,24 +57,17 @@ class InputProcessor:
         token_ids, mm_features = self._images(prompt, token_ids, params)
         if params.truncate_prompt_tokens is not None:
             token_ids = token_ids[-params.truncate_prompt_tokens :]
-        if not token_ids:
-            raise InvalidArgumentError("prompt", "the prompt is empty")
-        if len(token_ids) >= self.max_model_len:
-            raise InvalidArgumentError(
-                "prompt",
-                f"the prompt has {len(token_ids)} tokens; max_model_len={self.max_model_len} leaves "
-                "no room for output",
-            )
-        self._check_ids("prompt_token_ids", token_ids)
-        params = self._check_params(params)
+        params = copy.copy(params)
+        params.bad_words_token_ids = self._bad_words(params.bad_words)
         room = self.max_model_len - len(token_ids)
-        if params.min_tokens > room:
-            raise InvalidArgumentError(
-                "sampling_params.min_tokens",
-                f"{params.min_tokens} exceeds the {room} tokens the {len(token_ids)}-token prompt leaves "
-                f"within max_model_len={self.max_model_len}")
-        if params.max_tokens is None or params.max_tokens > room:
-            params.max_tokens = room
+        if room > 0 and (params.max_tokens is None or params.max_tokens > room):
+            params.max_tokens = room  # what the prompt leaves: the engine refuses more
+        check_request(token_ids, params, vocab_size=self.vocab_size, max_model_len=self.max_model_len,
+                      max_logprobs=self.max_logprobs, prompt_field="prompt")
+        if params.structured_outputs is not None:
+            from gridserve.shared.structured_output import validate_structured_outputs
+
+            validate_structured_outputs(params.structured_outputs, self.tokenizer)
         return ProcessedPrompt(text, token_ids, params, mm_features)
 
     def _images(self, prompt: PromptType, token_ids: list[int], params: SamplingParams,
@@ -90,27 +86,6 @@ class InputProcessor:
         images = data["image"] if isinstance(data["image"], (list, tuple)) else [data["image"]]
         return self.multimodal.process(token_ids, list(images))
 
-    def _check_params(self, params: SamplingParams) -> SamplingParams:
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(params, name)
-            if value is not None and value > self.max_logprobs:
-                raise InvalidArgumentError(
-                    f"sampling_params.{name}", f"{value} exceeds the server's max_logprobs={self.max_logprobs}"
-                )
-        if params.logit_bias:
-            self._check_ids("sampling_params.logit_bias", list(params.logit_bias))
-        if params.allowed_token_ids:
-            self._check_ids("sampling_params.allowed_token_ids", params.allowed_token_ids)
-        if params.stop_token_ids:
-            self._check_ids("sampling_params.stop_token_ids", params.stop_token_ids)
-        if params.structured_outputs is not None:
-            from gridserve.shared.structured_output import validate_structured_outputs
-
-            validate_structured_outputs(params.structured_outputs, self.tokenizer)
-        params = copy.copy(params)
-        params.bad_words_token_ids = self._bad_words(params.bad_words)
-        return params
-
     def _bad_words(self, words: list[str]) -> list[list[int]]:
         """Each bad word as token ids, with and without a leading space (as vLLM does)."""
         found: list[list[int]] = []
@@ -120,11 +95,6 @@ class InputProcessor:
                 if ids and ids not in found:
                     found.append(ids)
         return found
-
-    def _check_ids(self, field_name: str, ids: list[int]) -> None:
-        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
-        if bad:
-            raise InvalidArgumentError(field_name, f"token id {bad[0]} is outside [0, {self.vocab_size})")
 
     def _tokenize(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
         if isinstance(prompt, str):

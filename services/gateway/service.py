@@ -22,7 +22,7 @@ already has as output, the same seed — the gateway draws one for every unseede
 so the continuation samples the same stream) while this request's ``OutputProcessor`` keeps the
 detokenizer, stop-string, logprob and usage state: the client sees a pause, not a duplicated or
 missing token. ``n > 1`` samples fail over one by one; without a live engine within
-``FAILOVER_TIMEOUT_S`` the request ends with UNAVAILABLE.
+``GRIDSERVE_FAILOVER_TIMEOUT_S`` the request ends with UNAVAILABLE.
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import os
 import secrets
 import time
 import uuid
@@ -53,6 +52,8 @@ from gridserve.services.gateway.processor import (
     child_requests,
 )
 from gridserve.services.gateway.router import Router
+from gridserve.shared import envs
+from gridserve.shared.engine_client_protocol import EngineClientProtocol
 from gridserve.shared.errors import (
     DeadlineExceededError,
     EngineDeadError,
@@ -61,7 +62,7 @@ from gridserve.shared.errors import (
 )
 from gridserve.shared.observability.tracing import Tracing
 from gridserve.shared.outputs import FinishReason, Logprob, RequestOutput
-from gridserve.shared.rpc.engine_client import EngineClient, EngineLostError
+from gridserve.shared.rpc.engine_client import EngineLostError
 from gridserve.shared.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -70,7 +71,6 @@ T = TypeVar("T")
 
 # How long a sample whose engine died waits for a live engine to continue on (the launcher or
 # Kubernetes restarts a dead one; with DP >= 2 another one usually serves at once).
-FAILOVER_TIMEOUT_S = float(os.environ.get("GRIDSERVE_FAILOVER_TIMEOUT_S", "60"))
 FAILOVER_POLL_S = 0.05
 
 
@@ -113,7 +113,7 @@ class GatewayService:
     long detokenizations) goes to ``self.blocking``, a bounded thread pool of the gateway's own,
     so a slow tokenization never stalls the streams the loop serves."""
 
-    def __init__(self, tokenizer: Any, engines: list[EngineClient], model_name: str,
+    def __init__(self, tokenizer: Any, engines: list[EngineClientProtocol], model_name: str,
                  max_model_len: int, vocab_size: int, max_logprobs: int,
                  metrics: Optional[GatewayMetrics] = None, tracing: Optional[Tracing] = None,
                  limits: Optional[RequestLimits] = None, blocking_workers: int = 8,
@@ -229,7 +229,7 @@ class GatewayService:
 
     # ---- engines and draining -------------------------------------------------------------------
     def _pick_engine(self, data_parallel_rank: Optional[int] = None,
-                     refused: frozenset[int] = frozenset()) -> EngineClient:
+                     refused: frozenset[int] = frozenset()) -> EngineClientProtocol:
         """The engine for a new request: the ``Router``'s choice by load (or the explicit rank)
         among the engines that are reachable, READY and did not just refuse it. When none is READY
         (all asleep, say) a reachable one gets it and answers why it cannot serve."""
@@ -306,7 +306,7 @@ class _Stream:
         self.processor = OutputProcessor(service.tokenizer)
         self.processor.add_request(self.parent_id, processed, self.engine_ids)
         self.samples = self.processor.parents[self.parent_id].samples
-        self.engine_of: dict[str, EngineClient] = {}  # each sample's engine now
+        self.engine_of: dict[str, EngineClientProtocol] = {}  # each sample's engine now
         self.session_of: dict[str, int] = {}  # ... and its output stream then (older losses are stale)
         for child_id, _, _ in self.engine_ids:
             self._register(child_id, self.engine)
@@ -353,7 +353,7 @@ class _Stream:
                 self.abort(added)
             raise
 
-    def _move(self, engine: EngineClient) -> None:
+    def _move(self, engine: EngineClientProtocol) -> None:
         """Listen for the request's outputs on ``engine`` instead (its queue had room)."""
         for child_id in self.sent:
             self.engine_of[child_id].unregister(child_id)
@@ -361,12 +361,12 @@ class _Stream:
         self.engine = engine
         self.observation.on_engine(self.service._engine_labels.get(id(engine), engine.address))
 
-    def _register(self, child_id: str, engine: EngineClient) -> None:
+    def _register(self, child_id: str, engine: EngineClientProtocol) -> None:
         engine.register(child_id, self.outputs)
         self.engine_of[child_id] = engine
         self.session_of[child_id] = engine.sessions
 
-    async def _add(self, engine: EngineClient, child_id: str, params: SamplingParams,
+    async def _add(self, engine: EngineClientProtocol, child_id: str, params: SamplingParams,
                    output_token_ids: Optional[list[int]] = None) -> None:
         """Add one engine request; an unreachable engine raises ``EngineDeadError``."""
         continued = {} if output_token_ids is None else {"output_token_ids": output_token_ids, "continuation": True}
@@ -385,7 +385,7 @@ class _Stream:
         """Continue the sample ``lost`` names on a live engine, from the tokens the gateway has.
 
         Stale news (the sample already moved or finished) is ignored; without a live engine within
-        ``FAILOVER_TIMEOUT_S`` the request fails with ``lost``."""
+        ``GRIDSERVE_FAILOVER_TIMEOUT_S`` the request fails with ``lost``."""
         child_id = lost.request_id
         sample = self.samples.get(child_id)
         if (self.engine_of.get(child_id) is not lost.engine or lost.session < self.session_of[child_id]
@@ -393,7 +393,7 @@ class _Stream:
             return
         lost.engine.unregister(child_id)
         params = self._continuation_params(child_id)
-        deadline = time.monotonic() + FAILOVER_TIMEOUT_S
+        deadline = time.monotonic() + envs.GRIDSERVE_FAILOVER_TIMEOUT_S
         while True:
             engine = await self._live_engine(deadline, lost)
             # In case only the stream broke and the engine still runs the sample: abort it there
@@ -429,7 +429,7 @@ class _Stream:
         parent.prompt_logprobs[1:] = []  # a prefill cut short: the continuation reports them all
         return params
 
-    async def _live_engine(self, deadline: float, lost: EngineLostError) -> EngineClient:
+    async def _live_engine(self, deadline: float, lost: EngineLostError) -> EngineClientProtocol:
         while True:
             try:
                 return self.service._pick_engine()
@@ -438,10 +438,10 @@ class _Stream:
                     raise lost from None
                 await asyncio.sleep(FAILOVER_POLL_S)
 
-    def abort(self, request_ids: list[str], engine: Optional[EngineClient] = None) -> None:
+    def abort(self, request_ids: list[str], engine: Optional[EngineClientProtocol] = None) -> None:
         """Abort engine requests without waiting (from the loop or any thread), each on its engine
         (or all on ``engine``)."""
-        by_engine: dict[int, tuple[EngineClient, list[str]]] = {}
+        by_engine: dict[int, tuple[EngineClientProtocol, list[str]]] = {}
         for request_id in request_ids:
             target = engine or self.engine_of.get(request_id, self.engine)
             by_engine.setdefault(id(target), (target, []))[1].append(request_id)

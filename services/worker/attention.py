@@ -1,25 +1,16 @@
-"""Paged attention as a model layer, and the metadata that describes one step's batch."""
+"""Paged attention as a model layer. The metadata that describes one step's batch
+(``AttentionMetadata``) and the backends that do the work (``AttentionBackend``: torch reference,
+C++ CPU, Triton) are the kernels' (``gridserve.kernels.attention_backend``)."""
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gridserve.kernels import paged_attention, reshape_and_cache
+from gridserve.kernels.attention_backend import AttentionMetadata, select_attention_backend
 
-
-@dataclass
-class AttentionMetadata:
-    """Where each packed token sits: see ``gridserve.kernels.reference`` for the layout."""
-
-    query_start_loc: torch.Tensor  # [num_seqs + 1] int32
-    seq_lens: torch.Tensor  # [num_seqs] int32
-    block_table: torch.Tensor  # [num_seqs, max_blocks] int32
-    slot_mapping: torch.Tensor  # [num_tokens] int64
-    max_query_len: int
+__all__ = ["AttentionMetadata", "PagedAttention"]
 
 
 class PagedAttention(nn.Module):
@@ -49,12 +40,9 @@ class PagedAttention(nn.Module):
         if self.kv_cache.numel() == 0:
             out = self._no_cache(q, k, v, meta)
         else:
-            reshape_and_cache(k, v, self.kv_cache, meta.slot_mapping, self.k_scale, self.v_scale)
-            out = paged_attention(
-                q, self.kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_table,
-                self.scale, meta.max_query_len, self.k_scale, self.v_scale,
-                batch_invariant=self.batch_invariant,
-            )
+            backend = select_attention_backend(q, self.batch_invariant)
+            backend.write_kv(k, v, self.kv_cache, meta, self.k_scale, self.v_scale)
+            out = backend.attend(q, self.kv_cache, meta, self.scale, self.k_scale, self.v_scale)
         return out.reshape(-1, self.num_heads * self.head_size)
 
     def _no_cache(self, q, k, v, meta: AttentionMetadata) -> torch.Tensor:

@@ -6,12 +6,12 @@ their blocking by the number of rows, and attention runs prefill rows through SD
 through another kernel. Seeded sampling is a pure function of (seed, token index), so such a last
 bit can flip a draw near a step of the CDF, and a request's tokens then depend on the batch mix.
 
-In this mode (measured on the CPU, see the README's "Batch-invariant mode"):
+In this mode (measured on the CPU, see docs/serving/limits.md, "Batch-invariant mode"):
 
 - every linear layer (QKV, o_proj, gate/up, down, the LM head; column- and row-parallel shards,
   quantized or not) runs on fixed blocks of ``BLOCK_ROWS`` rows, the last one zero-padded, so the
   GEMM library sees one shape whatever the batch: a row's result is the same at any place of any
-  block (checked by ``tests/unit/test_batch_invariant.py``);
+  block (checked by ``tests/unit/worker/test_batch_invariant.py``);
 - attention runs every row, prefill or decode, through the C++ kernel, which computes each query
   token on its own in one fixed order over its KV positions;
 - RMSNorm, RoPE, SiLU, the embedding and the sampler are already row-wise.

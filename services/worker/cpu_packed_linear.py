@@ -3,7 +3,7 @@
 ``F.linear(x, W)`` hands the plain ``[N, K]`` weight to MKL's sgemm, which repacks it into its
 own panels on every call. Reordered once after loading (``torch.ops.mkldnn._reorder_linear_weight``),
 a weight is read by ``torch.ops.mkldnn._linear_pointwise`` as it lies, for any number of rows
-(``benchmarks/linear_bench.py`` measures each layer's shape; the README's "Where a decode step goes"
+(measured per layer shape and in W: docs/benchmarks/README.md, "Deleted experiments"; "Where a decode step goes"
 has the figures). The packed weight *replaces* the plain one (one copy resident): the layer's
 ``weight`` parameter becomes the oneDNN tensor, same shape and dtype, so names, shapes and the
 memory accounting stay as they were.
@@ -18,15 +18,15 @@ rows are looked up). Loading into a packed layer (weight sync) restores the plai
 from __future__ import annotations
 
 import logging
-import os
 from typing import Optional
 
 import torch
 from torch import nn
 
+from gridserve.shared import envs
+
 logger = logging.getLogger(__name__)
 
-ENABLED = os.environ.get("GRIDSERVE_CPU_PACKED_LINEAR", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def available() -> bool:
@@ -65,7 +65,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
 
 def pack_model(model: nn.Module, device: torch.device) -> int:
     """Pack every eligible layer of ``model`` (a no-op off the CPU or when disabled); returns how many."""
-    if device.type != "cpu" or not ENABLED or not available():
+    if device.type != "cpu" or not envs.GRIDSERVE_CPU_PACKED_LINEAR or not available():
         return 0
     packed = sum(1 for m in model.modules() if hasattr(m, "pack_for_cpu") and m.pack_for_cpu())
     if packed:

@@ -3,7 +3,8 @@
 The extension class becomes a base of the worker (vLLM's ``worker_extension_cls``), so its methods
 see ``self.runner``, ``self.device`` and the rest. Its public methods, and only those, can be called
 by name through the executor's ``collective_rpc`` (the engine's ``CollectiveRpc``); any other name
-is PERMISSION_DENIED. Arguments and results cross the wire as plain data and typed tensors
+is PERMISSION_DENIED. The mixed class's ``call_extension`` method is this module's function:
+``Worker`` itself knows no extension (so it never imports this module: no import cycle). Arguments and results cross the wire as plain data and typed tensors
 (``shared/rpc/values.py``): ``TensorData`` arrives here as a torch tensor, and a tensor returned
 goes back as ``TensorData``.
 """
@@ -44,7 +45,8 @@ def worker_class(config: GridserveConfig) -> type[Worker]:
         raise ConfigError("parallel.worker_extension_cls",
                           f"{target} redefines worker methods: {', '.join(clashes)}")
     logger.info("worker extension %s: methods %s", target, ", ".join(sorted(extension_methods(extension))))
-    return type(f"{extension.__name__}Worker", (Worker, extension), {"extension_cls": extension})
+    return type(f"{extension.__name__}Worker", (Worker, extension),
+                {"extension_cls": extension, "call_extension": call_extension})
 
 
 def extension_methods(extension: type) -> set[str]:

@@ -25,7 +25,7 @@ from torch import nn
 
 from gridserve.services.worker import cpu_packed_linear
 from gridserve.services.worker.batch_invariant import fixed_row_blocks
-from gridserve.services.worker.loader import CheckpointTensor
+from gridserve.services.worker.checkpoint import CheckpointTensor
 from gridserve.services.worker.parallel_state import ParallelState, get_parallel_state
 from gridserve.services.worker.quantization.weights import QuantizedWeight, quantize_weight
 from gridserve.shared.parallel import Shard, padded_vocab_rows, vocab_shard

@@ -12,7 +12,6 @@ hangs turns a collective into an error instead of a hang forever.
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Optional
@@ -20,12 +19,12 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from gridserve.shared import envs
 from gridserve.shared.parallel import RankLayout
 
 logger = logging.getLogger(__name__)
 
 # Seconds a rendezvous or a collective may wait for a peer before it fails.
-DIST_TIMEOUT_S = float(os.environ.get("GRIDSERVE_DIST_TIMEOUT_S", "60"))
 
 
 @dataclass
@@ -119,7 +118,7 @@ def init_distributed(layout: RankLayout, init_address: str, device: torch.device
     All ranks create all groups in the same order (a torch.distributed requirement).
     """
     backend = "nccl" if device.type == "cuda" else "gloo"
-    timeout = timedelta(seconds=DIST_TIMEOUT_S)
+    timeout = timedelta(seconds=envs.GRIDSERVE_DIST_TIMEOUT_S)
     logger.info("rank %d/%d (tp %d, pp %d): %s rendezvous at %s", layout.rank, layout.world_size,
                 layout.tp_rank, layout.pp_rank, backend, init_address)
     dist.init_process_group(backend, init_method=f"tcp://{init_address}", rank=layout.rank,

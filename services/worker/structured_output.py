@@ -9,14 +9,13 @@ complete allows only EOS, so the request ends with finish reason ``stop``. A spe
 compile, or a token that breaks a grammar, is that request's failure (``add_request`` raises,
 ``accept_tokens`` returns it): the model runner fails that request alone.
 
-``GRIDSERVE_TEST_GRAMMAR_FAULT`` (tests only) makes every request whose spec text contains that
+``GRIDSERVE_TEST_GRAMMAR_FAULT`` (tests only, with ``GRIDSERVE_TEST_HOOKS=1``) makes every request whose spec text contains that
 string fail on its first accepted token, as a grammar that breaks inside the worker would.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Sequence
 from typing import Any, Optional
 
@@ -24,6 +23,7 @@ import llguidance
 import numpy as np
 import torch
 
+from gridserve.shared import envs
 from gridserve.shared.sampling_params import StructuredOutputsParams
 from gridserve.shared.structured_output import compile_grammar, ll_tokenizer, spec_key
 
@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 
 _MAX_TEMPLATES = 256
 _NUMPY_DTYPES = (torch.float32, torch.float16, torch.float64)
-_TEST_FAULT = os.environ.get("GRIDSERVE_TEST_GRAMMAR_FAULT", "")
+_TEST_FAULT = envs.GRIDSERVE_TEST_GRAMMAR_FAULT  # read once; only with GRIDSERVE_TEST_HOOKS=1
 
 
 class StructuredOutputManager:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from gridserve.services.worker import cpu_packed_linear
-from gridserve.services.worker.loader import CheckpointTensor, LoadReport
+from gridserve.services.worker.checkpoint import CheckpointTensor, LoadReport
 from gridserve.shared.errors import FailedPreconditionError, InvalidArgumentError
 
 

@@ -25,8 +25,9 @@ from gridserve.services.worker.parallel_state import (
     init_distributed,
     set_parallel_state,
 )
+from gridserve.shared import envs
 from gridserve.shared.config import GridserveConfig
-from gridserve.shared.errors import ConfigError
+from gridserve.shared.errors import ConfigError, PermissionDeniedError
 from gridserve.shared.parallel import RankLayout
 from gridserve.shared.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
@@ -91,9 +92,9 @@ class Worker:
             torch.cuda.set_device(self.device)
         else:
             self.device = torch.device("cpu")
-            threads = int(os.environ.get("GRIDSERVE_CPU_THREADS", "0")) or (os.cpu_count() or 1)
+            threads = envs.GRIDSERVE_CPU_THREADS or (os.cpu_count() or 1)
             torch.set_num_threads(threads)
-            if os.environ.get("GRIDSERVE_CPU_MALLOC_TUNING", "1") != "0":
+            if envs.GRIDSERVE_CPU_MALLOC_TUNING:
                 keep_large_allocations()
         if self.layout.world_size > 1:
             if not self.distributed_init_address:
@@ -199,10 +200,9 @@ class Worker:
         return report
 
     def call_extension(self, method: str, args: list, kwargs: dict[str, Any]) -> Any:
-        """A public method of the worker extension, by name (``extension.call_extension``)."""
-        from gridserve.services.worker.extension import call_extension
-
-        return call_extension(self, method, args, kwargs)
+        """A public method of the worker extension, by name. ``extension.worker_class`` overrides
+        this in a worker with an extension mixed in; a plain worker has none to call."""
+        raise PermissionDeniedError(f"{method!r}: this worker has no extension (--worker-extension-cls)")
 
     def shutdown(self) -> None:
         if self.runner is not None and self.runner.model is not None:

@@ -13,9 +13,10 @@ plan from engine to worker (``NewRequestData.traceparent``).
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Iterable
 from typing import Any, Optional
+
+from gridserve.shared import envs
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +65,7 @@ class Tracing:
 
     @classmethod
     def create(cls, service_name: str, endpoint: Optional[str]) -> Optional[Tracing]:
-        endpoint = endpoint or os.environ.get("GRIDSERVE_OTLP_TRACES_ENDPOINT") or ""
+        endpoint = endpoint or envs.flag_default("--otlp-traces-endpoint", "")
         return cls(service_name, endpoint) if endpoint else None
 
     def context(self, traceparent: str) -> Any:

@@ -10,19 +10,19 @@ made after the certificate files changed go out on a new connection with the new
 from __future__ import annotations
 
 import logging
-import os
 import time
 from typing import Any, Optional
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from gridserve.shared import envs
 from gridserve.shared.rpc import tls as tls_config
 
 logger = logging.getLogger(__name__)
 
 # Deadline of ordinary unary calls (seconds); long-running control calls pass their own.
-DEFAULT_DEADLINE_S = float(os.environ.get("GRIDSERVE_RPC_DEADLINE_S", "30"))
+DEFAULT_DEADLINE_S = envs.GRIDSERVE_RPC_DEADLINE_S  # read once, at import
 _MAX_MESSAGE = 64 << 20
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", _MAX_MESSAGE),

@@ -1,4 +1,6 @@
-"""``EngineClient``: one gateway's connection to one engine, on ``grpc.aio``.
+"""``EngineClient``: one gateway's connection to one engine, on ``grpc.aio``; it implements
+``EngineClientProtocol`` (``shared/engine_client_protocol.py``), as the in-process
+``LocalEngineClient`` does.
 
 A ``ReconnectingStream`` keeps the engine's ``StreamOutputs`` open on the gateway's event loop and
 hands each request's outputs to the sink its caller registered (``put_nowait``: an ``asyncio.Queue``
@@ -21,12 +23,13 @@ import asyncio
 import logging
 import threading
 from collections.abc import Callable
-from typing import Any, Optional, Protocol
+from typing import Optional
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gridserve.api.engine.v1 import engine_pb2, engine_pb2_grpc
+from gridserve.shared.engine_client_protocol import EngineClientProtocol, OutputSink
 from gridserve.shared.errors import EngineDeadError, ResourceExhaustedError
 from gridserve.shared.multimodal import ImageFeature
 from gridserve.shared.observability.tracing import TRACEPARENT
@@ -40,6 +43,8 @@ from gridserve.shared.rpc.convert import (
 from gridserve.shared.rpc.reconnect import ReconnectingStream
 from gridserve.shared.sampling_params import SamplingParams
 
+__all__ = ["EngineClient", "EngineLostError"]
+
 logger = logging.getLogger(__name__)
 
 ABORT_DEADLINE_S = 5.0
@@ -51,21 +56,16 @@ class EngineLostError(EngineDeadError):
     """The output stream of ``engine`` broke while ``request_id`` was registered on it;
     ``session``: which of the engine's streams (``EngineClient.sessions`` when it opened) broke."""
 
-    def __init__(self, message: str, engine: EngineClient, request_id: str, session: int) -> None:
+    def __init__(self, message: str, engine: EngineClientProtocol, request_id: str, session: int) -> None:
         super().__init__(message)
         self.engine = engine
         self.request_id = request_id
         self.session = session
 
 
-class OutputSink(Protocol):
-    """Where one engine request's outputs go (``EngineCoreOutput``, or an ``EngineDeadError``)."""
-
-    def put_nowait(self, item: Any) -> None: ...
-
-
 class EngineClient:
-    """Data-plane client of one engine, shared by all of a gateway's requests."""
+    """Data-plane client of one engine, shared by all of a gateway's requests (an
+    ``EngineClientProtocol``; ``info`` and ``metrics_url`` are the remote engine's own)."""
 
     def __init__(self, address: str, gateway_id: str, on_state: Callable[[], None] = lambda: None) -> None:
         self.address = address
@@ -143,6 +143,7 @@ class EngineClient:
         return f"http://{host}:{self._metrics_port}/metrics"
 
     async def close(self) -> None:
+        """Stop both streams and close the channel."""
         await self._health.close()
         await self._stream.close()
         await self.channel.close()

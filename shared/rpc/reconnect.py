@@ -13,15 +13,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from collections.abc import Awaitable, Callable
 from typing import Optional
 
 import grpc
 
+from gridserve.shared import envs
+
 logger = logging.getLogger(__name__)
 
-RECONNECT_DELAY_S = float(os.environ.get("GRIDSERVE_RECONNECT_DELAY_S", "1.0"))
+RECONNECT_DELAY_S = envs.GRIDSERVE_RECONNECT_DELAY_S  # read once, at import
 
 
 class ReconnectingStream:

@@ -25,6 +25,7 @@ from typing import Optional
 
 import grpc
 
+from gridserve.shared import envs
 from gridserve.shared.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -129,7 +130,7 @@ def active() -> Optional[TlsFiles]:
     global _active
     if _active is _UNSET:
         env = argparse.Namespace(**{flag.lstrip("-").replace("-", "_"):
-                                    os.environ.get("GRIDSERVE_" + flag.lstrip("-").replace("-", "_").upper())
+                                    envs.flag_default(flag)
                                     for flag in FLAGS})
         _active = TlsFiles.from_args(env)
     return _active  # type: ignore[return-value]

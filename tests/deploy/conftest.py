@@ -9,6 +9,8 @@ from typing import Any
 
 import pytest
 
+from tests.missing_tool import missing
+
 from .tools import Rendered, find_helm, render
 
 
@@ -19,7 +21,7 @@ def helm() -> str:
     except (RuntimeError, OSError, subprocess.SubprocessError, StopIteration, KeyError) as exc:
         reason = f"helm is not available and could not be fetched: {exc}"
         print(reason)
-        pytest.skip(reason)
+        missing(reason)
 
 
 @pytest.fixture(scope="session")

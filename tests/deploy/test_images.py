@@ -104,8 +104,21 @@ def test_every_role_has_a_non_root_target_with_a_health_check() -> None:
 
 def test_protobuf_code_is_generated_in_the_build_stage() -> None:
     build = " ".join(stages(DOCKER / "Dockerfile")["build"])
-    assert "python -m gridserve.protos_build" in build
+    assert "pip wheel" in build  # setup.py generates the code and the descriptor set while it builds
     assert "/opt/gridserve/protos.pb" in build, "the edge's descriptor set ships in the images"
+
+
+def test_benchmarks_stay_out_of_the_images() -> None:
+    """benchmarks/ is never copied (the .dockerignore drops it too); setup.py maps only the folders a
+    build context holds, so the wheel has no gridserve.benchmarks. demo/ ships (the default model)."""
+    all_stages = stages(DOCKER / "Dockerfile")
+    copied = [line.split()[1] for body in all_stages.values() for line in body if line.upper().startswith("COPY ")]
+    assert not [src for src in copied if src.rstrip("/").startswith("benchmarks")], copied
+    assert "benchmarks" in (DOCKER / "Dockerfile.dockerignore").read_text().split()
+    build = " ".join(all_stages["build"])
+    assert "COPY demo demo" in build
+    setup = (REPO / "setup.py").read_text()
+    assert ".is_dir()" in setup, "setup.py must skip a package folder the build context left out"
 
 
 def test_only_the_worker_image_is_cuda_based_and_base_images_are_pinned() -> None:
@@ -184,9 +197,20 @@ def _role_venv(role: str) -> Path:
     return python
 
 
+@pytest.fixture(scope="module")
+def tree_wheel(tmp_path_factory) -> Path:
+    """This tree built as the images build it: a wheel, through the build's package-dir mapping."""
+    out = tmp_path_factory.mktemp("wheel")
+    result = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+                             "--disable-pip-version-check", "-w", str(out), str(REPO)],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return next(out.glob("gridserve-*.whl"))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("role", TORCH_FREE)
-def test_role_entry_point_imports_with_only_its_requirements(role: str) -> None:
+def test_role_entry_point_imports_with_only_its_requirements(role: str, tree_wheel: Path) -> None:
     entry, *lazy = ENTRY_POINTS[role]
     module_file = REPO / "services" / role / "main.py"
     if not module_file.exists():
@@ -195,11 +219,14 @@ def test_role_entry_point_imports_with_only_its_requirements(role: str) -> None:
 
     ensure_generated()
     python = _role_venv(role)
+    installed = subprocess.run([str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check",
+                                "--no-deps", "--force-reinstall", str(tree_wheel)],
+                               capture_output=True, text=True, timeout=300)
+    assert installed.returncode == 0, installed.stderr[-3000:]
     # The gateway preprocesses images with numpy (an allowed dependency since multimodal input).
     heavy = ("torch", "transformers", "triton") + (() if role == "gateway" else ("numpy",))
     code = textwrap.dedent(f"""
         import importlib, importlib.util, sys
-        sys.path.insert(0, {str(REPO)!r})
         for name in {[entry, *lazy]!r}:
             importlib.import_module(name)
         assert importlib.util.find_spec("torch") is None, "torch is installed"
@@ -209,7 +236,7 @@ def test_role_entry_point_imports_with_only_its_requirements(role: str) -> None:
         sys.argv = ["gridserve", {role!r}, "--help"]
         main([{role!r}, "--help"])
     """)
-    # -I: no PYTHONPATH, no user site, not the current directory: only the role's venv and the source.
+    # -I: no PYTHONPATH, no user site, not the current directory: only the role's venv (this tree's wheel).
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
     result = subprocess.run([str(python), "-I", "-c", code], capture_output=True, text=True, timeout=300,
                             env=env, cwd=str(TOOLS_CACHE))

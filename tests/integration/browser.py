@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import pytest
+from tests.missing_tool import missing
 
 CHROMIUM = "/usr/bin/chromium"  # GRIDSERVE_CHROMIUM names another binary
 ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
@@ -21,9 +21,7 @@ ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--d
 
 
 def _missing(reason: str) -> None:
-    if os.environ.get("CI", "").lower() == "true":
-        pytest.fail(f"CI=true and {reason}: the browser tests must run in CI", pytrace=False)
-    pytest.skip(reason)
+    missing(reason)  # fails under CI=true: the browser tests must run in CI
 
 
 def chromium_path() -> str:

@@ -218,7 +218,8 @@ def test_a_sleeping_engine_is_not_ready_but_live_and_gets_no_request(edge):
 
 @pytest.fixture()
 def faulty_engine(llama_tiny, tmp_path, monkeypatch):
-    monkeypatch.setenv("GRIDSERVE_FAULT_INJECTION", "1")  # the engine stops its loop thread on SIGUSR1
+    monkeypatch.setenv("GRIDSERVE_TEST_HOOKS", "1")
+    monkeypatch.setenv("GRIDSERVE_TEST_ENGINE_SIGUSR1_STOP", "1")  # the engine stops its loop thread on SIGUSR1
     monkeypatch.setenv("GRIDSERVE_LOOP_WATCHDOG_S", "2")
     with deployment(llama_tiny, tmp_path) as launcher:
         yield launcher

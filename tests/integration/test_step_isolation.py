@@ -39,6 +39,7 @@ MAX_TOKENS = 48
 @pytest.fixture(scope="module")
 def services(llama_tiny, tmp_path_factory):
     with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("GRIDSERVE_TEST_HOOKS", "1")
         patch.setenv("GRIDSERVE_TEST_GRAMMAR_FAULT", FAULT)  # inherited by the worker process
         with deployment(llama_tiny, tmp_path_factory.mktemp("logs")) as launcher:
             yield launcher
@@ -95,7 +96,7 @@ def test_a_grammar_that_fails_in_the_worker_fails_that_request_alone(services):
 def test_token_ids_out_of_range_sent_straight_to_the_engine_fail_only_that_request(services):
     """The engine checks what a gateway sends before it queues it (INVALID_ARGUMENT naming the
     field); the requests beside the refused ones run as if alone. (The worker's own check, for ids
-    that reach it anyway, is covered by tests/unit/test_request_failures.py.)"""
+    that reach it anyway, is covered by tests/unit/worker/test_request_failures.py.)"""
     vocab = 10_000_000  # beyond any vocabulary
     bad = {
         "bad-prompt": engine_pb2.AddRequestRequest(prompt_token_ids=[5, vocab], sampling_params=greedy(8)),

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import socket
 import threading
 import time
@@ -41,6 +40,7 @@ from gridserve.services.engine.executor.base import (
     is_extension_method,
 )
 from gridserve.services.engine.executor.worker_stream import WorkerStream
+from gridserve.shared import envs
 from gridserve.shared.errors import ConfigError, EngineDeadError, InvalidArgumentError
 from gridserve.shared.parallel import output_rank
 from gridserve.shared.rpc.client import aio_channel
@@ -51,10 +51,7 @@ from gridserve.shared.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
-CONNECT_TIMEOUT_S = float(os.environ.get("GRIDSERVE_WORKER_CONNECT_TIMEOUT_S", "30"))
 # Deadline of one call: a step, or loading a model (init_device / load_model / wake_up).
-STEP_TIMEOUT_S = float(os.environ.get("GRIDSERVE_STEP_TIMEOUT_S", "120"))
-LOAD_TIMEOUT_S = float(os.environ.get("GRIDSERVE_LOAD_TIMEOUT_S", "900"))
 _SLOW_METHODS = {"init_device", "load_model", "wake_up", "determine_available_memory"}
 _RECONNECT_POLL_S = 0.25  # how often a recovery asks a worker that is not back yet
 
@@ -84,7 +81,7 @@ class GrpcExecutor(Executor):
         self.workers: list[WorkerStream] = []
         self._runner = LoopThread("worker-rpc")
         try:
-            self._connect_all(time.monotonic() + CONNECT_TIMEOUT_S)
+            self._connect_all(time.monotonic() + envs.GRIDSERVE_WORKER_CONNECT_TIMEOUT_S)
         except BaseException:
             self._close_workers(self.workers)
             self._runner.stop()
@@ -178,9 +175,9 @@ class GrpcExecutor(Executor):
                 future.add_done_callback(lambda f, g=generation: self._fail_group_on_error(f, g))
         output = futures[self.output_rank]
         if not non_block:
-            return self._wait(output, STEP_TIMEOUT_S, "execute_model")
+            return self._wait(output, envs.GRIDSERVE_STEP_TIMEOUT_S, "execute_model")
         result: Future = Future()
-        _gather([output], STEP_TIMEOUT_S, self).add_done_callback(lambda f: chain_first(f, result))
+        _gather([output], envs.GRIDSERVE_STEP_TIMEOUT_S, self).add_done_callback(lambda f: chain_first(f, result))
         return result
 
     def _fail_group_on_error(self, future: Future, generation: int) -> None:
@@ -200,7 +197,8 @@ class GrpcExecutor(Executor):
         check_worker_method(method)
         if unique_reply_rank is not None and not 0 <= unique_reply_rank < len(self.workers):
             raise InvalidArgumentError("unique_reply_rank", f"rank {unique_reply_rank} of {len(self.workers)} workers")
-        timeout = timeout or (LOAD_TIMEOUT_S if method in _SLOW_METHODS else STEP_TIMEOUT_S)
+        timeout = timeout or (envs.GRIDSERVE_LOAD_TIMEOUT_S if method in _SLOW_METHODS
+                              else envs.GRIDSERVE_STEP_TIMEOUT_S)
         field = "call_extension" if is_extension_method(method) else method
         shared = self._payload(method, args, kwargs or {})
         futures = [

@@ -23,6 +23,7 @@ import time
 from typing import Any
 
 from gridserve.services.engine.executor.grpc_executor import GrpcExecutor
+from gridserve.shared import envs
 from gridserve.shared.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -115,7 +116,7 @@ class RayExecutor(GrpcExecutor):
             for rank in range(parallel.world_size):
                 strategy = PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=rank)
                 self.actors.append(host_class.options(scheduling_strategy=strategy).remote())
-            env = {"GRIDSERVE_CPU_THREADS": os.environ.get("GRIDSERVE_CPU_THREADS", "1")} if not gpu else {}
+            env = {"GRIDSERVE_CPU_THREADS": str(envs.GRIDSERVE_CPU_THREADS or 1)} if not gpu else {}
             parallel.worker_addresses = ray.get([actor.start.remote(env) for actor in self.actors], timeout=120)
             if parallel.world_size > 1 and not parallel.distributed_init_address:
                 parallel.distributed_init_address = ray.get(self.actors[0].rendezvous_address.remote(), timeout=60)

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gridserve.services.worker.loader import CheckpointTensor
+from gridserve.services.worker.checkpoint import CheckpointTensor
 from gridserve.services.worker.parallel_layers import (
     ColumnParallelLinear,
     RowParallelLinear,

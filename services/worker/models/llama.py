@@ -18,8 +18,8 @@ from torch import nn
 
 from gridserve.kernels import silu_and_mul
 from gridserve.services.worker.attention import AttentionMetadata, PagedAttention
+from gridserve.services.worker.checkpoint import CheckpointTensor
 from gridserve.services.worker.layers import RMSNorm, RotaryEmbedding, rope_parameters
-from gridserve.services.worker.loader import CheckpointTensor
 from gridserve.services.worker.models.hf_config import hf_config_of
 from gridserve.services.worker.parallel_layers import (
     ColumnParallelLinear,

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from gridserve.services.worker.attention import AttentionMetadata, PagedAttention
-from gridserve.services.worker.loader import CheckpointTensor
+from gridserve.services.worker.checkpoint import CheckpointTensor
 from gridserve.services.worker.models.clip import CLIPVisionModel, activation
 from gridserve.services.worker.models.hf_config import hf_config_of
 from gridserve.services.worker.models.llama import LlamaForCausalLM

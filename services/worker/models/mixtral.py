@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gridserve.kernels import silu_and_mul
-from gridserve.services.worker.loader import CheckpointTensor
+from gridserve.services.worker.checkpoint import CheckpointTensor
 from gridserve.services.worker.models.hf_config import hf_config_of
 from gridserve.services.worker.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from gridserve.services.worker.parallel_state import ParallelState

@@ -19,7 +19,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from gridserve.services.worker.loader import CheckpointTensor, LoadReport
+from gridserve.services.worker.checkpoint import CheckpointTensor, LoadReport
 from gridserve.services.worker.quantization.config import QuantizationConfig
 from gridserve.shared.errors import ConfigError
 

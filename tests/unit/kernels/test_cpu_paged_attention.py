@@ -11,6 +11,13 @@ import pytest
 import torch
 
 from gridserve.kernels import cpu_ops, dispatch, reference
+from gridserve.kernels.attention_backend import (
+    CPU,
+    REFERENCE,
+    AttentionMetadata,
+    select_attention_backend,
+)
+from tests.missing_tool import missing
 
 BUILD_SKIP = "the C++ CPU extension cannot be built here (see the logged reason): {}"
 
@@ -23,7 +30,7 @@ def ops():
     if built is None:
         reason = BUILD_SKIP.format("cpu_ops.load() returned None")
         print(reason)
-        pytest.skip(reason)
+        missing(reason)
     return built
 
 
@@ -188,25 +195,31 @@ def test_bad_metadata_raises_instead_of_reading_out_of_bounds(ops):
 
 def test_auto_uses_the_cpp_kernel_for_cpu_attention_only(ops, monkeypatch):
     monkeypatch.delenv("GRIDSERVE_KERNELS", raising=False)
-    assert dispatch._impl("paged_attention", torch.ones(1)) is cpu_ops.paged_attention
+    assert select_attention_backend(torch.ones(1)) is CPU
+    monkeypatch.setenv("GRIDSERVE_KERNELS", "reference")
+    assert select_attention_backend(torch.ones(1)) is REFERENCE
+    monkeypatch.setenv("GRIDSERVE_KERNELS", "cpu")
+    monkeypatch.setattr(cpu_ops, "load_layer_ops", lambda: object())  # the KV write's library built too
+    assert select_attention_backend(torch.ones(1)) is CPU
     # the layer ops without their library: the reference (with it: test_cpu_layer_ops)
+    monkeypatch.setenv("GRIDSERVE_KERNELS", "auto")
     monkeypatch.setattr(cpu_ops, "load_layer_ops", lambda: None)
     assert dispatch._impl("rms_norm", torch.ones(1)) is reference.rms_norm
-    monkeypatch.setenv("GRIDSERVE_KERNELS", "reference")
-    assert dispatch._impl("paged_attention", torch.ones(1)) is reference.paged_attention
-    monkeypatch.setenv("GRIDSERVE_KERNELS", "cpu")
-    assert dispatch._impl("paged_attention", torch.ones(1)) is cpu_ops.paged_attention
 
 
 def test_a_failed_build_falls_back_under_auto_and_raises_under_cpu(monkeypatch):
     monkeypatch.setattr(cpu_ops, "load", lambda: None)
     monkeypatch.setattr(cpu_ops, "load_layer_ops", lambda: None)
     monkeypatch.setenv("GRIDSERVE_KERNELS", "auto")
-    assert dispatch._impl("paged_attention", torch.ones(1)) is reference.paged_attention
+    # the C++ backend, whose every call then runs the reference
+    assert select_attention_backend(torch.ones(1)) is CPU
+    query, kv_cache, qsl, lens, table = paged_batch([1, 9], [5, 20], 8, 2, 16)
+    meta = AttentionMetadata(qsl, lens, table, torch.zeros(0, dtype=torch.int64), 9)
+    assert torch.equal(CPU.attend(query, kv_cache, meta, 0.25), REFERENCE.attend(query, kv_cache, meta, 0.25))
     assert dispatch._impl("silu_and_mul", torch.ones(2)) is reference.silu_and_mul
     monkeypatch.setenv("GRIDSERVE_KERNELS", "cpu")
     with pytest.raises(RuntimeError, match="did not build"):
-        dispatch._impl("paged_attention", torch.ones(1))
+        select_attention_backend(torch.ones(1))
     with pytest.raises(RuntimeError, match="did not build"):
         dispatch._impl("silu_and_mul", torch.ones(2))
 
@@ -222,7 +235,8 @@ def test_all_rows_gives_each_token_the_same_bits_in_prefill_chunks_and_decode(op
         q = query[first : first + count] if q is None else q
         qsl = torch.tensor([0, count], dtype=torch.int32) if qsl is None else qsl
         lens = torch.tensor([first + count], dtype=torch.int32) if lens is None else lens
-        return dispatch.paged_attention(q, kv_cache, qsl, lens, table, scale, batch_invariant=True)
+        meta = AttentionMetadata(qsl, lens, table, torch.zeros(0, dtype=torch.int64), int(q.shape[0]))
+        return select_attention_backend(q, batch_invariant=True).attend(q, kv_cache, meta, scale)
 
     whole = attend(0, 40)
     torch.testing.assert_close(whole.float(), reference.paged_attention(

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from gridserve.kernels import cpu_ops, reference
+from tests.missing_tool import missing
 from tests.unit.kernels.test_cpu_paged_attention import paged_batch
 
 CONTEXTS = [1, 15, 17, 300, 64, 5, 40]
@@ -51,7 +52,7 @@ def test_reference_over_a_narrow_cache_stays_close_to_fp32(dtype):
 @pytest.mark.parametrize("dtype", NARROW, ids=str)
 def test_cpp_kernel_reads_a_narrow_cache_like_the_reference(dtype):
     if cpu_ops.load() is None:
-        pytest.skip("the C++ CPU extension cannot be built here")
+        missing("the C++ CPU extension cannot be built here")
     query, kv, qsl, lens, table = paged_batch(CONTEXTS, Q_LENS, 8, 2, 64)
     k_scale, v_scale = (0.5, 2.0) if dtype.itemsize == 1 else (1.0, 1.0)
     cache = narrowed(kv, dtype, k_scale, v_scale)
