@@ -8,9 +8,9 @@ A backend does two things per layer and step, over one layer's paged KV cache
 - ``attend``: attention of the step's packed queries over their sequences' cached K/V
   (causal among a sequence's new tokens, full attention to its cached prefix).
 
-Implementations: ``ReferenceAttention`` (torch, the ground truth), ``CpuAttention`` (the C++
-kernels of ``cpu_ops``; each call the C++ does not take, or whose library did not build, runs the
-reference), ``TritonAttention`` (``triton_ops``). ``BatchInvariantAttention`` wraps one of them:
+Implementations: ``KernelAttention`` over ``reference`` (torch, the ground truth), ``cpu_ops``
+(the C++ kernels; each call the C++ does not take, or whose library did not build, runs the
+reference) or ``triton_ops``. ``BatchInvariantAttention`` wraps one of them:
 every query row through the C++ kernel (CPU only). All give the reference's results within each
 kernel's tested tolerance.
 
@@ -23,13 +23,13 @@ the C++ kernels are imported only when picked.
 from __future__ import annotations
 
 import contextlib
+import importlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 
-from gridserve.kernels import dispatch, reference
+from gridserve.kernels import dispatch
 from gridserve.shared import envs
 
 
@@ -53,7 +53,7 @@ class AttentionBackend(ABC):
     and are multiplied back when read.
     """
 
-    name: ClassVar[str]
+    name: str  # "reference", "cpu", "triton", "batch-invariant"
 
     @abstractmethod
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
@@ -78,55 +78,27 @@ def _serial(key: torch.Tensor) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext()
 
 
-class ReferenceAttention(AttentionBackend):
-    """The torch reference (``reference``): any device, any dtype."""
+class KernelAttention(AttentionBackend):
+    """The two ops of one kernels module, which all take the reference's signatures:
+    ``reference`` (torch, any device and dtype: the ground truth), ``cpu_ops`` (the C++ KV write of
+    ``layer_ops.cpp`` and attention of short rows in ``paged_attention.cpp``; longer rows through
+    the reference's SDPA) or ``triton_ops`` (CUDA, or any device under ``TRITON_INTERPRET=1``).
+    The module is imported on first use."""
 
-    name = "reference"
+    def __init__(self, name: str, module: str) -> None:
+        self.name = name
+        self._module = f"gridserve.kernels.{module}"
+
+    def _ops(self):
+        return importlib.import_module(self._module)
 
     def write_kv(self, key, value, kv_cache, meta, k_scale=1.0, v_scale=1.0) -> None:
         with _serial(key):
-            reference.reshape_and_cache(key, value, kv_cache, meta.slot_mapping, k_scale, v_scale)
+            self._ops().reshape_and_cache(key, value, kv_cache, meta.slot_mapping, k_scale, v_scale)
 
     def attend(self, query, kv_cache, meta, scale, k_scale=1.0, v_scale=1.0) -> torch.Tensor:
-        return reference.paged_attention(query, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_table,
-                                         scale, meta.max_query_len, k_scale, v_scale)
-
-
-class CpuAttention(AttentionBackend):
-    """The C++ CPU kernels (``cpu_ops``): the KV write (``layer_ops.cpp``) and attention of short
-    rows (``paged_attention.cpp``; longer rows through the reference's SDPA)."""
-
-    name = "cpu"
-
-    def write_kv(self, key, value, kv_cache, meta, k_scale=1.0, v_scale=1.0) -> None:
-        from gridserve.kernels import cpu_ops
-
-        with _serial(key):
-            cpu_ops.reshape_and_cache(key, value, kv_cache, meta.slot_mapping, k_scale, v_scale)
-
-    def attend(self, query, kv_cache, meta, scale, k_scale=1.0, v_scale=1.0) -> torch.Tensor:
-        from gridserve.kernels import cpu_ops
-
-        return cpu_ops.paged_attention(query, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_table,
-                                       scale, meta.max_query_len, k_scale, v_scale)
-
-
-class TritonAttention(AttentionBackend):
-    """The Triton kernels (``triton_ops``): CUDA, or any device under ``TRITON_INTERPRET=1``."""
-
-    name = "triton"
-
-    def write_kv(self, key, value, kv_cache, meta, k_scale=1.0, v_scale=1.0) -> None:
-        from gridserve.kernels import triton_ops
-
-        with _serial(key):
-            triton_ops.reshape_and_cache(key, value, kv_cache, meta.slot_mapping, k_scale, v_scale)
-
-    def attend(self, query, kv_cache, meta, scale, k_scale=1.0, v_scale=1.0) -> torch.Tensor:
-        from gridserve.kernels import triton_ops
-
-        return triton_ops.paged_attention(query, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_table,
-                                          scale, meta.max_query_len, k_scale, v_scale)
+        return self._ops().paged_attention(query, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_table,
+                                           scale, meta.max_query_len, k_scale, v_scale)
 
 
 class BatchInvariantAttention(AttentionBackend):
@@ -153,9 +125,9 @@ class BatchInvariantAttention(AttentionBackend):
                                        scale, None, k_scale, v_scale, all_rows=True)
 
 
-REFERENCE = ReferenceAttention()
-CPU = CpuAttention()
-TRITON = TritonAttention()
+REFERENCE = KernelAttention("reference", "reference")
+CPU = KernelAttention("cpu", "cpu_ops")
+TRITON = KernelAttention("triton", "triton_ops")
 _BATCH_INVARIANT = {backend.name: BatchInvariantAttention(backend) for backend in (REFERENCE, CPU, TRITON)}
 
 
