@@ -211,6 +211,7 @@ async def _quietly(coroutine: Any) -> None:
 
 
 def _load_tokenizer(path: str) -> Any:
-    from transformers import AutoTokenizer
+    """A tokenizer folder or hub id (AutoTokenizer), or the tokenizer embedded in a ``.gguf`` file."""
+    from gridserve.services.worker.gguf_loader import load_hf_tokenizer
 
-    return AutoTokenizer.from_pretrained(path)
+    return load_hf_tokenizer(path)

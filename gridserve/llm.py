@@ -204,9 +204,10 @@ def _start_local_workers(config: GridserveConfig, data_parallel_size: int = 1) -
 
 
 def _load_tokenizer(path: str) -> Any:
-    from transformers import AutoTokenizer
+    """A tokenizer folder or hub id (AutoTokenizer), or the tokenizer embedded in a ``.gguf`` file."""
+    from gridserve.services.worker.gguf_loader import load_hf_tokenizer
 
-    return AutoTokenizer.from_pretrained(path)
+    return load_hf_tokenizer(path)
 
 
 def _as_prompt_list(prompts: Any) -> list[PromptType]:

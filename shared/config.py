@@ -17,6 +17,7 @@ from typing import Any, Optional
 
 from gridserve.shared import envs
 from gridserve.shared.errors import ConfigError
+from gridserve.shared.gguf_config import hf_config_from_gguf, is_gguf
 from gridserve.shared.model_registry import ModelRegistry
 from gridserve.shared.parallel import check_model_shardable, kv_head_shard, stage_layers
 from gridserve.shared.plugins import load_general_plugins
@@ -138,8 +139,11 @@ class ModelConfig:
         if not self.model:
             raise ConfigError("model.model", "no model given (a local folder or a hub id)")
         self.model_path = str(resolve_model_path(self.model, self.revision))
-        with open(Path(self.model_path) / "config.json", encoding="utf-8") as f:
-            cfg = json.load(f)
+        if is_gguf(self.model_path):  # one GGUF file: its metadata is the config
+            cfg = hf_config_from_gguf(self.model_path)
+        else:
+            with open(Path(self.model_path) / "config.json", encoding="utf-8") as f:
+                cfg = json.load(f)
         self.hf_config = cfg
         archs = cfg.get("architectures") or []
         self.architecture = archs[0] if archs else ""

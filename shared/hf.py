@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Optional
 
 from gridserve.shared.errors import ModelNotFoundError
+from gridserve.shared.gguf_config import is_gguf
 
 logger = logging.getLogger(__name__)
 
@@ -15,10 +16,16 @@ logger = logging.getLogger(__name__)
 def resolve_model_path(model: str, revision: Optional[str] = None) -> Path:
     """Return the local folder of ``model``: a path on disk, or a hub id fetched or found in the cache.
 
+    A ``.gguf`` file is returned as itself (its metadata stands in for config.json).
+
     Offline (no network, or ``HF_HUB_OFFLINE=1``), a hub id resolves only from the local cache;
     otherwise ``ModelNotFoundError`` names the id and where it looked.
     """
     path = Path(model).expanduser()
+    if path.is_file() and is_gguf(path):  # a single-file GGUF checkpoint (shared/gguf_config.py)
+        return path.resolve()
+    if is_gguf(model) and not path.exists():
+        raise ModelNotFoundError(f"GGUF file {model!r} does not exist")
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ModelNotFoundError(f"model folder {str(path)!r} has no config.json")

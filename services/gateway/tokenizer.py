@@ -1,4 +1,5 @@
-"""``GatewayTokenizer``: a Hugging Face tokenizer folder read with ``tokenizers`` and ``jinja2``.
+"""``GatewayTokenizer``: a Hugging Face tokenizer folder (or the tokenizer embedded in a ``.gguf``
+file, converted by ``shared/gguf_tokenizer``) read with ``tokenizers`` and ``jinja2``.
 
 The gateway must not import torch, and ``transformers`` 5 imports it; this class offers the part
 of a fast tokenizer's interface the gateway uses (``encode``, ``decode``, ``backend_tokenizer``,
@@ -17,27 +18,37 @@ from tokenizers import Tokenizer
 
 from gridserve.services.gateway.chat_template import ChatTemplateRenderer
 from gridserve.shared.errors import InvalidArgumentError, ModelNotFoundError
+from gridserve.shared.gguf_config import is_gguf
+from gridserve.shared.gguf_tokenizer import tokenizer_from_gguf
 
 logger = logging.getLogger(__name__)
 
 
 class GatewayTokenizer:
-    """Encode / decode and chat templates for one tokenizer folder."""
+    """Encode / decode and chat templates for one tokenizer folder or GGUF file."""
 
     def __init__(self, path: str, renderer: Optional[ChatTemplateRenderer] = None) -> None:
         """``renderer`` bounds chat template rendering (time, size); a default one if not given."""
         self.renderer = renderer or ChatTemplateRenderer(max_chars=4_000_000, timeout_s=2.0)
         self.renderer.env.globals["raise_exception"] = _raise_template_error
-        folder = Path(path)
-        if not (folder / "tokenizer.json").is_file():
-            raise ModelNotFoundError(f"no tokenizer.json in {folder} (the gateway needs a fast tokenizer)")
-        self.backend_tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
-        config_file = folder / "tokenizer_config.json"
-        self.config: dict[str, Any] = json.loads(config_file.read_text()) if config_file.is_file() else {}
-        template_file = folder / "chat_template.jinja"
-        self.chat_template: Optional[str] = (
-            template_file.read_text() if template_file.is_file() else self.config.get("chat_template")
-        )
+        self.config: dict[str, Any]
+        self.chat_template: Optional[str]
+        if is_gguf(path):  # the tokenizer embedded in a GGUF checkpoint, converted
+            converted = tokenizer_from_gguf(str(path))
+            self.backend_tokenizer = converted.tokenizer
+            self.config = dict(converted.config)
+            self.chat_template = converted.chat_template
+        else:
+            folder = Path(path)
+            if not (folder / "tokenizer.json").is_file():
+                raise ModelNotFoundError(f"no tokenizer.json in {folder} (the gateway needs a fast tokenizer)")
+            self.backend_tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+            config_file = folder / "tokenizer_config.json"
+            self.config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+            template_file = folder / "chat_template.jinja"
+            self.chat_template = (
+                template_file.read_text() if template_file.is_file() else self.config.get("chat_template")
+            )
         self.bos_token = _token_text(self.config.get("bos_token"))
         self.eos_token = _token_text(self.config.get("eos_token"))
         self.eos_token_id = self.backend_tokenizer.token_to_id(self.eos_token) if self.eos_token else None

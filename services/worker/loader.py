@@ -3,7 +3,7 @@
 The model is built on the meta device (each tensor-parallel rank builds only its shard), moved to
 the device uninitialised, and filled by its ``load_weights`` from lazily read checkpoint tensors:
 a sharded layer reads only its slice, and ``LoadReport`` records how much of each tensor was read
-(the checkpoint types are in ``checkpoint``).
+(the checkpoint types are in ``checkpoint``; a ``.gguf`` file's tensors come from ``gguf_loader``).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from torch import nn
 
 from gridserve.services.worker.attention import PagedAttention
 from gridserve.services.worker.checkpoint import LoadReport, iterate_weights
+from gridserve.services.worker.gguf_loader import iterate_gguf_weights
 from gridserve.services.worker.models import construct_model, get_model_class
 from gridserve.services.worker.quantization import (
     QuantizationConfig,
@@ -24,6 +25,7 @@ from gridserve.services.worker.quantization import (
 )
 from gridserve.shared.config import GridserveConfig
 from gridserve.shared.errors import ModelNotFoundError
+from gridserve.shared.gguf_config import is_gguf
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +43,10 @@ def load_model(config: GridserveConfig, device: torch.device) -> nn.Module:
         model = construct_model(model_class, config)
     model = model.to_empty(device=device).to(dtype)
     report = LoadReport()
-    weights = iterate_weights(config.model.model_path, report)
+    if is_gguf(config.model.model_path):  # one GGUF file: tensors dequantized at load
+        weights = iterate_gguf_weights(config.model.model_path, config.model.hf_config, report)
+    else:
+        weights = iterate_weights(config.model.model_path, report)
     prequantized = None
     if config.model.quantization == "compressed-tensors":
         prequantized = compressed_tensors.scheme_of(config.model.hf_config["quantization_config"])

@@ -220,9 +220,9 @@ class ModelRunner:
     def _structured_output_manager(self) -> StructuredOutputManager:
         """The grammar-mask manager, built (with the tokenizer) when the first structured request arrives."""
         if self.structured_output is None:
-            from transformers import AutoTokenizer
+            from gridserve.services.worker.gguf_loader import load_hf_tokenizer
 
-            tokenizer = AutoTokenizer.from_pretrained(self.config.model.tokenizer_path)
+            tokenizer = load_hf_tokenizer(self.config.model.tokenizer_path)
             self.structured_output = StructuredOutputManager(
                 tokenizer, self.config.model.vocab_size, eos_token_id=self.eos_token_id
             )

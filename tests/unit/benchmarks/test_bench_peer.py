@@ -242,6 +242,7 @@ def test_a_llama_server_that_dies_at_start_is_a_clear_error(tmp_path):
 # ---- a whole run against the stand-in llama-server -----------------------------------------------
 
 
+@pytest.mark.slow  # a whole run (make test; not make test-fast)
 def test_bench_peer_runs_each_variant_with_probe_greedy_tokens_and_cpu(tmp_path, llama_tiny, monkeypatch):
     pytest.importorskip("matplotlib")
     scripts, work = _fake_scripts(tmp_path)
@@ -290,6 +291,7 @@ def test_bench_peer_rejects_bad_settings_before_starting_anything(tmp_path, llam
     assert not (tmp_path / "x.json").exists()
 
 
+@pytest.mark.slow  # a whole run (make test; not make test-fast)
 def test_greedy_tokens_are_compared_with_gridserve_fp32s(tmp_path, llama_tiny, monkeypatch):
     """gridserve's server replaced by another stand-in (same greedy tokens): the fp32 pair's ratio
     and the greedy agreement of llama.cpp's f32 variant and of the all-fp32 check server."""

@@ -436,6 +436,7 @@ def test_refused_token_ids_fall_back_to_text(tmp_path, fake_server, llama_tiny):
     assert all(isinstance(b["prompt"], str) for b in server.bodies[1:])
 
 
+@pytest.mark.slow  # a whole run (make test; not make test-fast)
 def test_concurrency_sweep_writes_runs_and_a_plot(tmp_path, fake_server):
     pytest.importorskip("matplotlib")
     server = fake_server(tokens=2, ttft_s=0.02, gap_s=0.02)
@@ -479,6 +480,7 @@ def _is_probe(body: dict) -> bool:
     return body["max_tokens"] == PROBE_TOKENS
 
 
+@pytest.mark.slow  # a whole run (make test; not make test-fast)
 def test_latency_probe_sends_one_request_per_period_and_reports_its_ttft_apart(tmp_path, fake_server):
     # The load: 4 requests of 6 tokens, 0.2 s apart after a 0.2 s TTFT (about 1.2 s in all); the
     # probe: 5 per second, each answered after 0.05 s.

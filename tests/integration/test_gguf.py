@@ -1,0 +1,149 @@
+"""GGUF checkpoints through ``LLM(model="....gguf")``: token-exact (greedy) against the same
+weights loaded from safetensors — float32 GGUFs of the recipe's Llama and Qwen2, a Q8_0 one
+against a safetensors folder of its dequantized weights — with the embedded tokenizer and chat
+template, ``tokenizer=`` overriding it, and ``quantization="int8"`` re-quantizing as usual."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+
+from gridserve import LLM, SamplingParams
+from tests.gguf_files import permute_qk, write_gguf
+
+PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n\n", "class Stack:\n    def push(self",
+           "for i in range(10):\n    print("]
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+MESSAGES = [[{"role": "user", "content": "def f(x): return"}], [{"role": "system", "content": "hi"},
+                                                                 {"role": "user", "content": "import"}]]
+
+
+def _llm(path, **kwargs) -> LLM:
+    return LLM(model=str(path), kv_cache_memory_bytes=16 << 20, max_model_len=256, **kwargs)
+
+
+def _outputs(llm: LLM, chat: bool = True) -> tuple[list[list[int]], ...]:
+    gen = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    out: tuple[list[list[int]], ...] = ([o.prompt_token_ids for o in gen], [o.outputs[0].token_ids for o in gen])
+    if chat:
+        out += ([o.prompt_token_ids + o.outputs[0].token_ids for o in llm.chat(MESSAGES, GREEDY, use_tqdm=False)],)
+    return out
+
+
+def _token_outputs(llm: LLM, folder) -> list[list[int]]:
+    """Greedy tokens for the prompts as tokenizer.json encodes them (independent of the tokenizer
+    class: transformers 5 rebuilds qwen2's pre-tokenizer, which tokenizer.json does not have)."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    prompts = [{"prompt_token_ids": tok.encode(p).ids} for p in PROMPTS]
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+
+
+ARCHITECTURES = {"llama_tiny": "LlamaForCausalLM", "qwen2_tiny": "Qwen2ForCausalLM",
+                 "mistral_tiny": "LlamaForCausalLM", "mixtral_tiny": "MixtralForCausalLM"}
+
+
+@pytest.mark.parametrize("fixture", sorted(ARCHITECTURES))
+def test_float32_gguf_serves_like_safetensors(request, tmp_path, fixture):
+    """Mistral is written as llama.cpp does (general.architecture "llama"), Mixtral as "llama" with
+    experts (stacked ``ffn_*_exps``)."""
+    folder = request.getfixturevalue(fixture)
+    path = write_gguf(folder, tmp_path / f"{fixture}.gguf")
+    reference = _llm(folder)
+    llm = _llm(path)
+    assert llm.config.model.architecture == ARCHITECTURES[fixture]
+    assert _token_outputs(llm, folder) == _token_outputs(reference, folder)
+    if fixture == "llama_tiny":  # text prompts and chat: the same tokenizer on both sides
+        assert _outputs(llm) == _outputs(reference)
+
+
+def _dequantized_folder(src, dst, qtype_name: str):
+    """A safetensors copy of ``src`` whose 2-D weights went through ``qtype_name`` and back (the
+    gguf package's own quantize / dequantize, llama.cpp's Q/K permutation on the way)."""
+    import gguf
+    from safetensors.numpy import load_file, save_file
+
+    dst.mkdir()
+    for file in src.iterdir():
+        if file.name != "model.safetensors":
+            shutil.copy(file, dst / file.name)
+    qtype = gguf.GGMLQuantizationType[qtype_name]
+    heads, kv_heads = 4, 2  # llama-tiny
+    out = {}
+    for name, value in load_file(str(src / "model.safetensors")).items():
+        value = value.astype(np.float32)
+        if value.ndim == 2:
+            n = heads if ".q_proj." in name else kv_heads if ".k_proj." in name else None
+            stored = permute_qk(value, n) if n else value
+            stored = gguf.quants.dequantize(gguf.quants.quantize(stored, qtype), qtype).astype(np.float32)
+            if n:  # undo the permutation: permute's inverse is reshape(n, d/2, 2) -> swap
+                shape = stored.shape
+                stored = stored.reshape(n, shape[0] // n // 2, 2, shape[1]).swapaxes(1, 2).reshape(shape)
+            value = stored
+        out[name] = np.ascontiguousarray(value)
+    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1"])
+def test_quantized_gguf_serves_like_its_dequantized_weights(llama_tiny, tmp_path, qtype):
+    path = write_gguf(llama_tiny, tmp_path / f"llama-{qtype}.gguf", tensor_type=qtype)
+    reference = _dequantized_folder(llama_tiny, tmp_path / "dequantized", qtype)
+    assert _outputs(_llm(path)) == _outputs(_llm(reference))
+
+
+def test_tokenizer_override_and_int8(llama_tiny, tmp_path):
+    path = write_gguf(llama_tiny, tmp_path / "llama.gguf")
+    llm = _llm(path, tokenizer=str(llama_tiny))
+    assert llm.config.model.tokenizer_path == str(llama_tiny)
+    assert llm.get_tokenizer().name_or_path == str(llama_tiny)
+    assert _outputs(llm) == _outputs(_llm(llama_tiny))
+    assert _outputs(_llm(path, quantization="int8")) == _outputs(_llm(llama_tiny, quantization="int8"))
+
+
+def test_gguf_through_the_services(llama_tiny, tmp_path):
+    """``gridserve serve model.gguf``'s processes: the engine reads the config from the file, the
+    worker its tensors, the gateway (no torch) its tokenizer and chat template; text and chat
+    requests answer as the in-process LLM on the safetensors folder."""
+    import grpc
+
+    from gridserve.api.common.v1 import common_pb2
+    from gridserve.api.gateway.v1 import gateway_pb2
+    from tests.integration.services import address, deployment, gateway_stub, greedy, stream_tokens
+
+    path = write_gguf(llama_tiny, tmp_path / "llama.gguf")
+    reference = _llm(llama_tiny)
+    expected = [o.outputs[0] for o in reference.generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=8,
+                                                                                       min_tokens=8), use_tqdm=False)]
+    chat = reference.chat(MESSAGES[0], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0].outputs[0]
+    with deployment(path, tmp_path / "logs") as launcher:
+        with grpc.insecure_channel(address(launcher, "gateway")) as channel:
+            stub = gateway_stub(channel)
+            for prompt, want in zip(PROMPTS, expected):
+                ids, text, _ = stream_tokens(stub, gateway_pb2.GenerateRequest(text=prompt, sampling_params=greedy(8)))
+                assert ids == list(want.token_ids) and text == want.text
+            reply = stub.Chat(gateway_pb2.ChatRequest(
+                messages=[gateway_pb2.ChatMessage(**m) for m in MESSAGES[0]],
+                sampling_params=common_pb2.SamplingParams(temperature=0.0, max_tokens=8)), timeout=60)
+            assert reply.message.content == chat.text
+
+
+def test_structured_output_with_the_embedded_tokenizer(llama_tiny, tmp_path):
+    """The worker's grammar masks come from the GGUF's converted tokenizer: the same constrained
+    outputs as the safetensors folder's."""
+    import re
+
+    from gridserve.shared.sampling_params import StructuredOutputsParams
+
+    path = write_gguf(llama_tiny, tmp_path / "llama.gguf")
+    regex = r"[A-Z][a-z]{2,5}-[0-9]{3}"
+    params = [SamplingParams(temperature=0.0, max_tokens=24, structured_outputs=StructuredOutputsParams(**spec))
+              for spec in ({"regex": regex}, {"choice": ["red", "green", "héllo wörld"]}, {"json_object": True})]
+    prompts = ["Describe a user as JSON:"] * len(params)
+    got = [o.outputs[0] for o in _llm(path).generate(prompts, params, use_tqdm=False)]
+    want = [o.outputs[0] for o in _llm(llama_tiny).generate(prompts, params, use_tqdm=False)]
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert re.fullmatch(regex, got[0].text) and got[1].text in ("red", "green", "héllo wörld")
