@@ -107,9 +107,9 @@ TEST_HOOKS = "GRIDSERVE_TEST_HOOKS"
 _TABLE = [
     # --- timeouts and intervals -------------------------------------------------------------
     EnvVar("GRIDSERVE_RPC_DEADLINE_S", _positive_float, 30.0,
-           "deadline of a control-plane gRPC call between roles (seconds)", "all"),
+           "deadline of a control-plane gRPC call between roles (seconds; *at import*)", "all"),
     EnvVar("GRIDSERVE_RECONNECT_DELAY_S", _positive_float, 1.0,
-           "pause before a long-lived stream (engine outputs, load watch) reconnects (seconds)", "all"),
+           "pause before a long-lived stream (engine outputs, load watch) reconnects (seconds; *at import*)", "all"),
     EnvVar("GRIDSERVE_STARTUP_TIMEOUT_S", _positive_float, 600.0,
            "how long `gridserve serve` waits for every role to become ready (seconds)", "launcher"),
     EnvVar("GRIDSERVE_WORKER_CONNECT_TIMEOUT_S", _positive_float, 30.0,
@@ -138,7 +138,7 @@ _TABLE = [
            "kernel family: auto (C++ on CPU, Triton on CUDA), reference (torch), triton, cpu (C++ "
            "required)", "worker"),
     EnvVar("GRIDSERVE_SERIAL_MAX_ELEMENTS", _non_negative_int, 1 << 20,
-           "per-token CPU ops on up to this many elements run on one thread (0: off)", "worker"),
+           "per-token CPU ops on up to this many elements run on one thread (0: off; *at import*)", "worker"),
     EnvVar("GRIDSERVE_INT8_ONEDNN", _choice("auto", "0", "1"), "auto",
            "int8 GEMM through oneDNN's AMX kernel: auto (where the CPU has AMX), 0 never, 1 always",
            "worker"),
@@ -163,7 +163,8 @@ _TABLE = [
            "tests: SIGUSR1 stops the engine's loop thread (the watchdog then makes it not live)",
            "engine", test_only=True),
     EnvVar("GRIDSERVE_TEST_GRAMMAR_FAULT", str, "",
-           "tests: a request whose structured-output spec contains this text fails its grammar step",
+           "tests: a request whose structured-output spec contains this text fails its grammar step "
+           "(*at import*)",
            "worker", test_only=True),
 ]
 
