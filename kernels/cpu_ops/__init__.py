@@ -11,6 +11,7 @@ reuse it; editing the source rebuilds it.
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import logging
@@ -88,8 +89,29 @@ def build_extension(source: Path, prefix: str) -> bool:
     name = f"{prefix}_{digest.hexdigest()[:10]}"
     if _load_built(cpp_extension, name):
         return True
-    cpp_extension.load(name=name, sources=[str(source)], extra_cflags=["-O3", "-fopenmp"],
-                       extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+    return _build(cpp_extension, name, source)
+
+
+def _build(cpp_extension, name: str, source: Path) -> bool:
+    """Compile ``source`` under an exclusive ``flock`` on ``<name>.flock`` beside its build folder.
+    The kernel releases a flock when its holder dies, so a builder killed mid-build (a worker
+    SIGKILLed at start) blocks nobody: torch's own ``lock`` file, which such a builder leaves and
+    every later build waits on forever, is removed while the flock is held (no other process is
+    building this library then). True when another process finished the build meanwhile."""
+    build_dir = Path(cpp_extension._get_build_directory(name, False))
+    with open(build_dir.parent / f"{name}.flock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            if _load_built(cpp_extension, name):
+                return True
+            stale = build_dir / "lock"
+            if stale.exists():
+                logger.warning("removing %s, left by a build of %s that died", stale, name)
+                stale.unlink(missing_ok=True)
+            cpp_extension.load(name=name, sources=[str(source)], extra_cflags=["-O3", "-fopenmp"],
+                               extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
     return False
 
 
