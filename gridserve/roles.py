@@ -81,6 +81,10 @@ ENGINE_OPTIONS: list[EngineOption] = [
     _engine_option("--quantization-config", str, None,
                    'per-layer quantization as JSON, e.g. {"method": "int8", "ignore": ["lm_head"]}'),
     _engine_option("--seed", int, 0, "random seed"),
+    _engine_option("--generation-config", str, "auto",
+                   "sampling defaults for the fields a request leaves out (temperature, top_p, top_k, min_p, "
+                   "repetition_penalty, max_new_tokens as max_tokens): auto (the model's generation_config.json), "
+                   "vllm (none: the neutral defaults) or a folder holding a generation_config.json"),
     _engine_option("--device", str, "auto", "worker device (auto, cpu, cuda)", helm="worker.device"),
     _engine_option("--tensor-parallel-size", int, 1, "tensor-parallel workers per pipeline stage (-tp)",
                    helm="tensorParallelSize", short="-tp"),

@@ -16,6 +16,8 @@ from gridserve.kernels.attention_backend import (
 )
 from gridserve.kernels.dispatch import (
     fused_add_rms_norm,
+    gelu,
+    gelu_and_mul,
     rms_norm,
     rotary_embedding,
     silu_and_mul,
@@ -26,6 +28,8 @@ __all__ = [
     "AttentionMetadata",
     "select_attention_backend",
     "fused_add_rms_norm",
+    "gelu",
+    "gelu_and_mul",
     "rms_norm",
     "rotary_embedding",
     "silu_and_mul",

@@ -6,7 +6,8 @@ A backend does two things per layer and step, over one layer's paged KV cache
 
 - ``write_kv``: store the step's new keys and values at ``meta.slot_mapping``;
 - ``attend``: attention of the step's packed queries over their sequences' cached K/V
-  (causal among a sequence's new tokens, full attention to its cached prefix).
+  (causal among a sequence's new tokens, full attention to its cached prefix), optionally with a
+  sliding window, a logit soft cap and ALiBi (Hugging Face semantics, ``reference``'s docstring).
 
 Implementations: ``KernelAttention`` over ``reference`` (torch, the ground truth), ``cpu_ops``
 (the C++ kernels; each call the C++ does not take, or whose library did not build, runs the
@@ -63,11 +64,14 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def attend(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-               k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+               k_scale: float = 1.0, v_scale: float = 1.0, *, sliding_window: int = 0, soft_cap: float = 0.0,
+               alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
         """Attention of ``query`` ([num_tokens, num_heads, head_size], packed by
         ``meta.query_start_loc``) over each sequence's ``meta.seq_lens`` cached positions (the new
         tokens' K/V already written); a new tensor shaped and typed as ``query``. ``num_heads`` is
-        a multiple of the cache's ``num_kv_heads`` (GQA / MQA)."""
+        a multiple of the cache's ``num_kv_heads`` (GQA / MQA). ``sliding_window`` (0 = none),
+        ``soft_cap`` (0 = none) and ``alibi_slopes`` ([num_heads] or None) modify the scores as
+        ``reference`` documents."""
 
 
 def _serial(key: torch.Tensor) -> contextlib.AbstractContextManager:
@@ -76,6 +80,19 @@ def _serial(key: torch.Tensor) -> contextlib.AbstractContextManager:
             and key.numel() <= dispatch.SERIAL_MAX_ELEMENTS):
         return dispatch.one_thread()
     return contextlib.nullcontext()
+
+
+def _score_mods(sliding_window: int, soft_cap: float, alibi_slopes: torch.Tensor | None) -> dict:
+    """The modifiers that are on, as the kernels' keywords: a plain model's call is the call it
+    always was."""
+    mods: dict = {}
+    if sliding_window:
+        mods["sliding_window"] = sliding_window
+    if soft_cap:
+        mods["soft_cap"] = soft_cap
+    if alibi_slopes is not None:
+        mods["alibi_slopes"] = alibi_slopes
+    return mods
 
 
 class KernelAttention(AttentionBackend):
@@ -96,9 +113,11 @@ class KernelAttention(AttentionBackend):
         with _serial(key):
             self._ops().reshape_and_cache(key, value, kv_cache, meta.slot_mapping, k_scale, v_scale)
 
-    def attend(self, query, kv_cache, meta, scale, k_scale=1.0, v_scale=1.0) -> torch.Tensor:
+    def attend(self, query, kv_cache, meta, scale, k_scale=1.0, v_scale=1.0, *, sliding_window=0, soft_cap=0.0,
+               alibi_slopes=None) -> torch.Tensor:
         return self._ops().paged_attention(query, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_table,
-                                           scale, meta.max_query_len, k_scale, v_scale)
+                                           scale, meta.max_query_len, k_scale, v_scale,
+                                           **_score_mods(sliding_window, soft_cap, alibi_slopes))
 
 
 class BatchInvariantAttention(AttentionBackend):
@@ -114,7 +133,8 @@ class BatchInvariantAttention(AttentionBackend):
     def write_kv(self, key, value, kv_cache, meta, k_scale=1.0, v_scale=1.0) -> None:
         self.base.write_kv(key, value, kv_cache, meta, k_scale, v_scale)
 
-    def attend(self, query, kv_cache, meta, scale, k_scale=1.0, v_scale=1.0) -> torch.Tensor:
+    def attend(self, query, kv_cache, meta, scale, k_scale=1.0, v_scale=1.0, *, sliding_window=0, soft_cap=0.0,
+               alibi_slopes=None) -> torch.Tensor:
         if query.device.type != "cpu":
             raise RuntimeError("batch-invariant attention is implemented for the CPU only")
         from gridserve.kernels import cpu_ops
@@ -122,7 +142,8 @@ class BatchInvariantAttention(AttentionBackend):
         if cpu_ops.load() is None:
             raise RuntimeError("batch-invariant mode needs the C++ CPU paged-attention kernel, which did not build")
         return cpu_ops.paged_attention(query, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_table,
-                                       scale, None, k_scale, v_scale, all_rows=True)
+                                       scale, None, k_scale, v_scale, all_rows=True,
+                                       **_score_mods(sliding_window, soft_cap, alibi_slopes))
 
 
 REFERENCE = KernelAttention("reference", "reference")

@@ -56,7 +56,7 @@ def _cpu_kernel(name: str, mode: str):
 # 2 threads against 1.55 s on one in one run, 825 against 826 ms in another (a different mix of
 # other processes). Results are the same bits (the reductions split over rows, not within one).
 SERIAL_CPU_OPS = frozenset({"rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul",
-                            "reshape_and_cache"})
+                            "gelu_and_mul", "gelu", "reshape_and_cache"})
 # e.g. SiLU-and-mul of 256 tokens x 2 x 2,048; GRIDSERVE_SERIAL_MAX_ELEMENTS=0 turns this off
 SERIAL_MAX_ELEMENTS = envs.GRIDSERVE_SERIAL_MAX_ELEMENTS  # read once, at import
 
@@ -132,3 +132,11 @@ def rotary_embedding(positions, query, key, cos_sin_cache, is_neox=True):
 
 def silu_and_mul(x):
     return _serial_impl("silu_and_mul", x)(x)
+
+
+def gelu_and_mul(x, approximate="none"):
+    return _serial_impl("gelu_and_mul", x)(x, approximate)
+
+
+def gelu(x, approximate="none"):
+    return _serial_impl("gelu", x)(x, approximate)

@@ -17,8 +17,9 @@ from typing import Any, Optional
 
 from gridserve.shared import envs
 from gridserve.shared.errors import ConfigError
+from gridserve.shared.generation_config import check_generation_config, read_default_sampling_params
 from gridserve.shared.gguf_config import hf_config_from_gguf, is_gguf
-from gridserve.shared.model_registry import ModelRegistry
+from gridserve.shared.model_registry import ARCHITECTURES, ModelRegistry, architecture_info
 from gridserve.shared.parallel import check_model_shardable, kv_head_shard, stage_layers
 from gridserve.shared.plugins import load_general_plugins
 
@@ -33,10 +34,38 @@ KV_DTYPE_BYTES = {**DTYPE_BYTES, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
 QUANTIZATION_METHODS = ("int8", "int4")
 DEVICES = ("auto", "cpu", "cuda")
 EXECUTORS = ("uni", "grpc", "ray")
-# Architectures whose model classes shard across tensor-parallel workers / split into pipeline stages.
-PARALLEL_ARCHITECTURES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM"})
-TENSOR_PARALLEL_ARCHITECTURES = PARALLEL_ARCHITECTURES | {"OPTForCausalLM", "LlavaForConditionalGeneration"}
-PIPELINE_PARALLEL_ARCHITECTURES = PARALLEL_ARCHITECTURES
+
+
+
+# The engine's size keys and the older spellings some architectures' config.json use instead
+# (GPT-2 / GPT-J / Bloom: n_layer, n_head, n_embd; ...), first found wins.
+_SIZE_ALIASES = {
+    "num_hidden_layers": ("n_layer", "num_layers"),
+    "num_attention_heads": ("n_head", "num_heads"),
+    "hidden_size": ("n_embd", "n_embed", "d_model"),
+    "max_position_embeddings": ("n_positions", "seq_length"),
+}
+
+
+def with_standard_sizes(hf_config: dict) -> dict:
+    """``hf_config`` (and its ``text_config``) with the engine's size keys filled in from an
+    architecture's own spellings, so the KV cache, the limits and the parallel checks read one name.
+    Keys already present are kept; the models read their own spellings either way."""
+    cfg = dict(hf_config)
+    if isinstance(cfg.get("text_config"), dict):
+        cfg["text_config"] = with_standard_sizes(cfg["text_config"])
+    for key, aliases in _SIZE_ALIASES.items():
+        if cfg.get(key) is None:
+            found = next((cfg[a] for a in aliases if cfg.get(a) is not None), None)
+            if found is not None:
+                cfg[key] = found
+    if cfg.get("model_type") == "falcon" and cfg.get("num_key_value_heads") is None:
+        heads = cfg.get("num_attention_heads")
+        if cfg.get("new_decoder_architecture"):
+            cfg["num_key_value_heads"] = cfg.get("num_kv_heads") or heads
+        else:  # the older form: one K/V head shared by all (multi_query) or one per head
+            cfg["num_key_value_heads"] = 1 if cfg.get("multi_query", True) else heads
+    return cfg
 
 
 def _positive(section: str, name: str, value: Optional[int], allow_none: bool = True) -> None:
@@ -65,6 +94,9 @@ class ModelConfig:
     # with ``quantization_config`` ({"method": ..., "ignore": [names or "re:" patterns]}).
     quantization: Optional[str] = None
     quantization_config: dict = field(default_factory=dict)
+    # Sampling defaults for the fields a request leaves out (shared/generation_config.py): "auto"
+    # (the checkpoint's generation_config.json), "vllm" (none) or a folder holding one.
+    generation_config: str = "auto"
     # Derived by resolve():
     model_path: str = ""
     architecture: str = ""
@@ -74,6 +106,8 @@ class ModelConfig:
     head_dim: int = 0
     vocab_size: int = 0
     resolved_dtype: str = "float32"
+    # What ``generation_config`` gave, as SamplingParams keywords ({"temperature": 0.6, ...}).
+    default_sampling_params: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -82,6 +116,7 @@ class ModelConfig:
         if self.max_logprobs < 0:
             raise ConfigError("model.max_logprobs", f"must be non-negative, got {self.max_logprobs}")
         self._check_quantization()
+        check_generation_config(self.generation_config)
 
     def _check_quantization(self) -> None:
         qc = self.quantization_config
@@ -144,7 +179,7 @@ class ModelConfig:
         else:
             with open(Path(self.model_path) / "config.json", encoding="utf-8") as f:
                 cfg = json.load(f)
-        self.hf_config = cfg
+        self.hf_config = with_standard_sizes(cfg)
         archs = cfg.get("architectures") or []
         self.architecture = archs[0] if archs else ""
         cfg = self.text_config  # a vision-language model: the language model's sizes
@@ -156,6 +191,7 @@ class ModelConfig:
         self.vocab_size = int(cfg.get("vocab_size", 0))
         self._detect_prequantized(cfg.get("quantization_config"))
         self.resolved_dtype = self._resolve_dtype(cfg)
+        self.default_sampling_params = read_default_sampling_params(self.model_path, self.generation_config)
         limit = int(cfg.get("max_position_embeddings") or 2048)
         if self.max_model_len is None:
             self.max_model_len = limit
@@ -300,9 +336,11 @@ class ParallelConfig:
 
     def check_model(self, architecture: str, hf_config: dict) -> None:
         """Refuse, naming the field, a model this parallel layout cannot split."""
-        for name, supported in (("tensor_parallel_size", TENSOR_PARALLEL_ARCHITECTURES),
-                                ("pipeline_parallel_size", PIPELINE_PARALLEL_ARCHITECTURES)):
-            if getattr(self, name) > 1 and architecture not in supported:
+        info = architecture_info(architecture)
+        for name, feature in (("tensor_parallel_size", "tensor_parallel"),
+                              ("pipeline_parallel_size", "pipeline_parallel")):
+            if getattr(self, name) > 1 and (info is None or not getattr(info, feature)):
+                supported = [a.name for a in ARCHITECTURES.values() if getattr(a, feature)]
                 raise ConfigError(
                     f"parallel.{name}",
                     f"{architecture!r} does not support it; supported: {', '.join(sorted(supported))}",
@@ -399,7 +437,7 @@ _SECTIONS = {
 }
 _RENAMED = {"distributed_executor_backend": "executor_backend"}
 _DERIVED = {"model_path", "architecture", "hf_config", "num_layers", "num_kv_heads", "head_dim",
-            "vocab_size", "resolved_dtype", "num_blocks"}
+            "vocab_size", "resolved_dtype", "num_blocks", "default_sampling_params"}
 _FLAT_TO_SECTION = {
     f.name: section
     for section, klass in _SECTIONS.items()

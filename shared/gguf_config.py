@@ -20,7 +20,7 @@ from gridserve.shared.errors import ConfigError
 
 # GGUF ``general.architecture`` -> the gridserve architecture built for it. llama.cpp writes
 # Mistral checkpoints as "llama", and Mixtral ones as "llama" with ``llama.expert_count``.
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 # Tensor types the worker dequantizes (``services/worker/gguf_loader.py``), by ggml type name.
 SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
 # GGUF files carry no serving dtype; quantized blocks dequantize exactly to float32 (fp16 scales
@@ -188,7 +188,7 @@ def hf_config_from_gguf(path: str | Path) -> dict[str, Any]:
         value: Optional[int] = gguf_file.get(f"tokenizer.ggml.{key}")
         if value is not None:
             config[hf_key] = int(value)
-    if arch == "qwen2":
+    if arch in ("qwen2", "qwen3"):
         config["use_sliding_window"] = False
         config["sliding_window"] = None
     if experts:  # llama with experts: Mixtral

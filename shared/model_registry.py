@@ -13,21 +13,79 @@ from __future__ import annotations
 import logging
 import re
 import threading
-from typing import Union
+from dataclasses import dataclass
+from typing import Optional, Union
 
 from gridserve.shared.errors import ConfigError, InvalidArgumentError
 
 logger = logging.getLogger(__name__)
 
-# The worker role's own models (``services/worker/models/__init__.py`` maps each to its class).
-BUILTIN_ARCHITECTURES = (
-    "LlamaForCausalLM",
-    "LlavaForConditionalGeneration",
-    "MistralForCausalLM",
-    "MixtralForCausalLM",
-    "OPTForCausalLM",
-    "Qwen2ForCausalLM",
-)
+@dataclass(frozen=True)
+class ArchitectureInfo:
+    """What a built-in architecture is and what it supports, known without importing torch.
+
+    ``module`` is ``"module:Class"`` under ``gridserve.services.worker.models``; ``examples`` are
+    Hugging Face checkpoints of that architecture (the docs' supported-models table); ``kv_kind``
+    is what each attention layer caches (``full``: K and V of every token; ``sliding``: some or
+    all layers see only a window; ``mla``: a compressed latent).
+    """
+
+    name: str
+    module: str
+    examples: tuple[str, ...] = ()
+    tensor_parallel: bool = True
+    pipeline_parallel: bool = True
+    quantization: bool = True
+    multimodal: bool = False
+    kv_kind: str = "full"
+
+
+def _arch(name: str, module: str, *examples: str, **features) -> ArchitectureInfo:
+    return ArchitectureInfo(name, module, tuple(examples), **features)
+
+
+# The worker role's own models, one entry per Hugging Face class name (``config.json``'s
+# ``architectures``); ``services/worker/models/__init__.py`` imports ``module`` when one is built.
+ARCHITECTURES: dict[str, ArchitectureInfo] = {a.name: a for a in (
+    _arch("LlamaForCausalLM", "llama:LlamaForCausalLM", "meta-llama/Llama-3.2-1B-Instruct",
+          "HuggingFaceTB/SmolLM2-135M-Instruct"),
+    _arch("MistralForCausalLM", "llama:MistralForCausalLM", "mistralai/Mistral-7B-Instruct-v0.3",
+          kv_kind="sliding"),
+    _arch("MixtralForCausalLM", "mixtral:MixtralForCausalLM", "mistralai/Mixtral-8x7B-Instruct-v0.1"),
+    _arch("Qwen2ForCausalLM", "llama:Qwen2ForCausalLM", "Qwen/Qwen2.5-0.5B-Instruct"),
+    _arch("OPTForCausalLM", "opt:OPTForCausalLM", "facebook/opt-125m", pipeline_parallel=False),
+    # the dense zoo (issue 30): each helper-owned entry's features are set by the model's author
+    _arch("Qwen3ForCausalLM", "qwen3:Qwen3ForCausalLM", "Qwen/Qwen3-0.6B"),
+    _arch("SmolLM3ForCausalLM", "smollm3:SmolLM3ForCausalLM", "HuggingFaceTB/SmolLM3-3B"),
+    _arch("Olmo2ForCausalLM", "olmo2:Olmo2ForCausalLM", "allenai/OLMo-2-0425-1B-Instruct"),
+    _arch("GraniteForCausalLM", "granite:GraniteForCausalLM", "ibm-granite/granite-3.3-2b-instruct"),
+    _arch("Phi3ForCausalLM", "phi3:Phi3ForCausalLM", "microsoft/Phi-3-mini-4k-instruct", kv_kind="sliding"),
+    _arch("Glm4ForCausalLM", "glm4:Glm4ForCausalLM", "THUDM/GLM-4-9B-0414"),
+    _arch("CohereForCausalLM", "cohere:CohereForCausalLM", "CohereForAI/c4ai-command-r-v01"),
+    _arch("GemmaForCausalLM", "gemma:GemmaForCausalLM", "google/gemma-2b-it"),
+    _arch("Gemma2ForCausalLM", "gemma:Gemma2ForCausalLM", "google/gemma-2-2b-it", kv_kind="sliding"),
+    _arch("Gemma3ForCausalLM", "gemma:Gemma3ForCausalLM", "google/gemma-3-1b-it", kv_kind="sliding"),
+    _arch("StableLmForCausalLM", "stablelm:StableLmForCausalLM", "stabilityai/stablelm-2-1_6b-chat"),
+    _arch("Starcoder2ForCausalLM", "starcoder2:Starcoder2ForCausalLM", "bigcode/starcoder2-3b",
+          kv_kind="sliding"),
+    _arch("GPT2LMHeadModel", "gpt2:GPT2LMHeadModel", "openai-community/gpt2"),
+    _arch("GPTJForCausalLM", "gptj:GPTJForCausalLM", "EleutherAI/gpt-j-6b"),
+    _arch("GPTNeoXForCausalLM", "gpt_neox:GPTNeoXForCausalLM", "EleutherAI/pythia-160m"),
+    _arch("PhiForCausalLM", "phi:PhiForCausalLM", "microsoft/phi-2"),
+    _arch("FalconForCausalLM", "falcon:FalconForCausalLM", "tiiuae/falcon-7b-instruct"),
+    _arch("BloomForCausalLM", "bloom:BloomForCausalLM", "bigscience/bloomz-560m"),
+    _arch("LlavaForConditionalGeneration", "llava:LlavaForConditionalGeneration", "llava-hf/llava-1.5-7b-hf",
+          pipeline_parallel=False, multimodal=True),
+)}
+
+# Every built-in architecture name.
+BUILTIN_ARCHITECTURES = tuple(sorted(ARCHITECTURES))
+
+
+def architecture_info(architecture: str) -> Optional[ArchitectureInfo]:
+    """The built-in architecture's metadata (None for a plugin's or an unknown one)."""
+    return ARCHITECTURES.get(architecture)
+
 
 _TARGET = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 

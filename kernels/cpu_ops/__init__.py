@@ -4,7 +4,7 @@
 import: the engine and gateway import gridserve without torch) and returns ``None``, logging why,
 when it cannot (no compiler, no ninja, a build error). ``load_layer_ops()`` does the same for
 ``layer_ops.cpp``, the per-token ops (RMSNorm, fused add + RMSNorm, rotary embedding,
-SiLU-and-mul, the KV-cache write), on their first CPU call or at ``dispatch.prepare``. The build lands in torch's extensions
+SiLU-and-mul, GELU and GELU-and-mul, the KV-cache write), on their first CPU call or at ``dispatch.prepare``. The build lands in torch's extensions
 folder (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``) and later processes
 reuse it; editing the source rebuilds it.
 """
@@ -26,7 +26,7 @@ logger = logging.getLogger(__name__)
 
 # the per-token ops of layer_ops.cpp (their own library, loaded by ``load_layer_ops``)
 LAYER_KERNELS = frozenset({"rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul",
-                           "reshape_and_cache"})
+                           "gelu_and_mul", "gelu", "reshape_and_cache"})
 KERNELS = frozenset({"paged_attention"}) | LAYER_KERNELS  # the ops this package implements
 _SOURCE = Path(__file__).with_name("paged_attention.cpp")
 _LAYER_SOURCE = Path(__file__).with_name("layer_ops.cpp")
@@ -142,6 +142,10 @@ def paged_attention(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     all_rows: bool = False,
+    *,
+    sliding_window: int = 0,
+    soft_cap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``reference.paged_attention`` with K/V read in place from the cache for short rows.
 
@@ -149,29 +153,34 @@ def paged_attention(
     rows (prefill, chunked prefill) in the reference's SDPA. ``all_rows`` (batch-invariant mode):
     every row in the kernel, so a token's result does not depend on its row's length (the kernel
     computes each query token alone, in one order over its positions). Needs ``load()`` to have
-    succeeded.
+    succeeded. ``sliding_window``, ``soft_cap`` and ``alibi_slopes``: as the reference (all in the
+    kernel too).
     """
     ops = load()
+    mods = reference.score_mods(sliding_window, soft_cap, alibi_slopes)
     if all_rows and (ops is None or not _supported(query, kv_cache)):
         raise RuntimeError(f"batch-invariant attention: the C++ kernel does not take {query.dtype} "
                            f"queries over a {kv_cache.dtype} cache")
     if ops is None or not _supported(query, kv_cache):
         return reference.paged_attention(
-            query, kv_cache, query_start_loc, seq_lens, block_table, scale, max_query_len, k_scale, v_scale
+            query, kv_cache, query_start_loc, seq_lens, block_table, scale, max_query_len, k_scale, v_scale,
+            sliding_window=mods.sliding_window, soft_cap=mods.soft_cap, alibi_slopes=mods.alibi_slopes,
         )
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     query = query if query.stride(-1) == 1 else query.contiguous()  # other strides are read as is
     query_start_loc, seq_lens = _int32(query_start_loc), _int32(seq_lens)
+    slopes = None if mods.alibi_slopes is None else mods.alibi_slopes.cpu().contiguous()
     ops.paged_attention(
         out, query, kv_cache, query_start_loc, seq_lens, _int32(block_table), float(scale),
         query.shape[0] if all_rows else MAX_KERNEL_QUERY_LEN, float(k_scale), float(v_scale),
+        mods.sliding_window, mods.soft_cap, slopes,
     )
     if all_rows:
         return out
     if max_query_len is None or max_query_len > MAX_KERNEL_QUERY_LEN:
         qsl, lens = query_start_loc.tolist(), seq_lens.tolist()
         longer = [i for i in range(len(lens)) if qsl[i + 1] - qsl[i] > MAX_KERNEL_QUERY_LEN]
-        reference.prefill_rows(query, kv_cache, qsl, lens, block_table, longer, scale, out, (k_scale, v_scale))
+        reference.prefill_rows(query, kv_cache, qsl, lens, block_table, longer, scale, out, (k_scale, v_scale), mods)
     return out
 
 
@@ -254,6 +263,26 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         return reference.silu_and_mul(x)
     out = torch.empty((*x.shape[:-1], x.shape[-1] // 2), dtype=x.dtype)
     ops.silu_and_mul(out, _rows(x))
+    return out
+
+
+def gelu_and_mul(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+    """``reference.gelu_and_mul``: ``gelu(x[..., :d], approximate) * x[..., d:]``."""
+    ops = load_layer_ops()
+    if ops is None or not _plain(x) or x.shape[-1] % 2 or approximate not in reference.GELU_APPROXIMATIONS:
+        return reference.gelu_and_mul(x, approximate)
+    out = torch.empty((*x.shape[:-1], x.shape[-1] // 2), dtype=x.dtype)
+    ops.gelu_and_mul(out, _rows(x), approximate == "tanh")
+    return out
+
+
+def gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+    """``reference.gelu`` (exact or tanh-approximated GELU), a new tensor."""
+    ops = load_layer_ops()
+    if ops is None or not _plain(x) or approximate not in reference.GELU_APPROXIMATIONS:
+        return reference.gelu(x, approximate)
+    out = torch.empty(x.shape, dtype=x.dtype)
+    ops.gelu(out, _rows(x), approximate == "tanh")
     return out
 
 

@@ -1,5 +1,5 @@
 // CPU kernels for a decoder layer's per-token "small ops": RMSNorm (plain and with the residual
-// add), rotary embedding, SiLU-and-mul and the KV-cache write. Each replaces a chain of torch ops
+// add), rotary embedding, SiLU-and-mul, GELU (and GELU-and-mul) and the KV-cache write. Each replaces a chain of torch ops
 // (one pass over memory and one dispatch per op) with one pass per row.
 //
 // Semantics are those of kernels/reference.py, rounding included: every intermediate the
@@ -527,6 +527,155 @@ void silu_and_mul(const at::Tensor& out, const at::Tensor& x) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// GELU and GELU-and-mul (GeGLU): out[j] = T(gelu(x[j])), or T(T(gelu(g)) * u) with g = x[j],
+// u = x[d + j], as F.gelu followed by a separate multiply. Exact GELU is 0.5 x erfc(-x / sqrt 2)
+// (no cancellation for negative x, where 1 + erf loses digits); the tanh approximation
+// 0.5 x (1 + tanh(u)), u = sqrt(2 / pi) (x + 0.044715 x^3), is computed as x / (1 + exp(-2u)).
+
+constexpr float kSqrtHalf = 0.70710678118654752f;
+constexpr float kTanhBeta = 0.79788456080286536f;  // sqrt(2 / pi)
+constexpr float kTanhKappa = 0.044715f;
+
+template <bool kTanh>
+inline float gelu_scalar(float x) {
+  if constexpr (kTanh) {
+    const float u = kTanhBeta * (x + kTanhKappa * (x * x * x));
+    return x / (1.f + std::exp(-2.f * u));
+  } else {
+    return 0.5f * x * std::erfc(-x * kSqrtHalf);
+  }
+}
+
+// Row r of x holds `in_width` elements (2d with the multiply, d without).
+template <typename T, bool kTanh, bool kMul>
+void gelu_rows_portable(const T* x, int64_t x_stride, T* out, int64_t d, int64_t r0, int64_t r1) {
+  for (int64_t r = r0; r < r1; ++r) {
+    const T* g = x + r * x_stride;
+    T* o = out + r * d;
+    for (int64_t j = 0; j < d; ++j) {
+      const float a = gelu_scalar<kTanh>(f32(g[j]));
+      if constexpr (kMul) {
+        o[j] = static_cast<T>(round_to<T>(a) * f32(g[d + j]));
+      } else {
+        o[j] = static_cast<T>(a);
+      }
+    }
+  }
+}
+
+#if defined(GS_X86)
+// c[0] z^(n-1) + ... + c[n-1] by Horner's rule.
+template <int N>
+GS_AVX512 inline __m512 horner16(__m512 z, const float (&c)[N]) {
+  __m512 p = _mm512_set1_ps(c[0]);
+  for (int i = 1; i < N; ++i) p = _mm512_fmadd_ps(p, z, _mm512_set1_ps(c[i]));
+  return p;
+}
+
+// erfc(a) for any a to ~4e-7 relative (Cephes' erff / erfcf): 1 - a T(a^2) for |a| < 1, else
+// exp(-a^2) / |a| P(1 / a^2) (R past 2), with exp(-a^2) from a split of |a| whose head squares
+// exactly; 2 - erfc(|a|) for a <= -1.
+GS_AVX512 inline __m512 erfc16(__m512 a) {
+  static constexpr float kT[] = {7.853861353153693e-5f, -8.010193625184903e-4f, 5.188327685732524e-3f,
+                                 -2.685381193529856e-2f, 1.128358514861418e-1f, -3.761262582423300e-1f,
+                                 1.128379165726710e+0f};
+  static constexpr float kP[] = {2.326819970068386e-2f, -1.387039388740657e-1f, 3.687424674597105e-1f,
+                                 -5.824733027278666e-1f, 6.210004621745983e-1f, -4.944515323274145e-1f,
+                                 3.404879937665872e-1f, -2.741127028184656e-1f, 5.638259427386472e-1f};
+  static constexpr float kR[] = {-1.047766399936249e+1f, 1.297719955372516e+1f, -7.495518717768503e+0f,
+                                 2.921019019210786e+0f, -1.015265279202700e+0f, 4.218463358204948e-1f,
+                                 -2.820767439740514e-1f, 5.641895067754075e-1f};
+  const __m512 one = _mm512_set1_ps(1.f);
+  const __m512 ax = _mm512_abs_ps(a);
+  const __m512 small = _mm512_fnmadd_ps(a, horner16(_mm512_mul_ps(a, a), kT), one);
+  const __m512 y = _mm512_div_ps(one, ax);
+  const __m512 w = _mm512_mul_ps(y, y);
+  const __m512 poly = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(ax, _mm512_set1_ps(2.f), _CMP_LT_OQ), horner16(w, kR),
+                                           horner16(w, kP));
+  const __m512 head = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(ax), _mm512_set1_epi32(static_cast<int>(0xFFFFF000u))));
+  const __m512 tail = _mm512_mul_ps(_mm512_sub_ps(ax, head), _mm512_add_ps(ax, head));
+  const __m512 e = _mm512_mul_ps(exp16(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(head, head))),
+                                 exp16(_mm512_sub_ps(_mm512_setzero_ps(), tail)));
+  __m512 large = _mm512_mul_ps(_mm512_mul_ps(e, y), poly);
+  large = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, _mm512_setzero_ps(), _CMP_LT_OQ), large,
+                               _mm512_sub_ps(_mm512_set1_ps(2.f), large));
+  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(ax, one, _CMP_LT_OQ), large, small);
+}
+
+template <bool kTanh>
+GS_AVX512 inline __m512 gelu16(__m512 x) {
+  if constexpr (kTanh) {
+    const __m512 cube = _mm512_mul_ps(_mm512_mul_ps(x, x), x);
+    const __m512 u = _mm512_mul_ps(_mm512_set1_ps(kTanhBeta), _mm512_fmadd_ps(_mm512_set1_ps(kTanhKappa), cube, x));
+    const __m512 e = exp16(_mm512_mul_ps(u, _mm512_set1_ps(-2.f)));
+    return _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), e));
+  } else {
+    const __m512 half_x = _mm512_mul_ps(_mm512_set1_ps(0.5f), x);
+    return _mm512_mul_ps(half_x, erfc16(_mm512_mul_ps(x, _mm512_set1_ps(-kSqrtHalf))));
+  }
+}
+
+template <typename T, bool kTanh, bool kMul>
+GS_AVX512 inline __m512 gelu_out16(const T* g, int64_t d, int64_t j, int64_t n) {
+  const __m512 a = gelu16<kTanh>(n == 16 ? load16(g + j) : load_part(g + j, n));
+  if constexpr (kMul) {
+    return _mm512_mul_ps(round16<T>(a), n == 16 ? load16(g + d + j) : load_part(g + d + j, n));
+  } else {
+    return a;
+  }
+}
+
+template <typename T, bool kTanh, bool kMul>
+GS_AVX512 void gelu_rows_avx512(const T* x, int64_t x_stride, T* out, int64_t d, int64_t r0, int64_t r1) {
+  const int64_t full = d / 16 * 16, tail = d - full;
+  for (int64_t r = r0; r < r1; ++r) {
+    const T* g = x + r * x_stride;
+    T* o = out + r * d;
+    for (int64_t j = 0; j < full; j += 16) store16(o + j, gelu_out16<T, kTanh, kMul>(g, d, j, 16));
+    if (tail) store_part(o + full, gelu_out16<T, kTanh, kMul>(g, d, full, tail), tail);
+  }
+}
+#endif
+
+template <typename T, bool kTanh, bool kMul>
+void gelu_typed(const at::Tensor& x, const at::Tensor& out, int64_t rows, int64_t d) {
+  const T* xp = x.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const int64_t stride = x.stride(0);
+  const bool avx = use_avx512();
+  at::parallel_for(0, rows, grain(kMul ? 2 * d : d), [&](int64_t r0, int64_t r1) {
+#if defined(GS_X86)
+    if (avx) return gelu_rows_avx512<T, kTanh, kMul>(xp, stride, op, d, r0, r1);
+#endif
+    gelu_rows_portable<T, kTanh, kMul>(xp, stride, op, d, r0, r1);
+  });
+}
+
+template <bool kMul>
+void gelu_dispatch(const at::Tensor& out, const at::Tensor& x, bool tanh) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && (!kMul || x.size(1) % 2 == 0),
+              kMul ? "x must be [rows, 2d], unit stride along 2d" : "x must be [rows, d], unit stride along d");
+  const int64_t rows = x.size(0), d = kMul ? x.size(1) / 2 : x.size(1);
+  TORCH_CHECK(out.is_contiguous() && out.numel() == rows * d && out.scalar_type() == x.scalar_type(),
+              "out must be contiguous [rows, d] of x's dtype");
+  if (rows == 0 || d == 0) return;
+  switch (x.scalar_type()) {
+    case at::kFloat:
+      return tanh ? gelu_typed<float, true, kMul>(x, out, rows, d) : gelu_typed<float, false, kMul>(x, out, rows, d);
+    case at::kBFloat16:
+      return tanh ? gelu_typed<c10::BFloat16, true, kMul>(x, out, rows, d)
+                  : gelu_typed<c10::BFloat16, false, kMul>(x, out, rows, d);
+    case at::kHalf:
+      return tanh ? gelu_typed<c10::Half, true, kMul>(x, out, rows, d)
+                  : gelu_typed<c10::Half, false, kMul>(x, out, rows, d);
+    default: TORCH_CHECK(false, "unsupported dtype ", x.scalar_type());
+  }
+}
+
+void gelu_and_mul(const at::Tensor& out, const at::Tensor& x, bool tanh) { gelu_dispatch<true>(out, x, tanh); }
+void gelu(const at::Tensor& out, const at::Tensor& x, bool tanh) { gelu_dispatch<false>(out, x, tanh); }
+
+// ---------------------------------------------------------------------------------------------
 // reshape_and_cache: token t's K and V rows ([kv_heads, head_size]) into slot slot_mapping[t] of
 // kv_cache [2, blocks, block_size, kv_heads, head_size]; negative slots (padding) are skipped.
 // Conversion as reference.to_cache_dtype: a cast, or for fp8 x / scale clamped to the format's
@@ -735,6 +884,8 @@ TORCH_LIBRARY(gridserve_cpu_layer, m) {
       "rotary_embedding(Tensor(a!) query_out, Tensor(b!) key_out, Tensor positions, Tensor query, Tensor key, "
       "Tensor cos_sin_cache, bool is_neox) -> ()");
   m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
+  m.def("gelu_and_mul(Tensor(a!) out, Tensor x, bool tanh) -> ()");
+  m.def("gelu(Tensor(a!) out, Tensor x, bool tanh) -> ()");
   m.def(
       "reshape_and_cache(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping, float k_scale, "
       "float v_scale) -> ()");
@@ -746,5 +897,7 @@ TORCH_LIBRARY_IMPL(gridserve_cpu_layer, CPU, m) {
   m.impl("fused_add_rms_norm", &fused_add_rms_norm);
   m.impl("rotary_embedding", &rotary_embedding);
   m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("gelu_and_mul", &gelu_and_mul);
+  m.impl("gelu", &gelu);
   m.impl("reshape_and_cache", &reshape_and_cache);
 }

@@ -14,7 +14,7 @@ except ImportError:
 except Exception as exc:  # a broken install must read as "no Triton", not crash the worker
     raise ImportError(f"triton is installed but cannot be imported: {exc!r}") from exc
 
-from gridserve.kernels.triton_ops.activation import silu_and_mul
+from gridserve.kernels.triton_ops.activation import gelu, gelu_and_mul, silu_and_mul
 from gridserve.kernels.triton_ops.attention import paged_attention
 from gridserve.kernels.triton_ops.cache import reshape_and_cache
 from gridserve.kernels.triton_ops.norm import fused_add_rms_norm, rms_norm
@@ -22,6 +22,8 @@ from gridserve.kernels.triton_ops.rotary import rotary_embedding
 
 __all__ = [
     "fused_add_rms_norm",
+    "gelu",
+    "gelu_and_mul",
     "paged_attention",
     "reshape_and_cache",
     "rms_norm",

@@ -10,6 +10,12 @@ The program walks the sequence's KV positions in tiles of ``TILE_N`` through the
 an online softmax; positions past a query's own position are masked (causal among the new tokens,
 full attention to the cached prefix). With ``NUM_SPLITS > 1`` (decode with few sequences) each
 program covers one slice of the context and writes a partial result, which a second kernel merges.
+
+Score modifiers (``gridserve.kernels.reference``'s semantics), each a constexpr switch so a plain
+model compiles the kernel it had: a sliding window starts the walk at the tile holding the block's
+first visible position (tiles wholly before it are never read) and masks ``q_pos - kv_pos >=
+window``; the soft cap (``cap * tanh(s / cap)``) and ALiBi (``+ slope * (kv_pos - q_pos)``) apply to
+the scaled scores before the change to base 2.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import triton.language as tl
 from gridserve.kernels.triton_ops._common import compute_in_fp32, fp8_max, num_sms, pow2
 
 LOG2E = 1.4426950408889634
+LOG2E_K = tl.constexpr(LOG2E)  # the same, for use inside kernels
 NEG_BIG = tl.constexpr(-1.0e30)  # initial running max: finite, so masked rows never see inf - inf
 MAX_SPLITS = 16
 SPLIT_MIN_TOKENS = 256  # do not split contexts (bounded by the block table) shorter than this
@@ -59,21 +66,40 @@ def _find_seq(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
+def _tanh(x):
+    """tanh in float32 to ~1e-7 (Cephes' tanhf): an odd polynomial below |x| = 0.625, where
+    (1 - e) / (1 + e) with e = exp(-2|x|) would cancel; that quotient above."""
+    ax = tl.abs(x)
+    z = x * x
+    p = -5.70498872745e-3 * z + 2.06390887954e-2
+    p = p * z - 5.37397155531e-2
+    p = p * z + 1.33314422036e-1
+    p = p * z - 3.33332819422e-1
+    small = x + x * z * p
+    e = tl.exp(-2.0 * ax)
+    large = (1.0 - e) / (1.0 + e)
+    return tl.where(ax < 0.625, small, tl.where(x < 0, -large, large))
+
+
+@triton.jit
 def _paged_attention_kernel(
     out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
     q_ptr, k_cache_ptr, v_cache_ptr,
-    query_start_loc_ptr, seq_lens_ptr, block_table_ptr,
-    scale_log2, num_seqs, num_heads, k_scale, v_scale,
+    query_start_loc_ptr, seq_lens_ptr, block_table_ptr, alibi_ptr,
+    scale, scale_log2, num_seqs, num_heads, k_scale, v_scale, sliding_window, soft_cap,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_cs, stride_ch, stride_bt,
     GROUP: tl.constexpr, PAGE: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
+    WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr, ALIBI: tl.constexpr,
 ):
     """Attention of one q-block's rows (tokens x grouped heads) over one slice of its context.
 
     ``KV_FP8``: the cache holds fp8 ``K / k_scale`` and ``V / v_scale``; tiles are widened and
-    rescaled as they load (to float32, then to the query's dtype unless computing in float32)."""
+    rescaled as they load (to float32, then to the query's dtype unless computing in float32).
+    ``WINDOW`` / ``SOFT_CAP`` / ``ALIBI``: whether ``sliding_window`` / ``soft_cap`` / the slopes at
+    ``alibi_ptr`` apply (module docstring)."""
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -101,14 +127,20 @@ def _paged_attention_kernel(
     if FP32:
         q = q.to(tl.float32)
 
-    # KV positions this program reads: up to the block's last query, or one split's slice of them.
+    # KV positions this program reads: up to the block's last query, or one split's slice of them;
+    # with a window, from the tile holding the first query's first visible position.
     kv_end = prefix + tl.minimum(first_q + BLOCK_Q, q_len)
-    kv_lo = 0
+    kv_start = 0
+    if WINDOW:
+        kv_start = tl.maximum(prefix + first_q - sliding_window + 1, 0) // TILE_N * TILE_N
+    kv_lo = kv_start
     kv_hi = kv_end
     if NUM_SPLITS > 1:
-        chunk = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), TILE_N) * TILE_N
-        kv_lo = split * chunk
+        chunk = tl.cdiv(tl.cdiv(kv_end - kv_start, NUM_SPLITS), TILE_N) * TILE_N
+        kv_lo = kv_start + split * chunk
         kv_hi = tl.minimum(kv_lo + chunk, kv_end)
+    if ALIBI:
+        slope = tl.load(alibi_ptr + head, mask=row_ok, other=0.0).to(tl.float32)
 
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + NEG_BIG
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -136,8 +168,19 @@ def _paged_attention_kernel(
         if FP32:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        s = tl.dot(q.to(k.dtype), k, input_precision=DOT_PRECISION) * scale_log2
+        s = tl.dot(q.to(k.dtype), k, input_precision=DOT_PRECISION)
+        if SOFT_CAP or ALIBI:
+            s = s * scale
+            if SOFT_CAP:
+                s = soft_cap * _tanh(s / soft_cap)
+            if ALIBI:
+                s += slope[:, None] * (kv_pos[None, :] - q_pos[:, None]).to(tl.float32)
+            s = s * LOG2E_K
+        else:
+            s = s * scale_log2
         visible = row_ok[:, None] & kv_ok[None, :] & (kv_pos[None, :] <= q_pos[:, None])
+        if WINDOW:
+            visible = visible & (kv_pos[None, :] > q_pos[:, None] - sliding_window)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.math.exp2(s - m_new[:, None])
@@ -193,11 +236,13 @@ def plan_attention(
     block_table: torch.Tensor,
     num_seqs: int,
     max_query_len: int | None,
+    sliding_window: int = 0,
 ) -> AttentionPlan:
     """Pick tile sizes and the split count from shapes alone (nothing is read back from the GPU).
 
     A step is treated as decode when ``max_query_len == 1`` or, without it, when there is one
-    token per sequence; the plan only affects speed, never the result.
+    token per sequence; the plan only affects speed, never the result. A sliding window bounds
+    the positions a decode row reads, hence its splits.
     """
     num_tokens, num_heads, head_size = query.shape
     group = num_heads // kv_cache.shape[3]
@@ -211,6 +256,8 @@ def plan_attention(
         )
     programs = max(num_seqs * kv_cache.shape[3], 1)
     longest = block_table.shape[1] * kv_cache.shape[2]  # upper bound on any context length
+    if sliding_window > 0:
+        longest = min(longest, sliding_window + 64)  # + the tile the window starts in
     splits = min(
         math.ceil(2 * num_sms(query.device) / programs),
         MAX_SPLITS,
@@ -231,6 +278,10 @@ def run_paged_attention(
     plan: AttentionPlan,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    *,
+    sliding_window: int = 0,
+    soft_cap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Launch the attention kernel (and the split reduction) with an explicit plan."""
     num_tokens, num_heads, head_size = query.shape
@@ -258,18 +309,24 @@ def run_paged_attention(
         part_acc = part_max = part_sum = out  # unused
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     fp32 = compute_in_fp32(query, kv_cache)
+    if alibi_slopes is not None:
+        if alibi_slopes.shape != (num_heads,):
+            raise ValueError(f"alibi_slopes must hold num_heads ({num_heads}) slopes, got {tuple(alibi_slopes.shape)}")
+        alibi_slopes = alibi_slopes.to(device=query.device, dtype=torch.float32).contiguous()
     grid = (num_tokens // block_q + num_seqs, num_kv_heads, splits)
     _paged_attention_kernel[grid](
         out, part_acc, part_max, part_sum,
         query, k_cache, v_cache,
-        query_start_loc, seq_lens, block_table,
-        scale * LOG2E, num_seqs, num_heads, float(k_scale), float(v_scale),
+        query_start_loc, seq_lens, block_table, alibi_slopes if alibi_slopes is not None else out,
+        float(scale), scale * LOG2E, num_seqs, num_heads, float(k_scale), float(v_scale),
+        int(sliding_window), float(soft_cap) if soft_cap > 0 else 1.0,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0),
         GROUP=group, PAGE=kv_cache.shape[2], HEAD_SIZE=head_size, HEAD_PAD=pow2(head_size),
         BLOCK_M=plan.block_m, BLOCK_Q=block_q, TILE_N=plan.tile_n,
         NUM_SPLITS=splits, FP32=fp32, DOT_PRECISION="ieee" if fp32 else "tf32",
         KV_FP8=fp8_max(kv_cache.dtype) > 0,
+        WINDOW=sliding_window > 0, SOFT_CAP=soft_cap > 0, ALIBI=alibi_slopes is not None,
         num_warps=plan.num_warps,
     )
     if splits > 1:
@@ -292,12 +349,18 @@ def paged_attention(
     max_query_len: int | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    *,
+    sliding_window: int = 0,
+    soft_cap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of packed queries ([num_tokens, num_heads, head_size]) over their paged KV.
 
     Same contract as the reference; decode, prefill and chunked prefill rows may be mixed; the
-    cache may be narrower than the query (16-bit or fp8 with per-tensor scales).
+    cache may be narrower than the query (16-bit or fp8 with per-tensor scales); the score
+    modifiers are the reference's.
     """
-    plan = plan_attention(query, kv_cache, block_table, seq_lens.shape[0], max_query_len)
+    plan = plan_attention(query, kv_cache, block_table, seq_lens.shape[0], max_query_len, sliding_window)
     return run_paged_attention(query, kv_cache, query_start_loc, seq_lens, block_table, scale, plan,
-                               k_scale, v_scale)
+                               k_scale, v_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+                               alibi_slopes=alibi_slopes)

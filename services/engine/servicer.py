@@ -16,6 +16,7 @@ from typing import Any, Optional
 import grpc
 from google.protobuf import struct_pb2
 
+from gridserve.api.common.v1 import common_pb2
 from gridserve.api.engine.v1 import engine_pb2, engine_pb2_grpc
 from gridserve.services.engine.executor.base import is_extension_method
 from gridserve.services.engine.loop import END, EngineLoop
@@ -132,6 +133,7 @@ class EngineServicer(engine_pb2_grpc.EngineCoreServicer):
             num_workers=self.config.parallel.world_size,
             max_logprobs=model.max_logprobs,
             metrics_port=self.metrics_port,
+            default_sampling_params=common_pb2.SamplingParams(**model.default_sampling_params),
         )
 
     async def GetLoad(self, request: engine_pb2.GetLoadRequest, context: grpc.aio.ServicerContext):

@@ -10,10 +10,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from typing import Optional
+from typing import Any, Optional
 
 import grpc
 
+from gridserve.api.engine.v1 import engine_pb2
 from gridserve.api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from gridserve.services.gateway.auth import ApiKeyInterceptor
 from gridserve.services.gateway.chat_template import ChatTemplateRenderer
@@ -67,7 +68,7 @@ def serve(engine_addresses: list[str], host: str, port: int, grace_s: float = 10
     service = GatewayService(GatewayTokenizer(info.tokenizer_path, renderer), engines, info.model,
                              info.max_model_len, info.vocab_size, info.max_logprobs, metrics, tracing,
                              limits, blocking_workers, MultiModalProcessor.from_model_folder(info.model_path),
-                             MediaLoader(media))
+                             MediaLoader(media), _sampling_defaults(info))
     metrics_server = None
     if metrics is not None:
         # The edge's GET /metrics shows these, with every engine's metrics merged in.
@@ -100,6 +101,17 @@ def serve(engine_addresses: list[str], host: str, port: int, grace_s: float = 10
     if metrics_server is not None:
         metrics_server.stop()
     return 0
+
+
+def _sampling_defaults(info: engine_pb2.GetInfoResponse) -> dict[str, Any]:
+    """The model's sampling defaults the engine sends (only the fields its generation config sets)."""
+    msg = info.default_sampling_params
+    defaults = {f.name: getattr(msg, f.name) for f in msg.DESCRIPTOR.fields
+                if f.has_presence and msg.HasField(f.name)}
+    if defaults:
+        logger.info("requests that leave a sampling field out get the model's generation config value: %s",
+                    ", ".join(f"{k}={v}" for k, v in defaults.items()))
+    return defaults
 
 
 def _follow_engines(readiness: Readiness, service: GatewayService) -> None:

@@ -12,7 +12,7 @@ ignored, as OpenAI and vLLM do. ``to_sampling_params`` turns a request into the 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import (
@@ -173,17 +173,20 @@ class SamplingFields(OpenAIBaseModel):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def to_sampling_params(self, max_tokens: Optional[int], logprobs: Optional[int]) -> SamplingParams:
-        """The domain's ``SamplingParams`` (unset fields take its defaults)."""
+    def to_sampling_params(self, max_tokens: Optional[int], logprobs: Optional[int],
+                           defaults: Optional[Mapping[str, Any]] = None) -> SamplingParams:
+        """The domain's ``SamplingParams``: a field the request leaves out takes the model's default
+        (``defaults``: its generation config, ``--generation-config``), else ``SamplingParams``'."""
         if self.best_of is not None and self.best_of != self.n:
             raise InvalidArgumentError("best_of", "only best_of == n is supported (no ranking of samples)")
         names = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
                  "frequency_penalty", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
                  "bad_words", "allowed_token_ids", "prompt_logprobs", "include_stop_str_in_output",
                  "skip_special_tokens", "spaces_between_special_tokens", "truncate_prompt_tokens")
-        kwargs: dict[str, Any] = {k: v for k in names if (v := getattr(self, k)) is not None}
+        kwargs: dict[str, Any] = {**(defaults or {})}
+        kwargs.update((k, v) for k in names if (v := getattr(self, k)) is not None)
         kwargs["stop"] = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        kwargs["max_tokens"] = max_tokens
+        kwargs["max_tokens"] = max_tokens if max_tokens is not None else kwargs.get("max_tokens")
         kwargs["logprobs"] = logprobs
         if self.logit_bias:
             kwargs["logit_bias"] = {int(k): v for k, v in self.logit_bias.items()}
@@ -351,9 +354,9 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
     top_logprobs: Annotated[Optional[Count32], capped("max_logprobs", int, "logprobs")] = None
     tool_choice: Optional[Union[Literal["none", "auto"], dict[str, Any]]] = None
 
-    def to_params(self) -> SamplingParams:
+    def to_params(self, defaults: Optional[Mapping[str, Any]] = None) -> SamplingParams:
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return self.to_sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
+        return self.to_sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None, defaults)
 
 
 class TokenizeRequest(OpenAIBaseModel):

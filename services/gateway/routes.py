@@ -13,7 +13,7 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Optional, TypeVar, Union
 
@@ -77,13 +77,17 @@ def _answers_errors(route: Callable[..., Awaitable[HttpResponse]]) -> Callable[.
 
 
 class OpenAIRoutes:
-    """The OpenAI routes of one gateway (and vLLM's ``/tokenize``, ``/detokenize``)."""
+    """The OpenAI routes of one gateway (and vLLM's ``/tokenize``, ``/detokenize``).
+
+    ``sampling_defaults``: what a generation request gets for a sampling field it leaves out (the
+    model's generation config, as ``SamplingParams`` keywords; none: ``SamplingParams``' own)."""
 
     def __init__(self, service: GatewayService, served_model_name: Optional[str] = None,
-                 version: str = "") -> None:
+                 version: str = "", sampling_defaults: Optional[Mapping[str, Any]] = None) -> None:
         self.service = service
         self.model = served_model_name or service.model_name
         self.version = version
+        self.sampling_defaults = dict(sampling_defaults or {})
         self._openapi: Optional[bytes] = None
 
     def _parse(self, model: type[M], data: bytes) -> M:
@@ -174,7 +178,7 @@ class OpenAIRoutes:
     async def completions(self, data: bytes, traceparent: str = "", timeout: Optional[float] = None) -> HttpResponse:
         request = self._parse(CompletionRequest, data)
         prompts = request.prompts()
-        params = request.to_sampling_params(request.max_tokens, request.logprobs)
+        params = request.to_sampling_params(request.max_tokens, request.logprobs, self.sampling_defaults)
         rank = request.data_parallel_rank  # vLLM's extension: pin an engine
         generate = functools.partial(self.service.generate, params=params, traceparent=traceparent,
                                      data_parallel_rank=rank, timeout=timeout)
@@ -199,7 +203,7 @@ class OpenAIRoutes:
     async def chat_completions(self, data: bytes, traceparent: str = "",
                                timeout: Optional[float] = None) -> HttpResponse:
         request = self._parse(ChatCompletionRequest, data)
-        params = request.to_params()
+        params = request.to_params(self.sampling_defaults)
         prompt = await self._chat_prompt(request)
         top_n = params.logprobs or 0
         if request.stream:

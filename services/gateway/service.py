@@ -117,10 +117,13 @@ class GatewayService:
                  max_model_len: int, vocab_size: int, max_logprobs: int,
                  metrics: Optional[GatewayMetrics] = None, tracing: Optional[Tracing] = None,
                  limits: Optional[RequestLimits] = None, blocking_workers: int = 8,
-                 multimodal: Optional[MultiModalProcessor] = None, media: Optional[MediaLoader] = None) -> None:
+                 multimodal: Optional[MultiModalProcessor] = None, media: Optional[MediaLoader] = None,
+                 sampling_defaults: Optional[dict[str, Any]] = None) -> None:
         """``multimodal``: a vision-language model's image preprocessing (None: text only);
-        ``media``: the pool that loads images by URL."""
+        ``media``: the pool that loads images by URL; ``sampling_defaults``: what a request gets
+        for a sampling field it leaves out (the model's generation config, from the engine)."""
         self.tokenizer = tokenizer
+        self.sampling_defaults = dict(sampling_defaults or {})
         self.engines = engines
         self.model_name = model_name
         self.max_model_len = max_model_len

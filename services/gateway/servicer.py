@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import uuid
 from collections.abc import AsyncIterator
@@ -46,7 +47,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
     def __init__(self, service: GatewayService, served_model_name: Optional[str] = None) -> None:
         self.service = service
-        self.openai = OpenAIRoutes(service, served_model_name, __version__)
+        self.openai = OpenAIRoutes(service, served_model_name, __version__, service.sampling_defaults)
         self.console = Console()
         self.status: Optional[StatusCollector] = None  # set by main once the server's address is known
 
@@ -85,8 +86,13 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         return chat_to_pb(request_id, out)
 
     def _params(self, request, text_prompt: Optional[str] = None) -> SamplingParams:
-        """The request's sampling params, through the same checks as the REST routes."""
+        """The request's sampling params, through the same checks as the REST routes; a field it
+        leaves unset takes the model's default (its generation config) when there is one."""
         params = sampling_params_from_pb(request.sampling_params)
+        unset = {name: value for name, value in self.service.sampling_defaults.items()
+                 if not request.sampling_params.HasField(name)}
+        if unset:
+            params = dataclasses.replace(params, **unset)
         check_sampling_params(params, self.service.limits, text_prompt)
         return params
 

@@ -29,11 +29,13 @@ class CheckpointTensor:
     """
 
     def __init__(self, name: str, shape: tuple[int, ...], read: Callable[[tuple], torch.Tensor],
-                 report: LoadReport) -> None:
+                 report: LoadReport, record_as: Optional[tuple[str, int]] = None) -> None:
         self.name = name
         self.shape = shape
         self._read = read
         self._report = report
+        # a view of another tensor (``row_block``, ``transposed``) counts its reads against that one
+        self._record_as = record_as or (name, math.prod(shape))
 
     def full(self) -> torch.Tensor:
         return self._take(tuple(slice(None) for _ in self.shape))
@@ -50,9 +52,29 @@ class CheckpointTensor:
         """``start:end`` along ``dim``, whole along the others (a TP slice of stacked expert weights)."""
         return self._take(tuple(slice(start, end) if d == dim else slice(None) for d in range(len(self.shape))))
 
+    def row_block(self, start: int, end: int) -> CheckpointTensor:
+        """Rows ``start:end`` as a tensor of their own, still read lazily (one part of a pre-fused
+        projection: a tensor-parallel rank then reads only its rows of that part)."""
+
+        def read(index: tuple) -> torch.Tensor:
+            rows = index[0].indices(end - start)
+            return self._read((slice(start + rows[0], start + rows[1]),) + tuple(index[1:]))
+
+        return CheckpointTensor(self.name, (end - start, *self.shape[1:]), read, self._report, self._record_as)
+
+    def transposed(self) -> CheckpointTensor:
+        """The 2-D tensor transposed (a checkpoint that stores ``(in, out)``, GPT-2's Conv1D)."""
+        return CheckpointTensor(self.name, (self.shape[1], self.shape[0]),
+                                lambda index: self._read((index[1], index[0])).t(), self._report, self._record_as)
+
+    def materialized(self, tensor: torch.Tensor) -> CheckpointTensor:
+        """``tensor`` (this one, read whole and rearranged) in this tensor's place."""
+        return CheckpointTensor(self.name, tuple(tensor.shape), lambda index: tensor[index], self._report,
+                                self._record_as)
+
     def _take(self, index: tuple) -> torch.Tensor:
         tensor = self._read(index)
-        self._report.record(self.name, tensor.numel(), math.prod(self.shape))
+        self._report.record(*self._record_as[:1], tensor.numel(), self._record_as[1])
         return tensor
 
 

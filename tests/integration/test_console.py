@@ -4,7 +4,8 @@ worker, engine, gateway and the Envoy edge on free loopback ports, serving the r
 The page is served by the edge at ``/``; the chat streams from ``/v1/chat/completions`` and the
 status page polls ``/v1/status``. ``GRIDSERVE_CONSOLE_SCREENSHOTS=DIR`` saves screenshots of the
 chat and the status page there (``docs/console.png`` is taken that way, with
-``GRIDSERVE_CONSOLE_MODEL`` naming the trained demo model's folder instead of the tiny Llama).
+``GRIDSERVE_CONSOLE_MODEL`` naming the default model's GGUF (``python -c "from gridserve.default_model
+import default_model_file as f; print(f())"``) instead of the tiny Llama).
 """
 
 from __future__ import annotations
@@ -21,16 +22,23 @@ import pytest
 
 from gridserve.api.engine.v1 import engine_pb2
 from gridserve.api.gateway.v1 import gateway_pb2
+from gridserve.default_model import DEFAULT_MODEL_NAME
 from gridserve.launcher import free_port
 
 from .browser import launch
-from .services import address, deployment, engine_stub, gateway_stub, pid
+from .services import ENGINE_ARGS, address, deployment, engine_stub, gateway_stub, pid
 
 pytestmark = pytest.mark.slow
 
 TIMEOUT_MS = 60_000
 # Long enough to still be streaming when the test cancels (the tiny Llama's context is 512).
 LONG_ANSWER_TOKENS = 450
+# The question the chat box opens with (services/gateway/static/index.html).
+EXAMPLE_QUESTION = "What is the capital of France? Answer in one sentence."
+
+
+def served_name(model: Path) -> str:
+    return DEFAULT_MODEL_NAME if model.suffix == ".gguf" else model.name
 
 
 @pytest.fixture(scope="module")
@@ -45,8 +53,10 @@ def model(llama_tiny) -> Path:
 
 @pytest.fixture(scope="module")
 def edge(model, tmp_path_factory):
+    # a real model's context (8k) needs more KV memory than the tests give: shorten it
+    engine_args = [*ENGINE_ARGS, "--max-model-len", "512"] if model.suffix == ".gguf" else None
     with deployment(model, tmp_path_factory.mktemp("logs"), edge_port=free_port(),
-                    served_model_name=model.name) as launcher:
+                    served_model_name=served_name(model), engine_args=engine_args) as launcher:
         yield launcher
 
 
@@ -75,7 +85,8 @@ def _ask(page, prompt: str, max_tokens: int, temperature: float = 0.0) -> None:
 def test_console_page_loads_and_lists_the_served_model(page, model):
     assert page.title() == "gridserve console"
     page.wait_for_function("document.querySelectorAll('#model option').length > 0")
-    assert page.eval_on_selector_all("#model option", "os => os.map(o => o.value)") == [model.name]
+    assert page.eval_on_selector_all("#model option", "os => os.map(o => o.value)") == [served_name(model)]
+    assert page.input_value("#prompt") == EXAMPLE_QUESTION  # a real question, ready to send
     assert page.is_visible("#chat") and not page.is_visible("#status")
     assert page.is_hidden("#chat-error")
 
@@ -92,7 +103,7 @@ def test_prompt_streams_tokens_into_the_page_incrementally(page, edge):
             if (answer) window.reads.push(answer.textContent.length);
         }).observe(document.getElementById('messages'), {childList: true, subtree: true, characterData: true});
     }""")
-    _ask(page, "def fibonacci(n):", max_tokens=64)
+    _ask(page, EXAMPLE_QUESTION, max_tokens=64)
     page.wait_for_selector(".message.assistant[data-done='true']")
     _save_screenshot(page, "console.png")
     final = page.inner_text(".message.assistant:last-child .text")

@@ -12,7 +12,8 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from gridserve.demo import corpus, perplexity, recipe, train  # noqa: E402
+from gridserve.demo import corpus, recipe, train  # noqa: E402
+from gridserve.evals import perplexity  # noqa: E402
 from gridserve.shared.errors import InvalidArgumentError  # noqa: E402
 
 # A few dozen steps of a ~0.6M-parameter Llama on four stdlib files: seconds on two cores.

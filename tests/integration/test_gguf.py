@@ -147,3 +147,17 @@ def test_structured_output_with_the_embedded_tokenizer(llama_tiny, tmp_path):
     want = [o.outputs[0] for o in _llm(llama_tiny).generate(prompts, params, use_tqdm=False)]
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert re.fullmatch(regex, got[0].text) and got[1].text in ("red", "green", "héllo wörld")
+
+
+def test_qwen3_gguf_serves_like_safetensors(tmp_path):
+    """Qwen3's per-head Q/K norms (``attn_q_norm`` / ``attn_k_norm``) and a head size that is not
+    hidden / heads (``attention.key_length``); no Q/K row permutation (llama.cpp permutes only llama)."""
+    from tests.zoo import zoo_checkpoint
+
+    folder = zoo_checkpoint("qwen3-gguf", "Qwen3Config", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
+                            tie_word_embeddings=False)
+    path = write_gguf(folder, tmp_path / "qwen3.gguf")
+    llm = _llm(path)
+    assert llm.config.model.architecture == "Qwen3ForCausalLM"
+    assert _token_outputs(llm, folder) == _token_outputs(_llm(folder), folder)

@@ -15,21 +15,10 @@ import threading
 import warnings
 
 from gridserve.shared.config import GridserveConfig
-from gridserve.shared.model_registry import ModelRegistry
+from gridserve.shared.model_registry import ARCHITECTURES, ModelRegistry
 from gridserve.shared.plugins import load_general_plugins
 
 logger = logging.getLogger(__name__)
-
-# built-in architecture name (``BUILTIN_ARCHITECTURES``) -> "module:Class" here, imported when used
-_BUILTIN = {
-    "LlamaForCausalLM": "llama:LlamaForCausalLM",
-    "MistralForCausalLM": "llama:MistralForCausalLM",
-    "MixtralForCausalLM": "mixtral:MixtralForCausalLM",
-    "Qwen2ForCausalLM": "llama:Qwen2ForCausalLM",
-    "OPTForCausalLM": "opt:OPTForCausalLM",
-    "LlavaForConditionalGeneration": "llava:LlavaForConditionalGeneration",
-}
-
 
 def supported_architectures() -> list[str]:
     load_general_plugins()
@@ -44,7 +33,7 @@ def get_model_class(architecture: str) -> type:
     if isinstance(target, type):
         return target
     if target is None:
-        module_name, class_name = _BUILTIN[architecture].split(":")
+        module_name, class_name = ARCHITECTURES[architecture].module.split(":")
         module_name = f"{__name__}.{module_name}"
     else:
         module_name, class_name = target.split(":")

@@ -10,7 +10,6 @@ model's (column-parallel Q/K/V and ``fc1``, row-parallel ``out_proj`` and ``fc2`
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -21,13 +20,13 @@ from gridserve.services.worker.parallel_layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     add_prefix,
-    load_replicated,
 )
 from gridserve.services.worker.parallel_state import ParallelState
+from gridserve.services.worker.weight_loader import LLAMA_STACKED, WeightMap, load_weights
 from gridserve.shared.errors import ConfigError
 from gridserve.shared.parallel import Shard, even_shard
 
-_QKV = {"q_proj": 0, "k_proj": 1, "v_proj": 2}
+_WEIGHT_MAP = WeightMap(rename=((r"encoder\.layers\.", "layers."),), stacked=LLAMA_STACKED[:3])
 _ACTIVATIONS = {
     "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
     "gelu": F.gelu,
@@ -138,25 +137,5 @@ class CLIPVisionModel(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, CheckpointTensor]]) -> set[str]:
         """Tensors named as in ``CLIPVisionModel`` without ``vision_model.``; layers past the
         feature layer and ``post_layernorm`` are skipped unread."""
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        for name, tensor in weights:
-            target, shard = _target(name)
-            if target not in params:
-                continue
-            module_name, _, param_name = target.rpartition(".")
-            module = self.get_submodule(module_name)
-            if hasattr(module, "load"):
-                module.load(param_name, tensor, shard or 0)
-            else:
-                load_replicated(params[target], tensor)
-            loaded.add(target)
-        return loaded
-
-
-def _target(name: str) -> tuple[str, Optional[int]]:
-    name = name.replace("encoder.layers.", "layers.")
-    for fragment, shard in _QKV.items():
-        if f".{fragment}." in name:
-            return name.replace(fragment, "qkv_proj"), shard
-    return name, None
+        params = {name for name, _ in self.named_parameters()}
+        return load_weights(self, weights, _WEIGHT_MAP, lambda name: name if name in params else None)

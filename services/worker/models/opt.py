@@ -21,15 +21,14 @@ from gridserve.services.worker.parallel_layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
     add_prefix,
-    load_replicated,
     parallel_logits,
 )
 from gridserve.services.worker.parallel_state import ParallelState, get_parallel_state
+from gridserve.services.worker.weight_loader import LLAMA_STACKED, WeightMap, load_weights
 from gridserve.shared.config import GridserveConfig
 from gridserve.shared.parallel import Shard, even_shard
 
 _POSITION_OFFSET = 2  # OPT's learned position table reserves its first two rows
-_STACKED = {"q_proj": 0, "k_proj": 1, "v_proj": 2}
 _ACTIVATIONS = {"relu": nn.ReLU, "gelu": nn.GELU}
 
 
@@ -151,25 +150,9 @@ class OPTForCausalLM(nn.Module):
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.model.decoder.layers]
 
+    # old checkpoints (e.g. facebook/opt-125m) omit "model."; the LM head is tied to the embedding
+    weight_map = WeightMap(skip=(r"^lm_head\.weight$",), rename=((r"^decoder\.", "model.decoder."),),
+                           stacked=LLAMA_STACKED[:3])
+
     def load_weights(self, weights: Iterable[tuple[str, CheckpointTensor]]) -> set[str]:
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        for name, tensor in weights:
-            if name == "lm_head.weight":
-                continue  # tied to the embedding
-            if name.startswith("decoder."):
-                name = "model." + name  # old checkpoints (e.g. facebook/opt-125m) omit "model."
-            target, shard = name, None
-            for fragment, index in _STACKED.items():
-                if f".{fragment}." in name:
-                    target, shard = name.replace(fragment, "qkv_proj"), index
-            if target not in params:
-                raise KeyError(f"checkpoint tensor {name!r} has no place in OPTForCausalLM")
-            module_name, _, param_name = target.rpartition(".")
-            module = self.get_submodule(module_name)
-            if hasattr(module, "load"):
-                module.load(param_name, tensor, shard or 0)
-            else:
-                load_replicated(params[target], tensor)
-            loaded.add(target)
-        return loaded
+        return load_weights(self, weights, self.weight_map)

@@ -33,7 +33,7 @@ def test_the_reference_pages_match_the_code(clean_env):
     for name, build in reference.PAGES.items():
         path = reference.DOCS / name
         assert path.exists() and path.read_text(encoding="utf-8") == build(), (
-            f"docs/reference/{name} is stale: run `python -m gridserve.reference`")
+            f"docs/{name} is stale: run `python -m gridserve.reference`")
 
 
 def test_the_reference_lists_every_engine_option_and_every_table_variable(clean_env):

@@ -72,6 +72,9 @@ def _run_wrappers(dtype: torch.dtype, cache_dtype: torch.dtype | None = None, no
             loc = torch.tensor([0, q_lens[0], sum(q_lens)], dtype=torch.int32)
             q = torch.zeros(sum(q_lens), heads, head_size, dtype=dtype)
             triton_ops.paged_attention(q, kv, loc, seq_lens, table, 0.1, max(q_lens))
+            for mods in ({"sliding_window": 64},  # the window alone, then every modifier
+                         {"sliding_window": 64, "soft_cap": 30.0, "alibi_slopes": torch.zeros(heads)}):
+                triton_ops.paged_attention(q, kv, loc, seq_lens, table, 0.1, max(q_lens), **mods)
         triton_ops.reshape_and_cache(q[:, :kv_heads], q[:, :kv_heads], kv, torch.arange(q.shape[0]))
         if norms:
             triton_ops.rotary_embedding(
@@ -83,6 +86,9 @@ def _run_wrappers(dtype: torch.dtype, cache_dtype: torch.dtype | None = None, no
     triton_ops.rms_norm(x, x[0], 1e-6)
     triton_ops.fused_add_rms_norm(x, x, x[0], 1e-6)
     triton_ops.silu_and_mul(x)
+    for approximate in ("none", "tanh"):
+        triton_ops.gelu_and_mul(x, approximate)
+        triton_ops.gelu(x, approximate)
 
 
 def compile_launch(launch: Launch, arch: int):
@@ -127,7 +133,8 @@ def main() -> int:
         fn, call_args, meta = launch
         kernel = compile_launch(launch, args.arch)
         dtypes = sorted({TYPES[a.dtype] for a in call_args if isinstance(a, torch.Tensor)})
-        shape = {k: v for k, v in meta.items() if k in ("BLOCK_M", "TILE_N", "NUM_SPLITS", "HEAD_SIZE")}
+        shape = {k: v for k, v in meta.items()
+                 if k in ("BLOCK_M", "TILE_N", "NUM_SPLITS", "HEAD_SIZE", "WINDOW", "SOFT_CAP", "ALIBI", "TANH")}
         print(f"sm_{args.arch} {fn.__name__} {','.join(dtypes)} {shape} {resource_usage(kernel)}")
     return 0
 

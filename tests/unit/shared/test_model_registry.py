@@ -9,7 +9,7 @@ import pytest
 from gridserve import ModelRegistry
 from gridserve.services.worker import models
 from gridserve.shared.errors import ConfigError, InvalidArgumentError
-from gridserve.shared.model_registry import BUILTIN_ARCHITECTURES
+from gridserve.shared.model_registry import ARCHITECTURES, BUILTIN_ARCHITECTURES
 
 
 @pytest.fixture
@@ -34,9 +34,9 @@ def test_registered_lazy_string_is_supported_without_importing_it(registered):
 def test_unknown_architecture_names_every_registered_one(registered):
     registered("MyForCausalLM", "my_pkg.models:MyForCausalLM")
     with pytest.raises(ConfigError) as info:
-        ModelRegistry.check_architecture("GPT2LMHeadModel")
+        ModelRegistry.check_architecture("MambaForCausalLM")
     assert info.value.field == "model.architecture"
-    assert "'GPT2LMHeadModel'" in str(info.value)
+    assert "'MambaForCausalLM'" in str(info.value)
     for name in (*BUILTIN_ARCHITECTURES, "MyForCausalLM"):
         assert name in str(info.value)
 
@@ -52,8 +52,11 @@ def test_bad_registration_names_the_argument(architecture, target, field):
     assert info.value.field == field
 
 
-def test_worker_builtins_are_the_registry_builtins():
-    assert set(models._BUILTIN) == set(BUILTIN_ARCHITECTURES)
+def test_every_builtin_architecture_resolves_to_its_class_in_the_worker():
+    assert set(ARCHITECTURES) == set(BUILTIN_ARCHITECTURES)
+    for name, info in ARCHITECTURES.items():
+        cls = models.get_model_class(name)
+        assert cls.__name__ == info.module.split(":")[1] and cls.__module__.endswith(info.module.split(":")[0])
 
 
 def test_registered_string_resolves_to_its_class_in_the_worker(registered):
