@@ -41,6 +41,7 @@ for name, folder in ROOTS.items():
     packages += [f"{name}.{sub}" for sub in find_packages(folder)]
 
 # Non-Python files the packages read at run time (the C++ CPU kernels are compiled on first use;
-# the gateway serves the web console's static files).
+# the gateway serves the web console's static files; `gridserve eval chat` reads its question set).
 setup(packages=packages, package_dir=ROOTS, package_data={"gridserve.kernels.cpu_ops": ["*.cpp", "*.h"],
-                                                     "gridserve.services.gateway": ["static/*"]})
+                                                     "gridserve.services.gateway": ["static/*"],
+                                                     "gridserve.evals": ["*.jsonl"]})

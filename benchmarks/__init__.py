@@ -24,6 +24,8 @@ BENCHMARKS = {
              "add_arguments", "run"),
     "step": ("engine", "decode-step wall time vs the model forward inside it", "add_step_arguments",
              "run_step"),
+    "zoo-step": ("zoo_step", "decode step per built-in architecture, per FLOP, vs Llama's (tiny shapes)",
+                 "add_arguments", "run"),
     "prefix": ("engine", "TTFT with a cached long prefix vs a cold one", "add_prefix_arguments",
                "run_prefix"),
     "observability": ("observability", "engine step time with metrics / tracing off and on",

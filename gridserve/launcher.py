@@ -16,6 +16,12 @@ in a private directory removed by ``stop()``: every role gets its ``--tls-*`` fl
 every link), the launcher checks health with the ``admin`` certificate, and the edge talks mutual
 TLS to the gateways with the ``edge`` one and serves HTTPS / gRPC over TLS with it (or with
 ``ssl_files``, ``--ssl-certfile`` / ``--ssl-keyfile``, which also work without ``tls``).
+
+Addresses: ``host`` (``serve --host``) is where the edge listens. Every other role (workers,
+engines, the coordinator, the gateways, every ``--metrics-port``) listens on 127.0.0.1, unless
+``tls`` or ``insecure_internal`` (``--insecure-internal``, handed on to each role) let them listen on
+``host`` too; the workers' torch.distributed rendezvous always stays on 127.0.0.1 (it has no
+authentication, and every worker is on this machine).
 """
 
 from __future__ import annotations
@@ -42,7 +48,7 @@ from gridserve.shared.rpc.tls import TlsFiles
 
 logger = logging.getLogger(__name__)
 
-
+LOOPBACK = "127.0.0.1"
 
 RESTART_BACKOFF_S = (1.0, 30.0)  # first delay, cap: doubles with each failure in a row
 CRASH_LOOP_RESTARTS = 5  # restarts in a row, each dying within CRASH_LOOP_WINDOW_S of its start
@@ -105,10 +111,14 @@ class Launcher:
                  data_parallel_size: int = 1,
                  observability_args: Optional[list[str]] = None, metrics: bool = True,
                  gateway_args: Optional[list[str]] = None, tls: bool = False,
-                 ssl_files: Optional[tuple[str, str]] = None) -> None:
+                 ssl_files: Optional[tuple[str, str]] = None, insecure_internal: bool = False) -> None:
         self.model = model
         self.engine_args = engine_args
         self.host = host
+        self.insecure_internal = insecure_internal
+        # Plaintext never leaves loopback silently: without TLS the roles behind the edge listen on
+        # 127.0.0.1 unless the operator said --insecure-internal.
+        self.internal_host = host if (tls or insecure_internal) else LOOPBACK
         self.grpc_port = grpc_port
         self.api_server_count = api_server_count
         self.tensor_parallel_size = tensor_parallel_size
@@ -232,22 +242,25 @@ class Launcher:
                             ("--pipeline-parallel-size", self.pipeline_parallel_size)):
             if flag not in self.engine_args:
                 args += [flag, str(value)]
-        if rendezvous and "--distributed-init-address" not in self.engine_args:
-            args += ["--distributed-init-address", f"{self.host}:{free_port(self.host)}"]
+        if rendezvous and "--distributed-init-address" not in self.engine_args:  # no authentication: loopback
+            args += ["--distributed-init-address", f"{LOOPBACK}:{free_port(LOOPBACK)}"]
         return args
 
     def _spawn(self, role: str, index: int, extra: list[str], port: Optional[int] = None,
                env: Optional[dict[str, str]] = None, group: Optional[int] = None) -> RoleProcess:
-        port = port or free_port(self.host)
-        address = f"{self.host}:{port}"
-        argv = [sys.executable, "-m", "gridserve.cli", role, "--host", self.host, "--port", str(port),
+        host = self.internal_host
+        port = port or free_port(host)
+        address = f"{host}:{port}"
+        argv = [sys.executable, "-m", "gridserve.cli", role, "--host", host, "--port", str(port),
                 "--grace-period", str(self.grace_s), *self.observability_args, *extra]
         if role in self.certificates:
             argv += self.certificates[role].argv()
+        if self.insecure_internal:
+            argv.append("--insecure-internal")
         metrics_address = None
         if self.metrics:
-            metrics_port = free_port(self.host)
-            metrics_address = f"{self.host}:{metrics_port}"
+            metrics_port = free_port(host)
+            metrics_address = f"{host}:{metrics_port}"
             argv += ["--metrics-port", str(metrics_port)]
         log = None
         if self.log_dir is not None:

@@ -13,7 +13,7 @@ from tqdm.auto import tqdm
 
 from gridserve.launcher import Launcher
 from gridserve.llm_engine import LLMEngine
-from gridserve.services.gateway.media_loader import MediaLoader
+from gridserve.services.gateway.media_loader import MediaConfig, MediaLoader
 from gridserve.services.gateway.multimodal import chat_images
 from gridserve.services.gateway.processor import PromptType
 from gridserve.shared.config import GridserveConfig
@@ -108,7 +108,9 @@ class LLM:
         if not isinstance(source, str):
             return source
         if self._media is None:
-            self._media = MediaLoader()
+            # the caller's own process: any public host may be fetched (the server's gateways
+            # fetch nothing remote unless --allowed-media-domains says so)
+            self._media = MediaLoader(MediaConfig(allowed_media_domains=("*",)))
         return self._media.load(field, source)
 
     def _run(self, prompts: list[PromptType], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:

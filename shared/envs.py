@@ -162,6 +162,9 @@ _TABLE = [
     EnvVar("GRIDSERVE_TEST_ENGINE_SIGUSR1_STOP", _bool, False,
            "tests: SIGUSR1 stops the engine's loop thread (the watchdog then makes it not live)",
            "engine", test_only=True),
+    EnvVar("GRIDSERVE_TEST_MEDIA_LOOPBACK", _bool, False,
+           "tests: the gateway may fetch image URLs from loopback addresses (a local image server); every "
+           "other private address stays refused", "gateway", test_only=True),
     EnvVar("GRIDSERVE_TEST_GRAMMAR_FAULT", str, "",
            "tests: a request whose structured-output spec contains this text fails its grammar step "
            "(*at import*)",

@@ -17,10 +17,11 @@ from pathlib import Path
 from typing import Any, Optional
 
 from gridserve.shared.errors import ConfigError
+from gridserve.shared.gguf_architectures import ARCHITECTURES as GGUF_ARCHITECTURES
+from gridserve.shared.gguf_architectures import GgufMetadata
 
-# GGUF ``general.architecture`` -> the gridserve architecture built for it. llama.cpp writes
-# Mistral checkpoints as "llama", and Mixtral ones as "llama" with ``llama.expert_count``.
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+# GGUF ``general.architecture`` -> the gridserve architecture built for it (``gguf_architectures``).
+ARCHITECTURES = {name: arch.hf_class for name, arch in GGUF_ARCHITECTURES.items()}
 # Tensor types the worker dequantizes (``services/worker/gguf_loader.py``), by ggml type name.
 SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
 # GGUF files carry no serving dtype; quantized blocks dequantize exactly to float32 (fp16 scales
@@ -115,95 +116,38 @@ def check_tensor_types(gguf_file: GgufFile) -> None:
 
 
 def hf_config_from_gguf(path: str | Path) -> dict[str, Any]:
-    """The config.json-like dict of the GGUF file at ``path`` (``architectures``, sizes, rope, norms,
-    context, token ids), checked: architecture and tensor types supported, sizes present."""
+    """The config.json-like dict of the GGUF file at ``path``: the architecture's own fields
+    (``gguf_architectures``) and what every one shares (vocabulary, tied head, context, token ids,
+    dtype), checked: architecture and tensor types supported, the keys the model needs present."""
     gguf_file = read_gguf(path)
     arch = gguf_architecture(gguf_file)
     check_tensor_types(gguf_file)
-
-    def get(key: str, default: Any = None, required: bool = False) -> Any:
-        value = gguf_file.get(f"{arch}.{key}", default)
-        if required and value is None:
-            raise ConfigError("model.model", f"{str(path)!r}: metadata {arch}.{key} is missing")
-        if isinstance(value, list):  # per-layer values (head_count_kv): gridserve needs them uniform
-            if not value or len(set(value)) != 1:
-                raise ConfigError("model.model", f"{str(path)!r}: metadata {arch}.{key} differs per "
-                                                 "layer, which gridserve does not support")
-            value = value[0]
-        return value
-
-    experts = int(get("expert_count", 0) or 0)
-    if experts and arch != "llama":
-        raise ConfigError("model.model", f"{str(path)!r}: {arch}.expert_count: mixture-of-experts "
-                                         f"{arch} GGUF files are not supported (llama's, Mixtral, are)")
-    names = {t.name for t in gguf_file.tensors}
-    if "rope_freqs.weight" in names:
+    meta = GgufMetadata(gguf_file, arch)
+    if meta.has("rope_freqs.weight"):
         raise ConfigError("model.model", f"{str(path)!r}: tensor 'rope_freqs.weight' (llama3-style "
                                          "RoPE frequencies) is not supported for GGUF files yet")
-    hidden = int(get("embedding_length", required=True))
-    heads = int(get("attention.head_count", required=True))
-    kv_heads = int(get("attention.head_count_kv", heads))
-    head_dim = int(get("attention.key_length", 0) or hidden // heads)
-    rotary = get("rope.dimension_count")
-    if rotary is not None and int(rotary) != head_dim:
-        raise ConfigError("model.model", f"{str(path)!r}: {arch}.rope.dimension_count={rotary}: partial "
-                                         f"rotary embeddings (head size {head_dim}) are not supported")
-    vocab = int(get("vocab_size", 0))
-    if not vocab:  # older files: the vocabulary's length
-        vocab = len(gguf_file.get("tokenizer.ggml.tokens") or [])
-    embed = next((t for t in gguf_file.tensors if t.name == "token_embd.weight"), None)
+    embed = meta.tensors.get("token_embd.weight")
     if embed is None:
         raise ConfigError("model.model", f"{str(path)!r}: tensor 'token_embd.weight' is missing")
-    if not vocab:
-        vocab = int(embed.shape[0])
-    rope: dict[str, Any] = {"rope_theta": _f32(get("rope.freq_base", 10000.0)), "rope_type": "default"}
-    scaling = get("rope.scaling.type")
-    if scaling not in (None, "none"):
-        if scaling != "linear":
-            raise ConfigError("model.model", f"{str(path)!r}: {arch}.rope.scaling.type {scaling!r} is not "
-                                             "supported (only linear)")
-        rope.update(rope_type="linear", factor=_f32(get("rope.scaling.factor", 1.0)))
+    architecture = GGUF_ARCHITECTURES[arch]
     config: dict[str, Any] = {
-        "architectures": [ARCHITECTURES[arch]],
-        "model_type": arch,
-        "hidden_size": hidden,
-        "intermediate_size": int(get("feed_forward_length", required=True)),
-        "num_hidden_layers": int(get("block_count", required=True)),
-        "num_attention_heads": heads,
-        "num_key_value_heads": kv_heads,
-        "head_dim": head_dim,
-        "hidden_act": "silu",
-        "rms_norm_eps": _f32(get("attention.layer_norm_rms_epsilon", 1e-6)),
-        "rope_parameters": rope,
-        "max_position_embeddings": int(get("context_length", 2048)),
-        "vocab_size": vocab,
+        "architectures": [architecture.hf_class],
+        "model_type": architecture.model_type,
+        **architecture.build(meta),
+        "vocab_size": int(embed.shape[0]),  # the embedding's rows (padded vocabularies included)
         # No separate output matrix: the LM head is the embedding (llama.cpp does the same).
-        "tie_word_embeddings": "output.weight" not in names,
-        "attention_bias": False,
+        "tie_word_embeddings": not meta.has("output.weight"),
         "dtype": SERVING_DTYPE,
         "gguf": {"architecture": arch},
     }
+    config.setdefault("max_position_embeddings", int(meta.get("context_length", 2048)))
+    if config["max_position_embeddings"] is None:  # no position limit (ALiBi): as a config.json without one
+        del config["max_position_embeddings"]
     for key, hf_key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
                         ("padding_token_id", "pad_token_id")):
         value: Optional[int] = gguf_file.get(f"tokenizer.ggml.{key}")
         if value is not None:
             config[hf_key] = int(value)
-    if arch in ("qwen2", "qwen3"):
-        config["use_sliding_window"] = False
-        config["sliding_window"] = None
-    if experts:  # llama with experts: Mixtral
-        used = int(get("expert_used_count", 0) or 0)
-        if not 1 <= used <= experts:
-            raise ConfigError("model.model", f"{str(path)!r}: {arch}.expert_used_count={used} must be in "
-                                             f"[1, {arch}.expert_count={experts}]")
-        config.update(architectures=["MixtralForCausalLM"], model_type="mixtral", num_local_experts=experts,
-                      num_experts_per_tok=used, sliding_window=None)
     return config
 
 
-def _f32(value: Any) -> float:
-    """A float32 metadata value as the shortest decimal that is the same float32 (1e-06, not
-    9.99999997e-07), as config.json spells it."""
-    import numpy as np
-
-    return float(str(np.float32(value)))

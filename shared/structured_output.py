@@ -11,6 +11,11 @@ states, lexer "fuel" spent building the regex ASTs), so no spec of that size com
 spec past them is refused (400 naming ``structured_outputs.<kind>``). The lexer is built lazily,
 and each step's mask is bounded by the per-step fuel of the same limits.
 
+A constraint can start after a free prefix (``after_prefix``): a reasoning model's thinking, which
+the gateway describes as Lark rules; the result is one Lark grammar (``grammar``) in which the
+constraint is nested (``%json`` / ``%lark``), so structured output and forced tool calls apply
+from the end of the reasoning on, with nothing for the worker to know about reasoning.
+
 JSON is generated without free whitespace, with ``json.dumps``'s separators (``", "`` and
 ``": "``): free whitespace lets a model wander forever. A schema may override this with llguidance's
 ``"x-guidance"`` key (e.g. ``{"whitespace_flexible": true}``).
@@ -105,6 +110,25 @@ def _to_grammar(kind: str, text: str) -> str:
     if kind == "grammar":
         return llguidance.grammar_from("grammar", text)  # GBNF is converted to Lark
     raise InvalidArgumentError(_FIELD, f"unknown kind {kind!r}")
+
+
+def after_prefix(params: StructuredOutputsParams, prefix_rules: str) -> StructuredOutputsParams:
+    """``params``' constraint preceded by the Lark rule ``reasoning_prefix`` that ``prefix_rules``
+    defines: ``start: reasoning_prefix body`` with the constraint nested as ``body``."""
+    lark = "\n".join(["start: reasoning_prefix body", prefix_rules, "body: " + _nested(compile_grammar(params))])
+    return StructuredOutputsParams(grammar=lark)
+
+
+def _nested(grammar: str) -> str:
+    """A compiled grammar as a nested Lark grammar (``%json {...}`` or ``%lark {...}``)."""
+    try:
+        top = json.loads(grammar)
+    except ValueError:
+        return "%lark {\n" + grammar + "\n}"  # already Lark text
+    (entry,) = top["grammars"]
+    if entry.get("json_schema") is not None:
+        return "%json " + json.dumps(entry["json_schema"])
+    return "%lark {\n" + entry["lark_grammar"] + "\n}"
 
 
 def ll_tokenizer(

@@ -40,6 +40,8 @@ QUESTIONS_FILE = Path(__file__).with_name("chat_questions.jsonl")
 DEFAULT_BASE_URL = "http://127.0.0.1:8000/v1"
 DEFAULT_MAX_TOKENS = 64
 DEFAULT_TIMEOUT_S = 120.0
+# The flag to blame for an HTTP error status of the server.
+_STATUS_FIELDS = {401: "api_key", 403: "api_key", 404: "model"}
 
 
 @dataclass(frozen=True)
@@ -128,9 +130,14 @@ def ask_server(questions: Sequence[Question], base_url: str = DEFAULT_BASE_URL, 
         model = model or _first_model(client, base_url)
         with ThreadPoolExecutor(max_workers=concurrency) as pool:
             answers = list(pool.map(answer, questions))
+    except openai.APITimeoutError:
+        raise InvalidArgumentError("timeout", f"{base_url} gave no answer within {timeout_s} s") from None
     except openai.APIConnectionError as exc:
         raise InvalidArgumentError("base_url", f"no OpenAI server answers at {base_url} ({exc}); "
                                                "start one with `gridserve serve`") from None
+    except openai.APIStatusError as exc:
+        field = _STATUS_FIELDS.get(exc.status_code, "base_url")
+        raise InvalidArgumentError(field, f"{base_url} answered {exc.status_code}: {exc.message}") from None
     finally:
         client.close()
     return _scored(ChatResult("gridserve", model, answers), questions)

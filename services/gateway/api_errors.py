@@ -74,6 +74,9 @@ def from_validation_error(exc: ValidationError) -> ApiError:
     if first["type"] == "json_invalid":
         return ApiError(400, f"the request body is not valid JSON: {first['msg']}")
     if not first["loc"]:
+        named = (first.get("ctx") or {}).get("error")
+        if isinstance(named, InvalidArgumentError):  # a check across fields, naming the one at fault
+            return ApiError(400, f"{named.field}: {named.message}", named.field.split(".")[0].split("[")[0])
         return ApiError(400, f"the request body must be a JSON object: {first['msg']}")
     paths = [_field_path(e["loc"]) for e in errors]
     depths = [sum(1 for part in e["loc"] if not (isinstance(part, str) and _UNION_TAG.match(part)))
@@ -81,10 +84,16 @@ def from_validation_error(exc: ValidationError) -> ApiError:
     deepest = max(range(len(errors)), key=lambda i: (depths[i], -i))
     loc = paths[deepest]
     same = [e for e, p in zip(errors, paths) if p == loc]
-    messages = list(dict.fromkeys(str(e["msg"]).removeprefix("Value error, ") for e in same))
+    messages = list(dict.fromkeys(_message(e) for e in same))
     if not loc:
         loc = [str(part) for part in first["loc"]]
     return ApiError(400, f"{'.'.join(loc)}: {' or '.join(messages)}", loc[0].split("[")[0])
+
+
+def _message(error: dict) -> str:
+    if error["type"] == "extra_forbidden":  # OpenAI's words for a field it does not know
+        return "unrecognized request argument supplied (neither an OpenAI nor a vLLM field this server serves)"
+    return str(error["msg"]).removeprefix("Value error, ")
 
 
 def to_api_error(exc: BaseException, request_id: str = "") -> ApiError:

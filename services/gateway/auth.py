@@ -5,7 +5,9 @@ transcoder passes headers on as gRPC metadata) or as metadata on a native gRPC c
 ``vllm serve --api-key``, the REST routes under ``/v1`` need the key and ``/health``, ``/version``,
 ``/tokenize``, ``/detokenize`` and ``/openapi.json`` do not (nor do the web console's static files,
 whose page asks for the key); health checks and reflection stay open so probes and
-tools work. A missing or wrong key is ``UNAUTHENTICATED`` for native gRPC and an OpenAI-shaped
+tools work. ``/tokenize`` with images is the exception: it costs what generation's image path costs
+(fetch, decode, resize), so it needs the key too; the route asks ``caller.api_key_given()``, which
+this interceptor sets around the handler (``KEY_FOR_IMAGES``). A missing or wrong key is ``UNAUTHENTICATED`` for native gRPC and an OpenAI-shaped
 HTTP 401 body for the REST routes (which return ``google.api.HttpBody``).
 """
 
@@ -18,6 +20,7 @@ from typing import Any, Optional
 import grpc
 from google.api import httpbody_pb2
 
+from gridserve.services.gateway import caller
 from gridserve.services.gateway.api_errors import ApiError
 from gridserve.services.gateway.routes import JSON
 from gridserve.shared.rpc.metadata import HTTP_STATUS_HEADER
@@ -26,6 +29,8 @@ GATEWAY = "/gridserve.gateway.v1.Gateway/"
 # Gateway methods reachable without the key (vLLM leaves these REST paths open too).
 OPEN_METHODS = frozenset(GATEWAY + m for m in ("OpenAIHealth", "OpenAIVersion", "OpenAITokenize",
                                                "OpenAIDetokenize", "OpenAIOpenAPI", "GetConsoleFile"))
+# Open without the key except for their images: the handler sees whether the key came.
+KEY_FOR_IMAGES = frozenset({GATEWAY + "OpenAITokenize"})
 # Routes answering google.api.HttpBody: a refusal there is an HTTP 401 with OpenAI's error body.
 REST_PREFIX = GATEWAY + "OpenAI"
 
@@ -49,12 +54,17 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         method = details.method
         if not method.startswith(GATEWAY) or method in OPEN_METHODS:
             return True
+        return self._key_given(details)
+
+    def _key_given(self, details: grpc.HandlerCallDetails) -> bool:
         given = _bearer(details.invocation_metadata)
         return given is not None and hmac.compare_digest(given.encode(), self._key)
 
     async def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails) -> Any:
         """The method's handler itself, or one that refuses the call."""
         handler = await continuation(details)
+        if handler is not None and details.method in KEY_FOR_IMAGES:
+            return _knowing_the_key(handler, self._key_given(details))
         if handler is None or self._allowed(details):
             return handler
         if details.method.startswith(REST_PREFIX):
@@ -63,6 +73,20 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
 
 
 _MESSAGE = "Unauthorized: a valid API key is required (header `Authorization: Bearer <key>`)"
+
+
+def _knowing_the_key(handler: grpc.RpcMethodHandler, given: bool) -> grpc.RpcMethodHandler:
+    """``handler`` (unary) run with ``caller.api_key_given()`` saying whether the key came."""
+    behavior = handler.unary_unary
+
+    async def answer(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        token = caller.set_api_key_given(given)
+        try:
+            return await behavior(request, context)
+        finally:
+            caller.reset(token)
+
+    return handler._replace(unary_unary=answer)
 
 
 def _error_body() -> httpbody_pb2.HttpBody:

@@ -7,6 +7,10 @@ smaller than the crop), rescale (``rescale_factor``, in float64 then float32) an
 (``image_mean``, ``image_std``), channels first. These are the steps and the arithmetic of
 transformers' PIL backend, so the pixels equal its output (to float rounding); the gateway needs
 neither torch nor transformers.
+
+An image is never made bigger than ``max_resized_pixels``: the size ``resize_to`` gives is checked
+before ``Image.resize`` allocates it (a 1 x 5000 image resized to a shortest edge of 336 would be
+336 x 1,680,000 pixels, GBs in Pillow and numpy), and refused with ``ImageBudgetError``.
 """
 
 from __future__ import annotations
@@ -23,6 +27,11 @@ from gridserve.shared.errors import ConfigError
 # transformers' OPENAI_CLIP_MEAN / STD: the defaults of CLIP's processor
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+MAX_RESIZED_PIXELS = 1 << 24  # as the media loader's --max-image-pixels default
+
+
+class ImageBudgetError(ValueError):
+    """Resizing the image would make more pixels than the processor's budget."""
 
 
 @dataclass(frozen=True)
@@ -38,11 +47,12 @@ class ImageProcessor:
     image_mean: tuple[float, ...] = CLIP_MEAN
     image_std: tuple[float, ...] = CLIP_STD
     do_convert_rgb: bool = True
+    max_resized_pixels: int = MAX_RESIZED_PIXELS
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> ImageProcessor:
         """From ``preprocessor_config.json`` (unknown keys ignored); a bad size is a ``ConfigError``."""
-        names = {f for f in cls.__dataclass_fields__}
+        names = {f for f in cls.__dataclass_fields__} - {"max_resized_pixels"}  # ours, not the model's
         kwargs = {k: v for k, v in config.items() if k in names and v is not None}
         for key in ("image_mean", "image_std"):
             if key in kwargs:
@@ -65,6 +75,7 @@ class ImageProcessor:
             image = image.convert("RGB")
         if self.do_resize:
             height, width = self.resize_to(image.height, image.width)
+            self.check_budget(image.height, image.width, height, width)
             image = image.resize((width, height), resample=self.resample, reducing_gap=None)
         pixels = np.asarray(image)
         if pixels.ndim == 2:
@@ -88,6 +99,13 @@ class ImageProcessor:
         short, long = (width, height) if width <= height else (height, width)
         new_short, new_long = self.size["shortest_edge"], int(self.size["shortest_edge"] * long / short)
         return (new_long, new_short) if width <= height else (new_short, new_long)
+
+    def check_budget(self, height: int, width: int, new_height: int, new_width: int) -> None:
+        """Refuse a resize from ``height x width`` to more than ``max_resized_pixels`` pixels."""
+        if new_height * new_width > self.max_resized_pixels:
+            raise ImageBudgetError(f"a {width}x{height} image would be resized to {new_width}x{new_height} = "
+                                   f"{new_width * new_height} pixels, more than {self.max_resized_pixels}; "
+                                   "send an image closer to square")
 
     def output_size(self, height: int, width: int) -> tuple[int, int]:
         """The ``(height, width)`` of the pixels this processor makes from an image of this size."""

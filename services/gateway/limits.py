@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, fields
 
+from gridserve.services.gateway.chat_options import ChatOptions, add_chat_arguments
 from gridserve.services.gateway.media_loader import MediaConfig, add_media_arguments
 
 BLOCKING_THREADS = 8
@@ -89,12 +90,14 @@ def add_limit_arguments(parser: argparse.ArgumentParser) -> None:
                        help="gateway threads that tokenize and render chat templates off its event loop "
                             f"(default {BLOCKING_THREADS})")
     add_media_arguments(parser)
+    add_chat_arguments(parser)
 
 
 def gateway_argv(args: argparse.Namespace) -> list[str]:
     """The flags of ``add_limit_arguments`` in ``args`` as a ``gridserve gateway`` command line
     (``gridserve serve`` hands them to its gateways)."""
     argv = RequestLimits.from_args(args).to_argv() + MediaConfig.from_args(args).to_argv()
+    argv += ChatOptions.from_args(args).to_argv()
     if args.blocking_threads != BLOCKING_THREADS:
         argv += ["--blocking-threads", str(args.blocking_threads)]
     return argv

@@ -17,6 +17,7 @@ import grpc
 from gridserve.api.engine.v1 import engine_pb2
 from gridserve.api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from gridserve.services.gateway.auth import ApiKeyInterceptor
+from gridserve.services.gateway.chat_options import ChatOptions
 from gridserve.services.gateway.chat_template import ChatTemplateRenderer
 from gridserve.services.gateway.limits import RequestLimits
 from gridserve.services.gateway.load_watcher import LoadWatcher
@@ -45,9 +46,11 @@ def serve(engine_addresses: list[str], host: str, port: int, grace_s: float = 10
           api_key: Optional[str] = None, metrics_port: Optional[int] = None,
           otlp_traces_endpoint: Optional[str] = None, coordinator: Optional[str] = None,
           limits: Optional[RequestLimits] = None, blocking_workers: int = 8,
-          media: Optional[MediaConfig] = None, health_port: Optional[int] = None) -> int:
+          media: Optional[MediaConfig] = None, health_port: Optional[int] = None,
+          chat: Optional[ChatOptions] = None) -> int:
     """``limits``: the per-request caps; ``blocking_workers``: the threads that tokenize and render
-    chat templates off the event loop; ``media``: where images may come from, how big and slow."""
+    chat templates off the event loop; ``media``: where images may come from, how big and slow;
+    ``chat``: the tool-call and reasoning parsers of chat replies."""
     load_general_plugins()  # plugins register in every process (lazy strings: no torch here)
     interceptors = [ApiKeyInterceptor(api_key)] if api_key else []
     # asyncio server: every RPC is ``async`` and shares its loop.
@@ -68,7 +71,7 @@ def serve(engine_addresses: list[str], host: str, port: int, grace_s: float = 10
     service = GatewayService(GatewayTokenizer(info.tokenizer_path, renderer), engines, info.model,
                              info.max_model_len, info.vocab_size, info.max_logprobs, metrics, tracing,
                              limits, blocking_workers, MultiModalProcessor.from_model_folder(info.model_path),
-                             MediaLoader(media), _sampling_defaults(info))
+                             MediaLoader(media), _sampling_defaults(info), chat)
     metrics_server = None
     if metrics is not None:
         # The edge's GET /metrics shows these, with every engine's metrics merged in.

@@ -18,7 +18,7 @@ from typing import Any, Optional
 import numpy as np
 from PIL import Image
 
-from gridserve.services.gateway.image_processor import ImageProcessor
+from gridserve.services.gateway.image_processor import ImageBudgetError, ImageProcessor
 from gridserve.shared.errors import InvalidArgumentError
 from gridserve.shared.multimodal import ImageFeature
 
@@ -81,6 +81,8 @@ class MultiModalProcessor:
             raise InvalidArgumentError(field, f"expected a PIL image, got {type(image).__name__}")
         try:
             return self.image_processor(image)
+        except ImageBudgetError as exc:
+            raise InvalidArgumentError(field, str(exc)) from None
         except (OSError, ValueError) as exc:
             raise InvalidArgumentError(field, f"cannot decode the image: {exc}") from None
 

@@ -253,12 +253,19 @@ class OutputProcessor:
             del self.parents[parent.request_id]
 
     def _update(self, sample: _SampleState, out: EngineCoreOutput) -> bool:
+        # The token that stopped the request (EOS or one of stop_token_ids) is not text, unless
+        # include_stop_str_in_output (as vLLM): with special tokens kept it would show as "</s>".
+        stop_token = (len(out.new_token_ids) - 1 if out.finish_reason is FinishReason.STOP
+                      and not isinstance(out.stop_reason, str) and not sample.params.include_stop_str_in_output
+                      else -1)
         for i, token in enumerate(out.new_token_ids):
             sample.token_ids.append(token)
             if sample.logprobs is not None and i < len(out.new_logprobs):
                 lp = out.new_logprobs[i]
                 sample.cumulative_logprob += lp.logprobs[0]
                 sample.logprobs.append(self._entry(lp))
+            if i == stop_token:
+                continue
             if sample.detokenizer is not None and self._check_stop_strings(sample, sample.detokenizer.step(token)):
                 return True
         if out.finish_reason is not None:

@@ -4,9 +4,16 @@ As in vLLM's ``protocol.py``, a body is checked by ``Model.model_validate_json``
 types (strict: ``"5"`` is not a number, ``true`` is not an integer), finite numbers only, every
 integer within the protobuf field it travels in, and the server's caps (``RequestLimits``, given
 as validation context under ``"limits"``) are declared on the fields, so an error names its field
-by itself and ``/openapi.json`` is generated from the same models. Unknown fields are accepted and
-ignored, as OpenAI and vLLM do. ``to_sampling_params`` turns a request into the domain's
-``SamplingParams``; the typed gRPC API validates through ``SamplingFields`` too.
+by itself and ``/openapi.json`` is generated from the same models. ``to_sampling_params`` turns a
+request into the domain's ``SamplingParams``; the typed gRPC API validates through ``SamplingFields``.
+
+No field is dropped silently (``docs/serving/openai-fields.md`` lists every one): a field of
+OpenAI's API, or a vLLM extension, is declared here and either honoured or refused with a 400
+naming it (``unsupported``) when its value asks for what this server cannot do. A top-level field
+that is neither is refused too ("unrecognized request argument supplied", what OpenAI answers).
+Inside a message or a content part, where clients send back objects they received (with keys of
+other servers' making), an unknown key is ignored and named in the ``x-gridserve-ignored-fields``
+response header (``ignored_fields``).
 """
 
 from __future__ import annotations
@@ -76,6 +83,33 @@ class OpenAIBaseModel(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False, populate_by_name=True)
 
 
+class ClosedModel(OpenAIBaseModel):
+    """A body (or part) whose unknown fields are refused with a 400 naming them."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class TolerantModel(OpenAIBaseModel):
+    """A part clients echo back (a message): unknown keys are kept aside (``model_extra``) so the
+    route names them in the ``x-gridserve-ignored-fields`` header."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+def unsupported(why: str) -> AfterValidator:
+    """A declared field this server cannot honour: any value but null is refused, naming it."""
+
+    def refuse(value: Any) -> Any:
+        if value is None:
+            return value
+        raise ValueError(why)
+
+    return AfterValidator(refuse)
+
+
+Unsupported = Optional[Any]
+
+
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
 Count32 = Annotated[int, Field(ge=0, le=UINT32_MAX)]
 Probability = Annotated[float, Field(ge=0.0, le=1.0)]
@@ -83,26 +117,34 @@ Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 
 
 # ---- requests --------------------------------------------------------------------------------
-class StreamOptions(OpenAIBaseModel):
+class StreamOptions(ClosedModel):
     include_usage: bool = False
-    continuous_usage_stats: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage in every chunk (with include_usage)
+    include_obfuscation: Annotated[Optional[bool], AfterValidator(
+        lambda v: _refuse_true(v, "stream obfuscation is not offered (send false or leave it out)"))] = None
 
 
-class JsonSchemaFormat(OpenAIBaseModel):
+def _refuse_true(value: Optional[bool], why: str) -> Optional[bool]:
+    if value:
+        raise ValueError(why)
+    return value
+
+
+class JsonSchemaFormat(ClosedModel):
     name: Optional[str] = None
     description: Optional[str] = None
     json_schema: Optional[dict[str, Any]] = Field(default=None, alias="schema")
     strict: Optional[bool] = None
 
 
-class ResponseFormat(OpenAIBaseModel):
+class ResponseFormat(ClosedModel):
     """OpenAI's ``response_format``: plain text, any JSON object, or JSON matching a schema."""
 
     type: Literal["text", "json_object", "json_schema"]
     json_schema: Optional[JsonSchemaFormat] = None
 
 
-class StructuredOutputs(OpenAIBaseModel):
+class StructuredOutputs(ClosedModel):
     """vLLM's ``structured_outputs``: exactly one of the constraints."""
 
     json_: Optional[Union[dict[str, Any], str]] = Field(default=None, alias="json")
@@ -148,8 +190,17 @@ class SamplingFields(OpenAIBaseModel):
                                          "characters of constraint")] = None
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
-    user: Optional[str] = None
+    user: Annotated[Optional[str], Field(max_length=256)] = None  # who asks: logged with the request id
     data_parallel_rank: Optional[Annotated[int, Field(ge=0, le=INT32_MAX)]] = None
+
+    @model_validator(mode="after")
+    def _stream_only_fields(self) -> SamplingFields:
+        # A check across fields has no location of its own: InvalidArgumentError names the field.
+        if self.stream_options is not None and not self.stream:
+            raise InvalidArgumentError("stream_options", "only with stream: true")
+        if self.prompt_logprobs is not None and self.stream:
+            raise InvalidArgumentError("prompt_logprobs", "not available with stream: true (as in vLLM)")
+        return self
 
     @field_validator("logit_bias")
     @classmethod
@@ -172,6 +223,10 @@ class SamplingFields(OpenAIBaseModel):
 
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    def continuous_usage(self) -> bool:
+        """Usage in every streamed chunk (``include_usage`` and ``continuous_usage_stats``, as vLLM)."""
+        return self.include_usage() and self.stream_options.continuous_usage_stats
 
     def to_sampling_params(self, max_tokens: Optional[int], logprobs: Optional[int],
                            defaults: Optional[Mapping[str, Any]] = None) -> SamplingParams:
@@ -239,23 +294,26 @@ def _as_prompts(prompt: PromptType) -> list[Union[str, list[int]]]:
 class CompletionRequest(SamplingFields):
     """``POST /v1/completions``."""
 
+    model_config = ConfigDict(extra="forbid")
+
     prompt: Annotated[PromptType, AfterValidator(_check_prompt)]
     max_tokens: Optional[Annotated[int, Field(ge=1, le=UINT32_MAX)]] = 16
     logprobs: Annotated[Optional[Count32], capped("max_logprobs", int, "logprobs")] = None
-    echo: bool = False
-    suffix: Optional[str] = None
+    echo: bool = False  # with logprobs: the prompt's tokens' logprobs too
+    # Fill in the middle, where the tokenizer has FIM tokens (else a 400 naming it).
+    suffix: Annotated[Optional[str], capped("max_content_chars", what="characters")] = None
 
     def prompts(self) -> list[Union[str, list[int]]]:
         """One prompt (a string or token ids) per completion the request asks for."""
         return _as_prompts(self.prompt)
 
 
-class ImageUrl(OpenAIBaseModel):
+class ImageUrl(TolerantModel):
     url: Annotated[str, Field(min_length=1)]
     detail: Optional[str] = None
 
 
-class ContentPart(OpenAIBaseModel):
+class ContentPart(TolerantModel):
     """One part of a message: ``text``, or ``image_url`` (a vision-language model's image)."""
 
     type: Literal["text", "image_url"]
@@ -284,19 +342,61 @@ def _content_chars(content: Union[str, list[ContentPart], None]) -> int:
     return sum(len(p.text or "") for p in content)
 
 
-class ChatMessage(OpenAIBaseModel):
-    """One message; ``content`` is a string or parts (text, and images for a vision-language model)."""
+class FunctionCall(ClosedModel):
+    """The function an assistant's tool call named; ``arguments`` is JSON text (OpenAI's), or an object."""
+
+    name: Annotated[str, Field(min_length=1)]
+    arguments: Union[str, dict[str, Any]] = "{}"
+
+
+class AssistantToolCall(ClosedModel):
+    """A tool call of an earlier assistant turn (sent back with the tool's result)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+    def for_template(self) -> dict[str, Any]:
+        """As vLLM hands it to templates: arguments that are a JSON object's text become the object
+        (templates iterate them or apply ``tojson``); any other text stays as it is."""
+        arguments = self.function.arguments
+        if isinstance(arguments, str):
+            try:
+                decoded = json.loads(arguments)
+            except ValueError:
+                decoded = None
+            arguments = decoded if isinstance(decoded, dict) else arguments
+        return {"id": self.id, "type": "function", "function": {"name": self.function.name, "arguments": arguments}}
+
+
+def _no_annotations(value: Optional[list[Any]]) -> Optional[list[Any]]:
+    if value:
+        raise ValueError("annotations (web-search citations) are not used by this server; send an empty list")
+    return value
+
+
+class ChatMessage(TolerantModel):
+    """One message; ``content`` is a string or parts (text, and images for a vision-language model).
+
+    An assistant turn may carry ``tool_calls`` and its ``reasoning_content``; a ``tool`` turn the
+    ``tool_call_id`` its result answers. All of it reaches the chat template."""
 
     role: str
     content: Annotated[Union[str, list[ContentPart], None],
                        capped("max_content_chars", _content_chars, "characters of content")] = None
     name: Optional[str] = None
     tool_call_id: Optional[str] = None
-    tool_calls: Optional[list[dict[str, Any]]] = None
+    tool_calls: Annotated[Optional[list[AssistantToolCall]], capped("max_messages", what="tool calls")] = None
+    reasoning_content: Annotated[Optional[str], capped("max_content_chars", what="characters")] = None
+    reasoning: Annotated[Optional[str], capped("max_content_chars", what="characters")] = None  # vLLM's newer name
+    refusal: Annotated[Optional[str], capped("max_content_chars", what="characters")] = None  # the text if no content
+    annotations: Annotated[Optional[list[Any]], AfterValidator(_no_annotations)] = None
+    audio: Annotated[Unsupported, unsupported("audio turns are not served; send the transcript as content")] = None
+    function_call: Annotated[Unsupported, unsupported("the deprecated function_call: send tool_calls")] = None
 
     def text(self) -> str:
         if self.content is None:
-            return ""
+            return self.refusal or ""
         if isinstance(self.content, str):
             return self.content
         return "".join(p.text or "" for p in self.content if p.type == "text")
@@ -308,19 +408,25 @@ class ChatMessage(OpenAIBaseModel):
         has_images = any(p.type == "image_url" for p in parts)
         content: Any = [p.for_template() for p in parts] if has_images else self.text()
         message: dict[str, Any] = {"role": self.role, "content": content}
-        for key in ("name", "tool_call_id", "tool_calls"):
+        for key in ("name", "tool_call_id"):
             if getattr(self, key) is not None:
                 message[key] = getattr(self, key)
+        if self.tool_calls is not None:
+            message["tool_calls"] = [call.for_template() for call in self.tool_calls]
+        reasoning = self.reasoning_content if self.reasoning_content is not None else self.reasoning
+        if reasoning is not None:
+            message["reasoning_content"] = reasoning
         return message
 
 
-class FunctionDefinition(OpenAIBaseModel):
-    name: str
+class FunctionDefinition(ClosedModel):
+    name: Annotated[str, Field(min_length=1)]
     description: Optional[str] = None
     parameters: Optional[dict[str, Any]] = None
+    strict: Optional[bool] = None  # "required" and named calls are always schema-exact; "auto" is not constrained
 
 
-class ChatTool(OpenAIBaseModel):
+class ChatTool(ClosedModel):
     """A tool the chat template is told about (``tools`` in the template's variables)."""
 
     type: Literal["function"] = "function"
@@ -330,6 +436,16 @@ class ChatTool(OpenAIBaseModel):
 Messages = Annotated[list[ChatMessage], Field(min_length=1), capped("max_messages", what="messages")]
 
 
+RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"})
+
+
+def _template_kwargs(value: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
+    taken = sorted(set(value or {}) & RESERVED_TEMPLATE_VARIABLES)
+    if taken:
+        raise ValueError(f"{taken[0]!r} is set by the server (use the request's own field)")
+    return value
+
+
 class ChatTemplateFields(OpenAIBaseModel):
     """What renders a conversation into a prompt."""
 
@@ -337,22 +453,84 @@ class ChatTemplateFields(OpenAIBaseModel):
     chat_template: Annotated[Optional[str], capped("max_chat_template_chars", what="characters")] = None
     add_generation_prompt: bool = True
     tools: Annotated[Optional[list[ChatTool]], capped("max_messages", what="tools")] = None
+    # vLLM's: extra variables for the template (e.g. {"enable_thinking": false} for Qwen3)
+    chat_template_kwargs: Annotated[Optional[dict[str, Any]], AfterValidator(_template_kwargs),
+                                    capped("max_chat_template_chars", _chars, "characters")] = None
 
     def template_messages(self) -> list[dict[str, Any]]:
         return [m.for_template() for m in self.messages]
+
+    def ignored_fields(self) -> list[str]:
+        """The unknown keys of the messages and their parts, as paths (``messages[1].foo``)."""
+        found = []
+        for i, message in enumerate(self.messages):
+            found += [f"messages[{i}].{key}" for key in message.model_extra or {}]
+            for j, part in enumerate(message.content if isinstance(message.content, list) else []):
+                found += [f"messages[{i}].content[{j}].{key}" for key in part.model_extra or {}]
+                if part.image_url is not None:
+                    found += [f"messages[{i}].content[{j}].image_url.{key}" for key in part.image_url.model_extra or {}]
+        return found
 
     def template_tools(self) -> Optional[list[dict[str, Any]]]:
         return None if self.tools is None else [t.model_dump(exclude_none=True) for t in self.tools]
 
 
+class NamedFunction(ClosedModel):
+    name: Annotated[str, Field(min_length=1)]
+
+
+class NamedToolChoice(ClosedModel):
+    """``tool_choice`` naming the one function to call."""
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
+def _metadata(value: Optional[dict[str, str]]) -> Optional[dict[str, str]]:
+    """OpenAI's bounds: at most 16 pairs, keys of at most 64 characters, values of at most 512."""
+    if value is not None:
+        if len(value) > 16:
+            raise ValueError(f"at most 16 pairs, got {len(value)}")
+        for key, item in value.items():
+            if len(key) > 64 or len(item) > 512:
+                raise ValueError(f"{key[:64]!r}: keys have at most 64 characters, values at most 512")
+    return value
+
+
 class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
     """``POST /v1/chat/completions``."""
+
+    model_config = ConfigDict(extra="forbid")
 
     max_tokens: Optional[Annotated[int, Field(ge=1, le=UINT32_MAX)]] = None
     max_completion_tokens: Optional[Annotated[int, Field(ge=1, le=UINT32_MAX)]] = None
     logprobs: bool = False
     top_logprobs: Annotated[Optional[Count32], capped("max_logprobs", int, "logprobs")] = None
-    tool_choice: Optional[Union[Literal["none", "auto"], dict[str, Any]]] = None
+    tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
+    parallel_tool_calls: Optional[bool] = None  # default true; false: at most one call
+    # To the chat template as ``reasoning_effort`` (gpt-oss's template reads it).
+    reasoning_effort: Optional[Literal["none", "minimal", "low", "medium", "high"]] = None
+    store: Annotated[Optional[bool], AfterValidator(
+        lambda v: _refuse_true(v, "this server does not store completions (send false or leave it out)"))] = None
+    metadata: Annotated[Optional[dict[str, str]], AfterValidator(_metadata)] = None  # checked; nothing is stored
+    service_tier: Optional[Literal["auto", "default"]] = None  # one tier here
+    modalities: Optional[list[Literal["text"]]] = None
+    prompt_cache_key: Annotated[Optional[str], Field(max_length=1024)] = None  # prefix caching is automatic
+    safety_identifier: Annotated[Optional[str], Field(max_length=256)] = None  # as user: logged
+    verbosity: Annotated[Unsupported, unsupported("not offered by this server's models")] = None
+    audio: Annotated[Unsupported, unsupported("audio output is not served")] = None
+    prediction: Annotated[Unsupported, unsupported("predicted outputs are not served")] = None
+    web_search_options: Annotated[Unsupported, unsupported("web search is not offered")] = None
+    functions: Annotated[Unsupported, unsupported("deprecated by OpenAI: send tools")] = None
+    function_call: Annotated[Unsupported, unsupported("deprecated by OpenAI: send tool_choice")] = None
+
+    def template_variables(self) -> dict[str, Any]:
+        """The extra variables of the chat template: ``chat_template_kwargs``, and
+        ``reasoning_effort`` when set (a kwarg of the same name wins)."""
+        variables: dict[str, Any] = {}
+        if self.reasoning_effort is not None:
+            variables["reasoning_effort"] = self.reasoning_effort
+        return {**variables, **(self.chat_template_kwargs or {})}
 
     def to_params(self, defaults: Optional[Mapping[str, Any]] = None) -> SamplingParams:
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -361,6 +539,9 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
 
 class TokenizeRequest(OpenAIBaseModel):
     """``POST /tokenize`` (vLLM's): a ``prompt`` or chat ``messages``."""
+
+    chat_template_kwargs: Annotated[Optional[dict[str, Any]], AfterValidator(_template_kwargs),
+                                    capped("max_chat_template_chars", _chars, "characters")] = None
 
     model: Optional[str] = None
     prompt: Annotated[Optional[str], capped("max_content_chars", what="characters")] = None
@@ -413,10 +594,24 @@ class UsageInfo(ResponseModel):
 
 
 class CompletionLogprobs(ResponseModel):
+    """The completions API's logprobs; an echoed prompt's first token has none (null)."""
+
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[Optional[float]]
+    top_logprobs: list[Optional[dict[str, float]]]
     text_offset: list[int]
+
+
+class PromptLogprob(ResponseModel):
+    """vLLM's shape of one candidate token at a prompt position."""
+
+    logprob: float
+    rank: Optional[int] = None
+    decoded_token: Optional[str] = None
+
+
+# Per prompt position (the first has none): token id (as a JSON key) -> its logprob.
+PromptLogprobs = list[Optional[dict[str, PromptLogprob]]]
 
 
 FinishReasonField = Optional[str]
@@ -429,6 +624,7 @@ class CompletionChoice(ResponseModel):
     logprobs: Optional[CompletionLogprobs] = None
     finish_reason: FinishReasonField = None
     stop_reason: Union[StopReason, MISSING] = MISSING
+    prompt_logprobs: Union[PromptLogprobs, MISSING] = MISSING  # with the request's prompt_logprobs
 
 
 class CompletionResponse(ResponseModel):
@@ -454,9 +650,27 @@ class ChatLogprobs(ResponseModel):
     content: list[ChatLogprobToken]
 
 
+class FunctionCallOut(ResponseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallOut(ResponseModel):
+    """A tool call of the reply (OpenAI's shape)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class ChatResponseMessage(ResponseModel):
+    """The reply; ``reasoning_content`` with ``--reasoning-parser``, ``tool_calls`` when it calls tools
+    (``content`` is then null unless the model also wrote text)."""
+
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: Optional[str]
+    reasoning_content: Union[Optional[str], MISSING] = MISSING
+    tool_calls: Union[list[ToolCallOut], MISSING] = MISSING
 
 
 class ChatChoice(ResponseModel):
@@ -474,11 +688,29 @@ class ChatCompletionResponse(ResponseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: Union[PromptLogprobs, MISSING] = MISSING  # with the request's prompt_logprobs
+
+
+class DeltaFunctionCall(ResponseModel):
+    name: Union[str, MISSING] = MISSING
+    arguments: Union[str, MISSING] = MISSING
+
+
+class DeltaToolCall(ResponseModel):
+    """A streamed tool call: ``index``, then ``id``, ``type`` and the name once, then argument
+    fragments whose concatenation is the call's ``arguments``."""
+
+    index: int
+    id: Union[str, MISSING] = MISSING
+    type: Union[Literal["function"], MISSING] = MISSING
+    function: DeltaFunctionCall
 
 
 class DeltaMessage(ResponseModel):
     role: Union[str, MISSING] = MISSING
     content: Union[str, MISSING] = MISSING
+    reasoning_content: Union[str, MISSING] = MISSING
+    tool_calls: Union[list[DeltaToolCall], MISSING] = MISSING
 
 
 class ChatStreamChoice(ResponseModel):

@@ -11,15 +11,20 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional, TypeVar, Union
 
 from pydantic import BaseModel
 
+from gridserve.services.gateway import caller
 from gridserve.services.gateway.api_errors import ApiError, to_api_error
+from gridserve.services.gateway.chat_options import ChatOptions
+from gridserve.services.gateway.chat_output import plan_chat
+from gridserve.services.gateway.fim import fill_in_the_middle
 from gridserve.services.gateway.multimodal import chat_images
 from gridserve.services.gateway.openapi import openapi_document
 from gridserve.services.gateway.protocol import (
@@ -38,15 +43,19 @@ from gridserve.services.gateway.responses import (
     DONE,
     ChatEvents,
     CompletionEvents,
+    CompletionShape,
     chat_response,
     completion_response,
 )
 from gridserve.services.gateway.service import GatewayService, StreamChunk
+from gridserve.services.gateway.tool_choice import plan_tools
 
 JSON = "application/json"
 SSE = "text/event-stream"
 REFUSED_TEMPLATE = ("a request's own chat template is refused; the server must run with "
                     "--trust-request-chat-template")
+IGNORED_FIELDS_HEADER = "x-gridserve-ignored-fields"  # unknown keys inside messages (protocol.py's rule)
+REQUEST_TOOLS: Any = object()  # ``_chat_prompt``: the template sees the request's own tools
 
 logger = logging.getLogger(__name__)
 M = TypeVar("M", bound=BaseModel)
@@ -97,9 +106,12 @@ class OpenAIRoutes:
             raise ApiError(404, f"The model `{requested}` does not exist.", "model", "NotFoundError")
         return parsed
 
-    async def _chat_prompt(self, request: ChatTemplateFields) -> dict:
+    async def _chat_prompt(self, request: ChatTemplateFields, tools: Any = REQUEST_TOOLS,
+                           variables: Optional[dict[str, Any]] = None) -> dict:
         """The rendered, tokenized conversation; with its images (loaded, not yet preprocessed) as
-        ``multi_modal_data`` for a vision-language model, refused naming the part for any other."""
+        ``multi_modal_data`` for a vision-language model, refused naming the part for any other.
+        ``tools``: what the template sees (the request's own by default); ``variables``: further
+        template variables (``chat_template_kwargs``)."""
         if request.chat_template is not None and not self.service.limits.trust_request_chat_template:
             raise ApiError(400, f"chat_template: {REFUSED_TEMPLATE}", "chat_template")
         messages, images = chat_images(request.template_messages())
@@ -107,8 +119,10 @@ class OpenAIRoutes:
             field = images[0][0]
             raise ApiError(400, f"{field}: the model {self.model!r} takes text only (it has no vision encoder); "
                            "send no image parts", field)
+        tools = request.template_tools() if tools is REQUEST_TOOLS else tools
+        extra = {"chat_template_kwargs": variables} if variables else {}
         prompt = await self.service.chat_prompt(messages, request.chat_template, request.add_generation_prompt,
-                                                request.template_tools())
+                                                tools, **extra)
         if images:
             prompt["multi_modal_data"] = {"image": await self.service.media.load_all(images)}
         return prompt
@@ -145,7 +159,9 @@ class OpenAIRoutes:
             chat = ChatTemplateFields.model_construct(
                 messages=request.messages, chat_template=request.chat_template,
                 add_generation_prompt=request.add_generation_prompt, tools=request.tools)
-            prompt = await self._chat_prompt(chat)
+            if not caller.api_key_given() and chat_images(chat.template_messages())[1]:
+                raise ApiError(401, caller.IMAGES_NEED_KEY, None, "AuthenticationError")
+            prompt = await self._chat_prompt(chat, variables=request.chat_template_kwargs)
             tokens = prompt["prompt_token_ids"]
             if "multi_modal_data" in prompt:  # each image placeholder as the image's tokens
                 expand = self.service.input_processor.multimodal.process
@@ -178,20 +194,33 @@ class OpenAIRoutes:
     async def completions(self, data: bytes, traceparent: str = "", timeout: Optional[float] = None) -> HttpResponse:
         request = self._parse(CompletionRequest, data)
         prompts = request.prompts()
+        shape = CompletionShape(await self._echo_texts(prompts) if request.echo else None,
+                                self._decode_one if request.echo and request.logprobs is not None else None,
+                                request.prompt_logprobs is not None)
+        if request.suffix is not None:  # fill in the middle (the echo stays the prompt itself)
+            prompts = [await self.service.run_blocking(fill_in_the_middle, self.service.tokenizer, p, request.suffix)
+                       for p in prompts]
         params = request.to_sampling_params(request.max_tokens, request.logprobs, self.sampling_defaults)
+        if shape.decode is not None and params.prompt_logprobs is None:  # echo's logprobs: the prompt's too
+            params = replace(params, prompt_logprobs=request.logprobs)
         rank = request.data_parallel_rank  # vLLM's extension: pin an engine
         generate = functools.partial(self.service.generate, params=params, traceparent=traceparent,
                                      data_parallel_rank=rank, timeout=timeout)
         if request.stream:
             streams = [generate(_prompt_arg(p)) for p in prompts]
             first = await anext(streams[0])  # validation errors surface here, before the status is sent
-            echo = await self._echo_texts(prompts) if request.echo else None
-            events = CompletionEvents(self.model, first.request_id, params, echo, request.include_usage())
+            _log_user(request.user, first.request_id)
+            events = CompletionEvents(self.model, first.request_id, params, shape, request.include_usage(),
+                                      request.continuous_usage())
             return HttpResponse(200, SSE, _with_inband_errors(_completion_events(events, streams, first), streams))
         outs = await _all(self.service.complete(_prompt_arg(p), params, "", traceparent, rank, timeout)
                           for p in prompts)
-        echo = await self._echo_texts(prompts) if request.echo else [""] * len(prompts)
-        return HttpResponse(200, JSON, [completion_response(self.model, echo, outs, params).dumps()])
+        _log_user(request.user, outs[0].request_id)
+        return HttpResponse(200, JSON, [completion_response(self.model, shape, outs, params).dumps()])
+
+    def _decode_one(self, token_id: int) -> str:
+        """One token's text (special tokens shown): an echoed prompt's first token."""
+        return self.service.tokenizer.decode([token_id], skip_special_tokens=False)
 
     async def _echo_texts(self, prompts: list[Union[str, list[int]]]) -> list[str]:
         """Each prompt as text (token-id prompts decoded), for ``echo``."""
@@ -204,15 +233,38 @@ class OpenAIRoutes:
                                timeout: Optional[float] = None) -> HttpResponse:
         request = self._parse(ChatCompletionRequest, data)
         params = request.to_params(self.sampling_defaults)
-        prompt = await self._chat_prompt(request)
+        options = getattr(self.service, "chat_options", None) or ChatOptions()
+        choice = request.tool_choice.model_dump() if isinstance(request.tool_choice, BaseModel) else request.tool_choice
+        tools = plan_tools(request.template_tools(), choice, request.parallel_tool_calls, options)
+        prompt = await self._chat_prompt(request, tools.template_tools, request.template_variables())
+        plan, params = await plan_chat(self.service, options, tools, prompt["prompt_token_ids"], params)
+        headers = _ignored_fields(request.ignored_fields())
         top_n = params.logprobs or 0
         if request.stream:
             stream = self.service.generate(prompt, params, "", traceparent, request.data_parallel_rank, timeout)
             first = await anext(stream)
-            events = ChatEvents(self.model, first.request_id, params, top_n, request.include_usage())
-            return HttpResponse(200, SSE, _with_inband_errors(_chat_events(events, stream, first), [stream]))
+            _log_user(request.user or request.safety_identifier, first.request_id)
+            events = ChatEvents(self.model, first.request_id, params, top_n, request.include_usage(),
+                                request.continuous_usage(), plan)
+            return HttpResponse(200, SSE, _with_inband_errors(_chat_events(events, stream, first), [stream]), headers)
         out = await self.service.complete(prompt, params, "", traceparent, request.data_parallel_rank, timeout)
-        return HttpResponse(200, JSON, [chat_response(self.model, out, params, top_n).dumps()])
+        _log_user(request.user or request.safety_identifier, out.request_id)
+        response = chat_response(self.model, out, params, top_n, plan, request.prompt_logprobs is not None)
+        return HttpResponse(200, JSON, [response.dumps()], headers)
+
+
+def _ignored_fields(paths: list[str], most: int = 16) -> dict[str, str]:
+    """The ``x-gridserve-ignored-fields`` header naming unknown keys inside messages (ASCII-escaped)."""
+    if not paths:
+        return {}
+    named = ", ".join(json.dumps(p)[1:-1] for p in paths[:most])
+    return {IGNORED_FIELDS_HEADER: named + (f", ... ({len(paths)} in all)" if len(paths) > most else "")}
+
+
+def _log_user(user: Optional[str], request_id: str) -> None:
+    """OpenAI's ``user``: who asks, for the operator (the request's id ties it to the other logs)."""
+    if user:
+        logger.info("request %s for user %s", request_id, json.dumps(user))
 
 
 def _prompt_arg(prompt: Union[str, list[int]]) -> Any:

@@ -40,6 +40,7 @@ from typing import Any, Optional, TypeVar
 
 import grpc
 
+from gridserve.services.gateway.chat_options import ChatOptions
 from gridserve.services.gateway.limits import RequestLimits
 from gridserve.services.gateway.media_loader import MediaLoader
 from gridserve.services.gateway.multimodal import MultiModalProcessor
@@ -94,6 +95,8 @@ class StreamChunk:
     deltas: list[SampleDelta]
     num_prompt_tokens: int
     final: Optional[RequestOutput] = None
+    prompt_logprobs: Optional[list] = None  # the request's, so far (with prompt_logprobs set)
+    prompt_token_ids: Optional[list[int]] = None  # the prompt as the engine got it
 
 
 class _SentState:
@@ -118,11 +121,14 @@ class GatewayService:
                  metrics: Optional[GatewayMetrics] = None, tracing: Optional[Tracing] = None,
                  limits: Optional[RequestLimits] = None, blocking_workers: int = 8,
                  multimodal: Optional[MultiModalProcessor] = None, media: Optional[MediaLoader] = None,
-                 sampling_defaults: Optional[dict[str, Any]] = None) -> None:
+                 sampling_defaults: Optional[dict[str, Any]] = None, chat_options: Optional[ChatOptions] = None,
+                 ) -> None:
         """``multimodal``: a vision-language model's image preprocessing (None: text only);
         ``media``: the pool that loads images by URL; ``sampling_defaults``: what a request gets
-        for a sampling field it leaves out (the model's generation config, from the engine)."""
+        for a sampling field it leaves out (the model's generation config, from the engine);
+        ``chat_options``: how chat replies are read (tool-call and reasoning parsers)."""
         self.tokenizer = tokenizer
+        self.chat_options = chat_options or ChatOptions()
         self.sampling_defaults = dict(sampling_defaults or {})
         self.engines = engines
         self.model_name = model_name
@@ -209,11 +215,13 @@ class GatewayService:
         return final
 
     async def chat_prompt(self, messages: list[dict[str, Any]], chat_template: Optional[str],
-                          add_generation_prompt: bool, tools: Optional[list[dict]] = None) -> dict:
-        """The conversation rendered by the chat template and tokenized (in the blocking pool)."""
+                          add_generation_prompt: bool, tools: Optional[list[dict]] = None,
+                          chat_template_kwargs: Optional[dict[str, Any]] = None) -> dict:
+        """The conversation rendered by the chat template and tokenized (in the blocking pool);
+        ``chat_template_kwargs``: further template variables."""
         ids = await self.run_blocking(functools.partial(
             self.tokenizer.apply_chat_template, messages, add_generation_prompt=add_generation_prompt,
-            chat_template=chat_template, tokenize=True, tools=tools))
+            chat_template=chat_template, tokenize=True, tools=tools, chat_template_kwargs=chat_template_kwargs))
         return {"prompt_token_ids": list(ids)}
 
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -309,6 +317,7 @@ class _Stream:
         self.processor = OutputProcessor(service.tokenizer)
         self.processor.add_request(self.parent_id, processed, self.engine_ids)
         self.samples = self.processor.parents[self.parent_id].samples
+        self.prompt_logprobs = self.processor.parents[self.parent_id].prompt_logprobs  # grows in place
         self.engine_of: dict[str, EngineClientProtocol] = {}  # each sample's engine now
         self.session_of: dict[str, int] = {}  # ... and its output stream then (older losses are stale)
         for child_id, _, _ in self.engine_ids:
@@ -471,7 +480,8 @@ class _Stream:
         self.finished = bool(done)
         deltas = [_delta(self.samples[c], self.sent[c]) for c in self.sent]
         return StreamChunk(self.request_id, [d for d in deltas if d is not None],
-                           len(self.processed.prompt_token_ids), done[0] if done else None)
+                           len(self.processed.prompt_token_ids), done[0] if done else None, self.prompt_logprobs,
+                           self.processed.prompt_token_ids)
 
     def close(self, error: Optional[BaseException]) -> None:
         """Stop listening; abort the engine requests if the request did not finish."""

@@ -13,15 +13,17 @@ from google.api import httpbody_pb2
 
 from gridserve import __version__
 from gridserve.api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from gridserve.services.gateway.chat_output import plan_chat
 from gridserve.services.gateway.console import Console
 from gridserve.services.gateway.convert import (
+    chat_fields_from_pb,
     chat_to_pb,
     chunk_to_pb,
     completion_to_pb,
     prompt_from_pb,
+    tool_choice_from_pb,
 )
 from gridserve.services.gateway.protocol import (
-    ChatMessage,
     ChatTemplateFields,
     check_sampling_params,
     validate_as,
@@ -29,6 +31,7 @@ from gridserve.services.gateway.protocol import (
 from gridserve.services.gateway.routes import REFUSED_TEMPLATE, HttpResponse, OpenAIRoutes
 from gridserve.services.gateway.service import GatewayService
 from gridserve.services.gateway.status import StatusCollector, snapshot_to_pb
+from gridserve.services.gateway.tool_choice import plan_tools
 from gridserve.shared.errors import InvalidArgumentError
 from gridserve.shared.observability.tracing import traceparent_from_metadata
 from gridserve.shared.rpc.convert import sampling_params_from_pb
@@ -70,20 +73,22 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         return completion_to_pb(request_id, out)
 
     async def Chat(self, request: gateway_pb2.ChatRequest, context: grpc.aio.ServicerContext) -> gateway_pb2.ChatResponse:
+        """A conversation (with tools, tool results and reasoning, as the REST chat route) to its reply."""
         params = self._params(request)
-        chat = validate_as(ChatTemplateFields, {
-            "messages": [ChatMessage(role=m.role, content=m.content) for m in request.messages],
-            "chat_template": request.chat_template if request.HasField("chat_template") else None,
-            "add_generation_prompt": request.add_generation_prompt if request.HasField("add_generation_prompt") else True,
-        }, self.service.limits)
+        chat = validate_as(ChatTemplateFields, chat_fields_from_pb(request), self.service.limits)
         if chat.chat_template is not None and not self.service.limits.trust_request_chat_template:
             raise InvalidArgumentError("chat_template", REFUSED_TEMPLATE)
+        options = self.service.chat_options
+        parallel = request.parallel_tool_calls if request.HasField("parallel_tool_calls") else None
+        tools = plan_tools(chat.template_tools(), tool_choice_from_pb(request), parallel, options)
+        extra = {"chat_template_kwargs": chat.chat_template_kwargs} if chat.chat_template_kwargs else {}
         prompt = await self.service.chat_prompt(chat.template_messages(), chat.chat_template,
-                                                chat.add_generation_prompt)
+                                                chat.add_generation_prompt, tools.template_tools, **extra)
+        plan, params = await plan_chat(self.service, options, tools, prompt["prompt_token_ids"], params)
         request_id = request.request_id or uuid.uuid4().hex
         out = await self.service.complete(prompt, params, request_id, self._traceparent(context), _dp_rank(request),
                                           context.time_remaining())
-        return chat_to_pb(request_id, out)
+        return chat_to_pb(request_id, out, plan)
 
     def _params(self, request, text_prompt: Optional[str] = None) -> SamplingParams:
         """The request's sampling params, through the same checks as the REST routes; a field it

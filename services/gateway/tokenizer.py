@@ -52,6 +52,10 @@ class GatewayTokenizer:
         self.bos_token = _token_text(self.config.get("bos_token"))
         self.eos_token = _token_text(self.config.get("eos_token"))
         self.eos_token_id = self.backend_tokenizer.token_to_id(self.eos_token) if self.eos_token else None
+        # text -> id of each added token, and of the special ones (what decoding skips unless told not to)
+        added = self.backend_tokenizer.get_added_tokens_decoder()
+        self.added_tokens = {token.content: token_id for token_id, token in added.items()}
+        self.special_tokens = {token.content: token_id for token_id, token in added.items() if token.special}
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.backend_tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
@@ -66,14 +70,17 @@ class GatewayTokenizer:
         chat_template: Optional[str] = None,
         tokenize: bool = True,
         tools: Optional[list[dict[str, Any]]] = None,
+        chat_template_kwargs: Optional[dict[str, Any]] = None,
         **_: Any,
     ) -> Any:
-        """Render the conversation like ``transformers`` (tokens without extra special tokens)."""
+        """Render the conversation like ``transformers`` (tokens without extra special tokens);
+        ``chat_template_kwargs`` are further template variables (``enable_thinking``, ...)."""
         template = chat_template or self.chat_template
         if not template:
             raise InvalidArgumentError("chat_template", "the model has no chat template; pass one")
         text = self.renderer.render(
             template,
+            **(chat_template_kwargs or {}),
             messages=messages,
             add_generation_prompt=add_generation_prompt,
             tools=tools,

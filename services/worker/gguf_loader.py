@@ -1,20 +1,20 @@
 """GGUF checkpoints in the worker: tensors dequantized at load under Hugging Face names.
 
-``iterate_gguf_weights`` yields the file's tensors as ``CheckpointTensor``s named like a
-safetensors checkpoint's (``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``),
-so every model's ``load_weights``, tensor-parallel slicing and ``--quantization`` work unchanged
-(Mixtral's stacked ``ffn_*_exps`` become one tensor per expert).
+``iterate_gguf_weights`` yields the file's tensors as ``CheckpointTensor``s named and laid out
+like the architecture's safetensors checkpoint (``blk.3.attn_q.weight`` ->
+``model.layers.3.self_attn.q_proj.weight``; ``gguf_tensors`` names them per architecture and undoes
+llama.cpp's converter steps: Q/K row permutation, Gemma's ``1 + w`` norms, GPT-2's transposes,
+Bloom / GPT-NeoX / Falcon fused Q/K/V orders, stacked experts and StableLM's stacked Q/K norms), so
+every model's ``load_weights``, tensor-parallel slicing and ``--quantization`` work unchanged.
 Each tensor is dequantized to float32 when first read (the float operations of the ``gguf``
 package's numpy reference, in its order: bit-exact) and then copied into the serving dtype by the
 model. Quantized GGUF blocks (Q4_1's offsets, K-quants' two-level scales) do not map losslessly
 onto gridserve's per-channel int8 / symmetric int4 layers, hence dequantization; ``--quantization``
-re-quantizes as for any checkpoint. For the Llama family, llama.cpp's Q/K row permutation (its
-RoPE pairs adjacent rows) is reversed back to the Hugging Face (neox) layout.
+re-quantizes as for any checkpoint.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Optional
@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from gridserve.services.worker.checkpoint import CheckpointTensor, LoadReport
+from gridserve.services.worker.gguf_tensors import LAYOUTS, Transform, unpermute_qk  # noqa: F401 (re-exported)
 from gridserve.shared.errors import ConfigError
 from gridserve.shared.gguf_config import (
     GgufTensorInfo,
@@ -34,90 +35,57 @@ from gridserve.shared.gguf_config import (
 
 QK_K = 256
 _LOW_HIGH = np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)  # shifts: low nibble, then high
-# GGUF tensor names (per block and global) -> Hugging Face names of the Llama-family models.
-_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_BLOCK_NAMES = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",  # qwen3: per-head RMSNorm of queries and keys
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_BLOCK = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
-# Mixtral: the router, and every expert's w1 / w3 / w2 stacked ([experts, rows, cols]) or one by one.
-_MOE_NAMES = {"ffn_gate_inp": "block_sparse_moe.gate"}
-_EXPERT_PROJ = {"ffn_gate": "w1", "ffn_up": "w3", "ffn_down": "w2"}
-_STACKED = re.compile(r"^blk\.(\d+)\.(ffn_gate|ffn_up|ffn_down)_exps\.weight$")
-_PER_EXPERT = re.compile(r"^blk\.(\d+)\.(ffn_gate|ffn_up|ffn_down)\.(\d+)\.weight$")
-# Architectures whose llama.cpp conversion permutes the Q and K rows (``LlamaModel.permute``).
-_PERMUTED_QK = {"llama"}
 
 
-def hf_name(gguf_name: str) -> Optional[str]:
-    """The Hugging Face name of GGUF tensor ``gguf_name``; None when gridserve has no place for it."""
-    if gguf_name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[gguf_name]
-    match = _BLOCK.match(gguf_name)
-    expert = _PER_EXPERT.match(gguf_name)
-    if expert is not None:
-        layer, proj, index = expert.groups()
-        return f"model.layers.{layer}.block_sparse_moe.experts.{index}.{_EXPERT_PROJ[proj]}.weight"
-    if match is None:
-        return None
-    layer, part, kind = match.groups()
-    if part in _MOE_NAMES:
-        return f"model.layers.{layer}.{_MOE_NAMES[part]}.{kind}"
-    if part not in _BLOCK_NAMES:
-        return None
-    return f"model.layers.{layer}.{_BLOCK_NAMES[part]}.{kind}"
+def hf_name(gguf_name: str, arch: str = "llama") -> Optional[str]:
+    """The Hugging Face name of GGUF tensor ``gguf_name`` in architecture ``arch`` when it maps to one
+    whole tensor; None when it has no such place (``gguf_tensors.LAYOUTS``)."""
+    return LAYOUTS[arch].hf_name(gguf_name)
 
 
 def iterate_gguf_weights(path: str | Path, hf_config: dict,
                          report: Optional[LoadReport] = None) -> Iterator[tuple[str, CheckpointTensor]]:
-    """Yield ``(hf_name, CheckpointTensor)`` for every tensor of the GGUF file at ``path``.
+    """Yield ``(hf_name, CheckpointTensor)`` for every tensor of the GGUF file at ``path``, laid out
+    as the architecture's safetensors checkpoint (``gguf_tensors``: llama.cpp's steps undone).
 
     A tensor's bytes are memory-mapped and dequantized (float32) on its first read, and dropped
-    with its ``CheckpointTensor``.
+    with its ``CheckpointTensor``s (a tensor split into several, one per expert or per head, is read
+    once for all of them).
     """
     report = report if report is not None else LoadReport()
     gguf_file = read_gguf(path)
     arch = gguf_architecture(gguf_file)
     check_tensor_types(gguf_file)
-    heads = int(hf_config["num_attention_heads"])
-    kv_heads = int(hf_config.get("num_key_value_heads") or heads)
+    layout = LAYOUTS[arch]
     for tensor in gguf_file.tensors:
-        stacked = _STACKED.match(tensor.name)
-        if stacked is not None:  # one CheckpointTensor per expert, over one dequantized stack
-            layer, proj = stacked.groups()
-            read = _lazy_reader(gguf_file.path, tensor, None)
-            for expert in range(tensor.shape[0]):
-                name = f"model.layers.{layer}.block_sparse_moe.experts.{expert}.{_EXPERT_PROJ[proj]}.weight"
-                yield name, CheckpointTensor(name, tensor.shape[1:], _expert_reader(read, expert), report)
-            continue
-        name = hf_name(tensor.name)
-        if name is None:
+        placement = layout.place(tensor.name, tensor.shape, hf_config)
+        if placement is None:
             raise ConfigError("model.model", f"{str(path)!r}: tensor {tensor.name!r} has no place in "
                                              f"{hf_config['architectures'][0]}")
-        permute_heads = None
-        if arch in _PERMUTED_QK and ".self_attn.q_proj." in name:
-            permute_heads = heads
-        elif arch in _PERMUTED_QK and ".self_attn.k_proj." in name:
-            permute_heads = kv_heads
-        yield name, CheckpointTensor(name, tensor.shape, _lazy_reader(gguf_file.path, tensor, permute_heads),
-                                     report)
+        if not placement.names:
+            continue
+        read = _lazy_reader(gguf_file.path, tensor, placement.transform)
+        shape = _shape_after(tensor.shape, placement.transform)
+        if not placement.rows:
+            yield placement.names[0], CheckpointTensor(placement.names[0], shape, read, report)
+            continue
+        if sum(placement.rows) != shape[0]:
+            raise ConfigError("model.model", f"{str(path)!r}: tensor {tensor.name!r} has {shape[0]} rows, "
+                                             f"{sum(placement.rows)} expected for {hf_config['architectures'][0]}")
+        start = 0
+        for name, rows in zip(placement.names, placement.rows):
+            yield name, CheckpointTensor(name, (rows, *shape[1:]), _rows_reader(read, start, start + rows), report)
+            start += rows
 
 
-def _lazy_reader(path: str, tensor: GgufTensorInfo, permute_heads: Optional[int]):
+def _shape_after(shape: tuple[int, ...], transform: Optional[Transform]) -> tuple[int, ...]:
+    """The shape ``transform`` gives a tensor of ``shape`` (traced on the meta device: nothing read)."""
+    if transform is None:
+        return shape
+    return tuple(transform(torch.empty(shape, device="meta")).shape)
+
+
+def _lazy_reader(path: str, tensor: GgufTensorInfo, transform: Optional[Transform]):
     full: list[torch.Tensor] = []
 
     def read(index: tuple) -> torch.Tensor:
@@ -125,23 +93,20 @@ def _lazy_reader(path: str, tensor: GgufTensorInfo, permute_heads: Optional[int]
             raw = np.memmap(path, dtype=np.uint8, mode="r", offset=tensor.offset, shape=(tensor.n_bytes,))
             values = dequantize(raw, tensor.type_name, tensor.shape)
             del raw
-            if permute_heads is not None:
-                values = unpermute_qk(values, permute_heads)
-            full.append(values)
+            full.append(values if transform is None else transform(values))
         return full[0][index]
 
     return read
 
 
-def _expert_reader(read, expert: int):
-    return lambda index: read((expert, *index))
+def _rows_reader(read, start: int, end: int):
+    """Rows ``start:end`` of ``read``'s tensor, indexed as a tensor of their own."""
 
+    def rows(index: tuple) -> torch.Tensor:
+        first, last, _ = index[0].indices(end - start)
+        return read((slice(start + first, start + last), *index[1:]))
 
-def unpermute_qk(weight: torch.Tensor, n_head: int) -> torch.Tensor:
-    """Undo llama.cpp's ``permute``: its rows (per head: pairs interleaved) back to HF's halves."""
-    shape = weight.shape
-    return (weight.reshape(n_head, shape[0] // n_head // 2, 2, *shape[1:]).transpose(1, 2)
-            .reshape(shape).contiguous())
+    return rows
 
 
 def dequantize(data: np.ndarray, type_name: str, shape: tuple[int, ...]) -> torch.Tensor:

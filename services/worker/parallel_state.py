@@ -11,7 +11,9 @@ hangs turns a collective into an error instead of a hang forever.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
+import socket
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Optional
@@ -112,6 +114,31 @@ def set_parallel_state(state: ParallelState) -> None:
     _state = state
 
 
+def _rendezvous_store(init_address: str, layout: RankLayout, timeout: timedelta) -> dist.TCPStore:
+    """The rendezvous key-value store (unauthenticated, like gloo itself). torch's TCPStore listens
+    on every address whatever host it is given; on loopback rank 0 hands it a socket bound to that
+    address instead, so the store is not reachable from the network."""
+    host, _, port = init_address.rpartition(":")
+    host = host.strip("[]")
+    if layout.rank != 0 or not _is_loopback(host):
+        return dist.TCPStore(host, int(port), layout.world_size, is_master=layout.rank == 0, timeout=timeout,
+                             use_libuv=False)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind((host, int(port)))
+    listener.listen(layout.world_size)
+    return dist.TCPStore(host, int(port), layout.world_size, is_master=True, timeout=timeout,
+                         master_listen_fd=listener.detach(), use_libuv=False)
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
 def init_distributed(layout: RankLayout, init_address: str, device: torch.device) -> ParallelState:
     """Join the workers' rendezvous at ``init_address`` and create every TP and PP group.
 
@@ -121,7 +148,7 @@ def init_distributed(layout: RankLayout, init_address: str, device: torch.device
     timeout = timedelta(seconds=envs.GRIDSERVE_DIST_TIMEOUT_S)
     logger.info("rank %d/%d (tp %d, pp %d): %s rendezvous at %s", layout.rank, layout.world_size,
                 layout.tp_rank, layout.pp_rank, backend, init_address)
-    dist.init_process_group(backend, init_method=f"tcp://{init_address}", rank=layout.rank,
+    dist.init_process_group(backend, store=_rendezvous_store(init_address, layout, timeout), rank=layout.rank,
                             world_size=layout.world_size, timeout=timeout)
     from gridserve.shared.parallel import pp_group_ranks, tp_group_ranks
 

@@ -18,11 +18,16 @@ Engines drive their workers (``CollectiveRPC``, also for Ray-placed workers, whi
 worker service) and report to the coordinator. Envoy (``edge``) is the only client of the gateways
 besides ``admin``; native gRPC clients of the public API come through Envoy. ``admin`` is the
 operator's identity (CLI, tests): the engine's control RPCs accept only it.
+
+Without TLS there are no identities: a plaintext role listens only on loopback unless started with
+``--insecure-internal`` (``shared.rpc.server``), and even then ``LoopbackAdminInterceptor`` answers
+the operator's methods (``OPERATOR_ONLY``: the rows only ``admin`` may call) to loopback peers only.
 """
 
 from __future__ import annotations
 
 import inspect
+import ipaddress
 import logging
 import threading
 from collections.abc import Callable, Iterable, Mapping
@@ -58,6 +63,9 @@ RULES: dict[str, frozenset[str]] = {
 }
 OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.v1alpha.ServerReflection/",
                  "/grpc.reflection.v1.ServerReflection/")
+# The operator's methods (only ``admin`` may call them): a plaintext role has no identities, so it
+# answers them only to a caller on its own machine (``LoopbackAdminInterceptor``).
+OPERATOR_ONLY = frozenset(method for method, allowed in RULES.items() if allowed == {"admin"})
 
 
 def _text(values: Iterable[bytes]) -> list[str]:
@@ -138,6 +146,50 @@ class AuthorizationInterceptor(grpc.aio.ServerInterceptor):
             for (method, identity), count in self.denied.items():
                 family.add_metric([method, identity], count)
         yield family
+
+
+class LoopbackAdminInterceptor(grpc.aio.ServerInterceptor):
+    """A plaintext role's stand-in for authorization: ``OPERATOR_ONLY`` methods (sleep, wake-up,
+    prefix-cache reset, ``CollectiveRpc`` weight updates) are refused with PERMISSION_DENIED to
+    any peer that is not on this machine's loopback, since without certificates nothing says who
+    the caller is. Everything else stays open, as plaintext always was: the roles' request APIs
+    are reachable beyond loopback only when the operator said so (``--insecure-internal``)."""
+
+    def __init__(self, role: str, methods: frozenset[str] = OPERATOR_ONLY) -> None:
+        self.role = role
+        self.methods = methods
+
+    async def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails) -> Any:
+        handler = await continuation(details)
+        if handler is None or details.method not in self.methods:
+            return handler
+        return _guarded(handler, lambda context: self._check(details.method, context))
+
+    def _check(self, method: str, context: Any) -> Optional[str]:
+        peer = context.peer()
+        if peer_is_loopback(peer):
+            return None
+        message = (f"{peer} may not call {method} on the {self.role}: without mutual TLS the operator's "
+                   "methods answer only callers on this machine (loopback)")
+        logger.warning("refused: %s", message)
+        return message
+
+
+def peer_is_loopback(peer: str) -> bool:
+    """Whether a gRPC peer string (``ipv4:127.0.0.1:5000``, ``ipv6:[::1]:5000``, ``unix:...``) is
+    this machine: a loopback address (an IPv4-mapped one too) or a Unix socket."""
+    kind, _, rest = peer.partition(":")
+    if kind == "unix":
+        return True
+    if kind not in ("ipv4", "ipv6"):
+        return False
+    host = rest.rpartition(":")[0].strip("[]")
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    mapped = getattr(address, "ipv4_mapped", None)
+    return (mapped or address).is_loopback
 
 
 def _guarded(handler: Any, check: Callable[[Any], Optional[str]]) -> Any:

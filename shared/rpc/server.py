@@ -13,9 +13,13 @@ Health follows the role's ``Readiness`` (``gridserve.shared.readiness``): readin
 
 With TLS files (``shared.rpc.tls``: the role's ``--tls-*`` flags) the port takes only mutual TLS and
 every call passes ``AuthorizationInterceptor`` (``shared.rpc.authz``: the caller's certificate
-names a role the method's row allows); SIGHUP re-reads the files. Without them it is plaintext as
-before, with a warning when it binds a non-loopback address. ``health_port`` adds a plaintext port
-serving ``grpc.health.v1`` alone (the same statuses), for Kubernetes' probes, which cannot speak TLS.
+names a role the method's row allows); SIGHUP re-reads the files. Without them it is plaintext, and
+plaintext never leaves loopback silently: a plaintext server asked to bind any other address
+refuses to start (``ConfigError`` naming ``--insecure-internal``) unless the process was told
+``--insecure-internal`` (``GRIDSERVE_INSECURE_INTERNAL=1``; then it warns), and a plaintext server
+answers the operator's methods (``authz.OPERATOR_ONLY``) only to loopback peers
+(``LoopbackAdminInterceptor``). ``health_port`` adds a plaintext port serving ``grpc.health.v1``
+alone (the same statuses), for Kubernetes' probes, which cannot speak TLS.
 
 On SIGTERM the server goes DRAINING (NOT_SERVING for readiness), runs the role's ``on_drain`` hook (stop taking work,
 finish or abort in-flight requests, close the role's clients on the loop), then stops with a grace
@@ -25,6 +29,7 @@ period, stops the loop, and ``wait()`` returns.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import signal
 import threading
@@ -37,9 +42,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
+from gridserve.shared import envs
+from gridserve.shared.errors import ConfigError
 from gridserve.shared.readiness import LIVENESS_SERVICE, Readiness, State
 from gridserve.shared.rpc import tls as tls_config
-from gridserve.shared.rpc.authz import AuthorizationInterceptor
+from gridserve.shared.rpc.authz import AuthorizationInterceptor, LoopbackAdminInterceptor
 from gridserve.shared.rpc.client import SERVER_OPTIONS
 from gridserve.shared.rpc.errors import ErrorInterceptor
 from gridserve.shared.rpc.loop_thread import LoopThread
@@ -50,7 +57,51 @@ T = TypeVar("T")
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 WATCHDOG_POLL_S = 1.0
-_LOOPBACK = ("127.", "localhost", "::1", "[::1]")
+INSECURE_INTERNAL_FLAG = "--insecure-internal"
+_insecure_internal: Optional[bool] = None  # this process's choice; None: the variable's
+
+
+def allow_insecure_internal(allowed: Optional[bool]) -> None:
+    """Whether this process's plaintext servers may bind beyond loopback (the CLI's
+    ``--insecure-internal``); None: ``GRIDSERVE_INSECURE_INTERNAL`` decides (library processes)."""
+    global _insecure_internal
+    _insecure_internal = allowed
+
+
+def insecure_internal_allowed() -> bool:
+    if _insecure_internal is not None:
+        return _insecure_internal
+    return bool(envs.flag_default(INSECURE_INTERNAL_FLAG, False, envs._bool))
+
+
+def insecure_internal_env() -> dict[str, str]:
+    """The environment that hands this process's ``--insecure-internal`` on to a child role."""
+    return {envs.flag_env_name(INSECURE_INTERNAL_FLAG): "1"} if insecure_internal_allowed() else {}
+
+
+def is_loopback_host(host: str) -> bool:
+    """Whether a bind address is this machine's loopback only (``127.x``, ``::1``, ``localhost``)."""
+    name = host.strip("[]").lower()
+    if name == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
+def check_plaintext_bind(host: str, role: str, insecure_internal: bool) -> None:
+    """Refuse a plaintext bind beyond loopback unless ``insecure_internal`` (then warn)."""
+    if is_loopback_host(host):
+        return
+    what = f"the {role or 'server'} would listen on {host} in plaintext"
+    if not insecure_internal:
+        raise ConfigError(INSECURE_INTERNAL_FLAG.lstrip("-"), f"{what}, where anyone who reaches it can call it: "
+                          "give it mutual TLS (--tls-cert-file, --tls-key-file, --tls-ca-file), bind 127.0.0.1, "
+                          f"or accept plaintext on a trusted network with {INSECURE_INTERNAL_FLAG} "
+                          f"({envs.flag_env_name(INSECURE_INTERNAL_FLAG)}=1)")
+    logger.warning("%s (%s): anyone who reaches it can call its request API; the operator's methods "
+                   "answer loopback callers only", what, INSECURE_INTERNAL_FLAG)
 
 
 class RpcServer:
@@ -58,18 +109,24 @@ class RpcServer:
 
     ``max_workers`` sizes the pool that runs plain (non-``async``) handlers, if a role has any.
     ``tls``: this process's TLS files (default: those the CLI configured; None: plaintext).
+    ``insecure_internal``: a plaintext server may bind beyond loopback (default: the process's
+    ``--insecure-internal``).
     """
 
     def __init__(self, host: str, port: int, max_workers: int = 8, grace_s: float = 10.0,
                  interceptors: Sequence[grpc.aio.ServerInterceptor] = (), role: str = "",
-                 health_port: Optional[int] = None, tls: Optional[tls_config.TlsFiles] = None) -> None:
+                 health_port: Optional[int] = None, tls: Optional[tls_config.TlsFiles] = None,
+                 insecure_internal: Optional[bool] = None) -> None:
+        self.tls = tls or tls_config.active()
+        if self.tls is None:
+            check_plaintext_bind(host, role, insecure_internal_allowed() if insecure_internal is None
+                                 else insecure_internal)
         self.grace_s = grace_s
         self.readiness = Readiness(role)
         self.runner = LoopThread("rpc-loop")
         self.loop = self.runner.loop
-        self.tls = tls or tls_config.active()
         self.authorization = AuthorizationInterceptor(role) if self.tls is not None else None
-        first = [self.authorization] if self.authorization is not None else []
+        first = [self.authorization] if self.authorization is not None else [LoopbackAdminInterceptor(role)]
         self.server: grpc.aio.Server = self.runner.call(lambda: grpc.aio.server(
             futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rpc"),
             interceptors=[*first, *interceptors, ErrorInterceptor()],
@@ -81,9 +138,6 @@ class RpcServer:
             self.port = self.server.add_secure_port(f"{host}:{port}", self.tls.server_credentials())
         else:
             self.port = self.server.add_insecure_port(f"{host}:{port}")  # 0: a free port
-            if not host.startswith(_LOOPBACK):
-                logger.warning("%s binds %s:%d in plaintext: anyone who reaches it can call it; pass "
-                               "--tls-cert-file/--tls-key-file/--tls-ca-file", role or "server", host, self.port)
         self.address = f"{host}:{self.port}"
         self.health_server: Optional[grpc.aio.Server] = None
         self.health_port: Optional[int] = None

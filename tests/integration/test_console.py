@@ -70,6 +70,16 @@ def page(browser, edge):
     context.close()
 
 
+def _wait_for(page, expression: str, timeout_s: float = TIMEOUT_MS / 1000) -> None:
+    """Poll ``expression`` from here until it is true: Playwright's ``wait_for_function`` polls with
+    ``eval`` inside the page, which the console's Content-Security-Policy (no 'unsafe-eval') refuses."""
+    deadline = time.monotonic() + timeout_s
+    while not page.evaluate(expression):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{expression} stayed false for {timeout_s:g} s")
+        time.sleep(0.05)
+
+
 def _running(launcher) -> int:
     with grpc.insecure_channel(address(launcher, "engine")) as channel:
         return engine_stub(channel).GetLoad(engine_pb2.GetLoadRequest(), timeout=10).num_running
@@ -84,15 +94,30 @@ def _ask(page, prompt: str, max_tokens: int, temperature: float = 0.0) -> None:
 
 def test_console_page_loads_and_lists_the_served_model(page, model):
     assert page.title() == "gridserve console"
-    page.wait_for_function("document.querySelectorAll('#model option').length > 0")
+    _wait_for(page, "document.querySelectorAll('#model option').length > 0")
     assert page.eval_on_selector_all("#model option", "os => os.map(o => o.value)") == [served_name(model)]
     assert page.input_value("#prompt") == EXAMPLE_QUESTION  # a real question, ready to send
     assert page.is_visible("#chat") and not page.is_visible("#status")
     assert page.is_hidden("#chat-error")
 
 
+def test_the_console_runs_under_its_content_security_policy(browser, edge):
+    context = browser.new_context()
+    page = context.new_page()
+    violations = []
+    page.on("console", lambda message: violations.append(message.text)
+            if "Content Security Policy" in message.text else None)
+    response = page.goto(f"http://{edge.edge_address}/")
+    assert "frame-ancestors 'none'" in response.headers["content-security-policy"]
+    _wait_for(page, "document.querySelectorAll('#model option').length > 0")  # its scripts ran, fetched
+    page.click("#nav-status")
+    _wait_for(page, "document.querySelectorAll('#roles tbody tr').length > 0")
+    context.close()
+    assert violations == []
+
+
 def test_prompt_streams_tokens_into_the_page_incrementally(page, edge):
-    page.wait_for_function("document.querySelectorAll('#model option').length > 0")
+    _wait_for(page, "document.querySelectorAll('#model option').length > 0")
     _status(edge)  # the token rate's first sample
     # Record the answer's length each time the page changes it (one record per task, so several
     # records mean the text grew across several network reads, not from one buffered body).
@@ -119,9 +144,9 @@ def test_prompt_streams_tokens_into_the_page_incrementally(page, edge):
 
 
 def test_cancel_aborts_the_stream_and_frees_the_engine(page, edge):
-    page.wait_for_function("document.querySelectorAll('#model option').length > 0")
+    _wait_for(page, "document.querySelectorAll('#model option').length > 0")
     _ask(page, "Write a very long story.", max_tokens=LONG_ANSWER_TOKENS, temperature=1.0)
-    page.wait_for_function("document.querySelector('.message.assistant .text')?.textContent.length > 0")
+    _wait_for(page, "document.querySelector('.message.assistant .text')?.textContent.length > 0")
     assert _running(edge) == 1
     page.click("#cancel")
     page.wait_for_selector(".message.assistant[data-done='true']")
@@ -145,7 +170,7 @@ def test_with_an_api_key_the_page_loads_and_the_api_needs_the_key_typed_in(brows
         assert "API key" in page.inner_text("#chat-error")
         page.fill("#api-key", "s3cret")
         page.dispatch_event("#api-key", "change")
-        page.wait_for_function("document.querySelectorAll('#model option').length > 0")
+        _wait_for(page, "document.querySelectorAll('#model option').length > 0")
         assert page.is_hidden("#chat-error")
         page.click("#nav-status")
         page.wait_for_selector("#roles tr[data-name='worker-0.0'][data-health='SERVING']")

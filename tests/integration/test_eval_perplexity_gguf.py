@@ -24,12 +24,24 @@ def gguf() -> Path:
     return smollm2_gguf("torch")
 
 
-def test_documents_are_the_token_ids_of_transformers_own_gguf_tokenizer(gguf: Path) -> None:
+def test_documents_are_the_token_ids_of_transformers_gguf_tokenizer_with_smollm2_digit_split(gguf: Path) -> None:
+    """transformers' GGUF tokenizer converter ignores ``tokenizer.ggml.pre = smollm`` (plain GPT-2
+    split): it breaks a whitespace run before a digit differently ("x   8": 3 spaces -> 2 + 1) from
+    llama.cpp's SmolLM rule (``\\p{N}`` split first, then GPT-2's), which gridserve follows. With
+    that digit split restored in front (``Digits(individual_digits=True)``), transformers'
+    tokenizer gives the very ids both backends score."""
+    from tokenizers import pre_tokenizers
+
     files = perplexity.default_files(None)
     assert [p.relative_to(perplexity.REPO).as_posix() for p in files] == list(perplexity.PROSE_FILES)
     tokenizer = transformers_tokenizer(gguf)
-    expected = [tokenizer.encode(p.read_text(encoding="utf-8"), add_special_tokens=False) for p in files]
-    assert perplexity.load_documents(gguf, files) == expected  # SmolLM2's GGUF adds no BOS
+    backend = tokenizer.backend_tokenizer
+    backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                     backend.pre_tokenizer])
+    texts = [p.read_text(encoding="utf-8") for p in files]
+    docs = perplexity.load_documents(gguf, files)
+    assert docs == [tokenizer.encode(text, add_special_tokens=False) for text in texts]  # no BOS in SmolLM2
+    assert [tokenizer.decode(doc) for doc in docs] == texts
 
 
 def test_default_model_perplexity_on_the_repo_prose_equals_transformers(gguf: Path, tmp_path: Path,

@@ -13,10 +13,9 @@ import torch
 from gridserve import LLM, SamplingParams
 from gridserve.demo.recipe import MARKER, build_checkpoint, ensure_tokenizer
 from gridserve.services.worker.loader import load_model
-from gridserve.services.worker.models.mixtral import MixtralForCausalLM, MixtralSparseMoeBlock
+from gridserve.services.worker.models.mixtral import MixtralSparseMoeBlock
 from gridserve.services.worker.parallel_state import ParallelState, set_parallel_state
 from gridserve.shared.config import GridserveConfig
-from gridserve.shared.errors import ConfigError
 from gridserve.shared.parallel import RankLayout
 
 from .hf_reference import hf_top_logprobs
@@ -153,11 +152,22 @@ def test_a_pipeline_stage_reads_only_its_own_experts(rank_of, path):
     assert not any(".layers.0." in n for n in read)
 
 
-def test_sliding_window_shorter_than_max_model_len_is_refused(path):
-    config = GridserveConfig.from_kwargs(model=path, max_model_len=512).finalize()
-    config.model.hf_config = {**config.model.hf_config, "sliding_window": 256}
-    with pytest.raises(ConfigError, match="sliding_window"), torch.device("meta"):
-        MixtralForCausalLM(config=config)
+def test_a_sliding_window_matches_hf_past_the_window_with_chunked_prefill_and_a_cached_prefix():
+    """Mixtral's window applies to every layer, as Mistral's: prompts longer than it, a shared
+    prefix past it served from the prefix cache, and chunks of 32 tokens all match transformers."""
+    from tests.zoo import zoo_checkpoint
+
+    window = zoo_checkpoint("mixtral-window", "MixtralConfig", hidden_size=64, intermediate_size=128,
+                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                            max_position_embeddings=512, num_local_experts=4, num_experts_per_tok=2,
+                            sliding_window=24, tie_word_embeddings=False)
+    llm = LLM(model=str(window), kv_cache_memory_bytes=32 << 20, max_num_batched_tokens=32)
+    prefix = _prompts(1, 60, 60, seed=5)[0]
+    prompts = [prefix + tail for tail in ([7], [8, 9], [10, 11, 12])] + _prompts(4, 30, 90, seed=6)
+    _assert_matches_hf(str(window), prompts[:1], _generate_ids(llm, prompts[:1]))
+    _assert_matches_hf(str(window), prompts[1:], _generate_ids(llm, prompts[1:]))
+    assert llm.stats().prefix_cache_hits > 0
+    _assert_no_leak(llm)
 
 
 @pytest.mark.slow

@@ -23,8 +23,20 @@ PARAMS = SamplingParams(temperature=0.0, max_tokens=10, min_tokens=10)
 def local_ray():
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": os.environ.get("PYTHONPATH", "")}})
-    yield
+    # Ray's workers listen on the node's address: plaintext there only when the operator says so.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("GRIDSERVE_INSECURE_INTERNAL", "1")
+        yield
     ray.shutdown()
+
+
+def test_the_ray_executor_refuses_plaintext_workers_without_insecure_internal(monkeypatch, llama_tiny):
+    from gridserve.shared.errors import ConfigError
+
+    monkeypatch.delenv("GRIDSERVE_INSECURE_INTERNAL", raising=False)
+    with pytest.raises(ConfigError, match="--insecure-internal"):
+        LLM(model=str(llama_tiny), kv_cache_memory_bytes=KV_BYTES, device="cpu", tensor_parallel_size=2,
+            distributed_executor_backend="ray")
 
 
 def _greedy(llm: LLM) -> list[list[int]]:

@@ -284,6 +284,22 @@ def test_rope_frequencies_and_attention_factor_match_transformers(config_class, 
         assert rope.long_from == 4096 and torch.allclose(rope.long_inv_freq, long_freq, rtol=1e-6, atol=0)
 
 
+def test_older_config_spellings_of_rope_are_read_as_transformers_reads_them():
+    from types import SimpleNamespace
+
+    from gridserve.services.worker.models.gemma import gemma3_rope
+    from gridserve.services.worker.models.phi3 import phi3_rope
+
+    gemma3 = SimpleNamespace(rope_theta=1e6, rope_local_base_freq=1e4, rope_scaling={"rope_type": "linear", "factor": 8.0},
+                             max_position_embeddings=32768)
+    assert gemma3_rope(gemma3, "sliding_attention") == {"rope_type": "default", "rope_theta": 1e4}
+    assert gemma3_rope(gemma3, "full_attention") == {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}
+    phi3 = SimpleNamespace(rope_theta=1e4, rope_scaling={"type": "su", "short_factor": [1.0], "long_factor": [2.0]},
+                           original_max_position_embeddings=4096, max_position_embeddings=131072)
+    assert phi3_rope(phi3) == {"rope_type": "longrope", "short_factor": [1.0], "long_factor": [2.0],
+                               "rope_theta": 1e4, "original_max_position_embeddings": 4096}
+
+
 def _hf_long(hf) -> tuple[torch.Tensor, float]:
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -345,3 +361,31 @@ def test_int8_weights_and_a_bf16_kv_cache_meet_the_kl_bars(name):
     for mode in modes:
         assert results[mode].mean_kl <= bench.BARS[mode][0], results[mode]
     assert results["int8+kv-bf16"].argmax_agreement >= 0.9, results["int8+kv-bf16"]
+
+
+# ---- the Triton kernels (CPU interpreter) ---------------------------------------------------------
+@pytest.mark.triton
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["gemma2", "glm4"])
+def test_triton_kernels_give_the_reference_kernels_tokens(name, monkeypatch):
+    """Gemma 2's window and soft cap, GLM-4's partial interleaved RoPE through the Triton kernels."""
+    pytest.importorskip("triton")
+    from gridserve.kernels import triton_ops
+
+    llm = LLM(model=checkpoint(name), kv_cache_memory_bytes=8 << 20, max_model_len=128)
+    prompts = [{"prompt_token_ids": p} for p in _prompts(2, 3, 40, seed=16) + _prompts(1, 40, 40, seed=17)]
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, logprobs=2)
+    monkeypatch.setenv("GRIDSERVE_KERNELS", "reference")
+    reference = llm.generate(prompts, params, use_tqdm=False)
+    assert llm.reset_prefix_cache(), "the Triton run must recompute every token"
+    calls = []
+    original = triton_ops.paged_attention
+    monkeypatch.setattr(triton_ops, "paged_attention", lambda *a, **k: calls.append(1) or original(*a, **k))
+    monkeypatch.setenv("GRIDSERVE_KERNELS", "triton")
+    triton = llm.generate(prompts, params, use_tqdm=False)
+    assert calls, "the dispatcher did not pick the Triton kernels"
+    for ref, tri in zip(reference, triton):
+        assert tri.outputs[0].token_ids == ref.outputs[0].token_ids
+        for ref_lp, tri_lp in zip(ref.outputs[0].logprobs, tri.outputs[0].logprobs):
+            for token, lp in ref_lp.items():
+                assert tri_lp[token].logprob == pytest.approx(lp.logprob, abs=1e-4)

@@ -148,7 +148,37 @@
                                 ],
                                 "host_selection_retry_max_attempts": 3
                               }
-                            }
+                            },
+                            "response_headers_to_add": [
+                              {
+                                "header": {
+                                  "key": "content-security-policy",
+                                  "value": "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
+                                },
+                                "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"
+                              },
+                              {
+                                "header": {
+                                  "key": "x-frame-options",
+                                  "value": "DENY"
+                                },
+                                "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"
+                              },
+                              {
+                                "header": {
+                                  "key": "x-content-type-options",
+                                  "value": "nosniff"
+                                },
+                                "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"
+                              },
+                              {
+                                "header": {
+                                  "key": "referrer-policy",
+                                  "value": "no-referrer"
+                                },
+                                "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"
+                              }
+                            ]
                           },
                           {
                             "match": {

@@ -131,6 +131,11 @@ helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version }}
   value: {{ printf "%s/tls.key" $dir | quote }}
 - name: GRIDSERVE_TLS_CA_FILE
   value: {{ printf "%s/ca.crt" $dir | quote }}
+{{- else }}
+{{- /* Plaintext roles listen on the pod's address only when told so (--insecure-internal): the
+       chart's NetworkPolicies are then what keeps others from calling them. */}}
+- name: GRIDSERVE_INSECURE_INTERNAL
+  value: "1"
 {{- end }}
 {{- end -}}
 

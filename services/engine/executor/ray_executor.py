@@ -25,6 +25,7 @@ from typing import Any
 from gridserve.services.engine.executor.grpc_executor import GrpcExecutor
 from gridserve.shared import envs
 from gridserve.shared.errors import ConfigError
+from gridserve.shared.rpc.server import insecure_internal_allowed, insecure_internal_env
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +101,7 @@ class RayExecutor(GrpcExecutor):
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+        _check_plaintext_allowed()
         if not ray.is_initialized():
             ray.init(address=os.environ.get("RAY_ADDRESS") or None, include_dashboard=False)
         parallel = self.config.parallel
@@ -117,6 +119,7 @@ class RayExecutor(GrpcExecutor):
                 strategy = PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=rank)
                 self.actors.append(host_class.options(scheduling_strategy=strategy).remote())
             env = {"GRIDSERVE_CPU_THREADS": str(envs.GRIDSERVE_CPU_THREADS or 1)} if not gpu else {}
+            env.update(insecure_internal_env())  # the engine's --insecure-internal, for its workers
             parallel.worker_addresses = ray.get([actor.start.remote(env) for actor in self.actors], timeout=120)
             if parallel.world_size > 1 and not parallel.distributed_init_address:
                 parallel.distributed_init_address = ray.get(self.actors[0].rendezvous_address.remote(), timeout=60)
@@ -149,6 +152,16 @@ class RayExecutor(GrpcExecutor):
         if getattr(self, "placement_group", None) is not None:
             self._remove_placement_group(self.placement_group)
             self.placement_group = None
+
+
+def _check_plaintext_allowed() -> None:
+    """Ray's workers listen on their node's address: in plaintext only with ``--insecure-internal``."""
+    from gridserve.shared.rpc import tls
+
+    if tls.active() is None and not insecure_internal_allowed():
+        raise ConfigError("insecure-internal", "the Ray executor's workers listen on their node's address, in "
+                          "plaintext without mutual TLS: accept that on a trusted network with --insecure-internal "
+                          "(GRIDSERVE_INSECURE_INTERNAL=1)")
 
 
 def _node_ip() -> str:

@@ -26,10 +26,8 @@ from torch import nn
 
 from gridserve.kernels import silu_and_mul
 from gridserve.services.worker.checkpoint import CheckpointTensor
-from gridserve.services.worker.models.hf_config import hf_config_of
 from gridserve.services.worker.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from gridserve.services.worker.parallel_state import ParallelState
-from gridserve.shared.config import GridserveConfig
 from gridserve.shared.errors import ConfigError
 from gridserve.shared.parallel import even_shard
 
@@ -136,14 +134,6 @@ class MixtralForCausalLM(LlamaForCausalLM):
     """
 
     layer_class = MixtralDecoderLayer
-
-    def __init__(self, *, config: GridserveConfig, prefix: str = "") -> None:
-        window = getattr(hf_config_of(config), "sliding_window", None)
-        if window is not None and window < config.max_model_len:
-            raise ConfigError("model.hf_config.sliding_window",
-                              f"sliding-window attention ({window}) is not supported; "
-                              f"use max_model_len <= {window}")
-        super().__init__(config=config, prefix=prefix)
 
     def load_weights(self, weights: Iterable[tuple[str, CheckpointTensor]]) -> set[str]:
         """Expert tensors are loaded here, everything else (router included) by the Llama loader."""

@@ -68,3 +68,22 @@ def test_chat_images_names_each_part_and_leaves_a_template_placeholder():
     assert images == [("messages[1].content[1]", "data:x"), ("messages[1].content[2]", "PIL")]
     assert rendered[1]["content"] == [{"type": "text", "text": "a"}, {"type": "image"}, {"type": "image"}]
     assert rendered[0] == messages[0]
+
+
+def test_a_resize_past_the_pixel_budget_is_refused_before_pillow_allocates_it(monkeypatch):
+    from gridserve.services.gateway.image_processor import ImageBudgetError
+
+    processor = ImageProcessor.from_config({"size": {"shortest_edge": 336}, "crop_size": 336})
+    assert processor.resize_to(5000, 1) == (1_680_000, 336)  # a 1 x 5000 image: 564 M pixels resized
+
+    def no_resize(*args, **kwargs):
+        raise AssertionError("Image.resize was called")
+
+    monkeypatch.setattr(Image.Image, "resize", no_resize)
+    tall = Image.new("RGB", (1, 5000))
+    with pytest.raises(ImageBudgetError, match="336x1680000"):
+        processor(tall)
+    mm = MultiModalProcessor(processor, image_token_id=7, patch_size=14, keeps_cls_token=False)
+    with pytest.raises(InvalidArgumentError, match="more than 16777216") as err:
+        mm.process([1, 7], [tall], field="messages[0].content[0]")
+    assert err.value.field == "messages[0].content[0]"

@@ -3,9 +3,11 @@ names, the default files, and that ``gridserve eval`` does not need ``gridserve.
 
 from __future__ import annotations
 
+import http.server
 import json
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -76,6 +78,34 @@ def test_eval_chat_without_a_server_fails_naming_the_base_url(capsys: pytest.Cap
 
     assert main(["eval", "chat", "--base-url", f"http://127.0.0.1:{free_port()}/v1", "--timeout", "5"]) == 2
     assert "base_url: no OpenAI server answers" in capsys.readouterr().err
+
+
+def test_eval_chat_names_the_flag_a_refusing_server_blames(capsys: pytest.CaptureFixture) -> None:
+    pytest.importorskip("openai")
+    from gridserve.cli import main
+
+    class Refuse(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+            body = b'{"error": {"message": "bad key", "type": "auth"}}'
+            self.send_response(401)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Refuse)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/v1"
+        assert main(["eval", "chat", "--base-url", url, "--model", "m", "--timeout", "5"]) == 2
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert "api_key: " in capsys.readouterr().err
 
 
 def test_the_eval_commands_do_not_import_the_demo_package() -> None:

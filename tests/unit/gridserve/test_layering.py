@@ -26,7 +26,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[3]
 ROLES = ("gateway", "engine", "worker", "coordinator")
 TOP_LEVEL = ("edge", "launcher", "cli", "llm", "llm_engine", "async_llm", "local_engine_client", "roles",
-             "protos_build", "demo", "benchmarks")
+             "protos_build", "demo", "benchmarks", "evals", "default_model", "supported_models")
 TORCH_FREE = ("gateway", "engine", "coordinator")
 
 

@@ -138,7 +138,7 @@ def test_refusals_are_permission_denied_counted_and_health_stays_open(tmp_path):
 
 def test_plaintext_on_a_non_loopback_address_warns(caplog):
     with caplog.at_level(logging.WARNING, logger="gridserve.shared.rpc.server"):
-        server = RpcServer("0.0.0.0", 0, role="worker", tls=None)
+        server = RpcServer("0.0.0.0", 0, role="worker", tls=None, insecure_internal=True)  # else refused
         server.start()
         server.shutdown()
     assert any("plaintext" in r.message for r in caplog.records)
