@@ -12,8 +12,9 @@ tokenizer, cached under ``<model cache>/zoo-bench/``.
 
 The step is ``gridserve bench step``'s (``engine.step_overhead``): B running requests (prompts of
 ``--input-len-min``..``--input-len-max`` random tokens, the same for every architecture), prefilled,
-3 warm-up decode steps, then the median wall time of ``--steps`` whole engine steps and of the
-model forward + LM head inside them; one torch thread by default (``--cpu-threads``).
+3 warm-up decode steps, then the median wall time of ``--steps`` whole engine steps, of the
+model forward + LM head inside them, and of the attention layers and the LM head (``compute_logits``,
+soft cap and logit scale included) inside those; one torch thread by default (``--cpu-threads``).
 
 FLOPs per decode step: ``2 x W x B`` for the matmuls, where W counts the weight matrices a token
 multiplies (every 2-D parameter except the embedding tables it only looks up; the LM head always,
@@ -242,6 +243,8 @@ def measure(architecture: str, args: argparse.Namespace) -> dict[str, Any]:
     row = {"architecture": architecture, "model": path, "matmul_weights": weights,
            "running": result["running_during_measure"], "mean_context": result["mean_context"],
            "step_ms": result["median_step_ms"], "forward_ms": result["median_forward_ms"],
+           "attention_ms": result["components"]["attention"]["achieved_ms"],
+           "lm_head_ms": result["components"]["lm_head"]["achieved_ms"],
            "gflop": flops["total"] / 1e9, "attention_gflop": flops["attention"] / 1e9}
     if "profile_top_ops" in result:
         row["profile_top_ops"] = result["profile_top_ops"]
@@ -276,7 +279,8 @@ def combine(samples: list[dict[str, Any]]) -> dict[str, Any]:
     """One architecture's row over its rounds: the median of each time and of each ratio (the
     baseline's ratios are 1 by definition), and each round's step ratio."""
     row = dict(samples[-1])
-    for key in ("step_ms", "forward_ms", "step_ms_per_flop_vs_llama", "forward_ms_per_flop_vs_llama"):
+    for key in ("step_ms", "forward_ms", "attention_ms", "lm_head_ms", "step_ms_per_flop_vs_llama",
+                "forward_ms_per_flop_vs_llama"):
         row[key] = statistics.median(s.get(key, 1.0) for s in samples)
     row["step_ms_per_gflop"] = row["step_ms"] / row["gflop"]
     if row["architecture"] != BASELINE:
@@ -285,12 +289,13 @@ def combine(samples: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
-    lines = [f"{'architecture':<24}{'weights M':>10}{'GFLOP':>8}{'step ms':>9}{'fwd ms':>8}"
-             f"{'step/FLOP':>11}{'fwd/FLOP':>10}"]
+    """Per architecture: weights, GFLOP, step / forward / attention / LM head ms, the two ratios."""
+    lines = [f"{'architecture':<24}{'weights M':>10}{'GFLOP':>7}{'step ms':>9}{'fwd ms':>8}{'attn ms':>9}"
+             f"{'head ms':>9}{'step/FLOP':>11}{'fwd/FLOP':>10}"]
     for r in rows:
-        lines.append(f"{r['architecture']:<24}{r['matmul_weights'] / 1e6:>10.2f}{r['gflop']:>8.3f}"
-                     f"{r['step_ms']:>9.2f}{r['forward_ms']:>8.2f}{r['step_ms_per_flop_vs_llama']:>11.2f}"
-                     f"{r['forward_ms_per_flop_vs_llama']:>10.2f}")
+        lines.append(f"{r['architecture']:<24}{r['matmul_weights'] / 1e6:>10.2f}{r['gflop']:>7.3f}"
+                     f"{r['step_ms']:>9.2f}{r['forward_ms']:>8.2f}{r['attention_ms']:>9.2f}{r['lm_head_ms']:>9.2f}"
+                     f"{r['step_ms_per_flop_vs_llama']:>11.2f}{r['forward_ms_per_flop_vs_llama']:>10.2f}")
     return "\n".join(lines)
 
 

@@ -49,7 +49,8 @@ class GgufMetadata:
             value = value[0]
         return value
 
-    def float(self, key: str, default: Optional[float] = None, required: bool = False) -> Optional[float]:
+    def get_float(self, key: str, default: Optional[float] = None, required: bool = False) -> Optional[float]:
+        """``get`` as a float32 value spelled as config.json spells it (``f32``)."""
         value = self.get(key, default, required)
         return None if value is None else f32(value)
 
@@ -134,15 +135,15 @@ def rotary_fraction(meta: GgufMetadata, head_dim: int, partial: bool = True) -> 
     return fraction
 
 
-def rope(meta: GgufMetadata, fraction: float = 1.0, theta_key: str = "rope.freq_base") -> dict[str, Any]:
+def rope(meta: GgufMetadata, fraction: float = 1.0) -> dict[str, Any]:
     """``rope_parameters``: the base (llama.cpp's default 10000 when absent), linear scaling, and the
     rotated share of each head when partial."""
-    params: dict[str, Any] = {"rope_theta": meta.float(theta_key, 10000.0), "rope_type": "default"}
+    params: dict[str, Any] = {"rope_theta": meta.get_float("rope.freq_base", 10000.0), "rope_type": "default"}
     scaling = meta.get("rope.scaling.type")
     if scaling not in (None, "none"):
         if scaling != "linear":
             raise meta.error("rope.scaling.type", f"{scaling!r} is not supported (only linear)")
-        params.update(rope_type="linear", factor=meta.float("rope.scaling.factor", 1.0))
+        params.update(rope_type="linear", factor=meta.get_float("rope.scaling.factor", 1.0))
     if fraction != 1.0:
         params["partial_rotary_factor"] = fraction
     return params
@@ -156,14 +157,15 @@ def decoder(meta: GgufMetadata, partial_rotary: bool = False) -> dict[str, Any]:
         **sizes,
         "intermediate_size": intermediate_size(meta),
         "hidden_act": "silu",
-        "rms_norm_eps": meta.float("attention.layer_norm_rms_epsilon", 1e-6),
+        "rms_norm_eps": meta.get_float("attention.layer_norm_rms_epsilon", 1e-6),
         "rope_parameters": rope(meta, fraction),
         "attention_bias": False,
     }
 
 
 def layer_norm_eps(meta: GgufMetadata, default: Optional[float] = None) -> float:
-    return meta.float("attention.layer_norm_epsilon", default, required=default is None)
+    """``attention.layer_norm_epsilon``, required unless a default is given."""
+    return meta.get_float("attention.layer_norm_epsilon", default, required=default is None)
 
 
 def bias(meta: GgufMetadata, part: str) -> bool:
@@ -177,7 +179,7 @@ def llama(meta: GgufMetadata) -> dict[str, Any]:
     config = decoder(meta)
     experts = int(meta.get("expert_count", 0) or 0)
     if experts and meta.arch != "llama":
-        raise meta.error("expert_count", f": mixture-of-experts {meta.arch} GGUF files are not supported "
+        raise meta.error("expert_count", f"is set: mixture-of-experts {meta.arch} GGUF files are not supported "
                                          "(llama's, Mixtral, are)")
     if meta.arch in ("qwen2", "qwen3"):
         config.update(use_sliding_window=False, sliding_window=None)
@@ -196,7 +198,7 @@ def gemma(meta: GgufMetadata) -> dict[str, Any]:
     return {**decoder(meta), "hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh"}
 
 
-def _gemma_query_scalar(meta: GgufMetadata, config: dict[str, Any], layers_27b: int) -> int:
+def _gemma_query_scalar(config: dict[str, Any], layers_27b: int) -> int:
     """``query_pre_attn_scalar``, which GGUF does not carry: llama.cpp scales scores by
     ``1 / sqrt(head size)``, except on the 27B (known by its layer count): ``1 / sqrt(width / heads)``
     (``llama-model.cpp``, after gemma_pytorch's config). Every released Gemma 2 / 3 agrees."""
@@ -210,10 +212,10 @@ def gemma2(meta: GgufMetadata) -> dict[str, Any]:
     all three); window on every second layer (the first of each pair), as llama.cpp fixes it."""
     config = gemma(meta)
     config.update(
-        attn_logit_softcapping=meta.float("attn_logit_softcapping", required=True),
-        final_logit_softcapping=meta.float("final_logit_softcapping", required=True),
+        attn_logit_softcapping=meta.get_float("attn_logit_softcapping", required=True),
+        final_logit_softcapping=meta.get_float("final_logit_softcapping", required=True),
         sliding_window=int(meta.get("attention.sliding_window", required=True)),
-        query_pre_attn_scalar=_gemma_query_scalar(meta, config, 46),
+        query_pre_attn_scalar=_gemma_query_scalar(config, 46),
     )
     return config
 
@@ -241,11 +243,11 @@ def gemma3(meta: GgufMetadata) -> dict[str, Any]:
     config.update(
         rope_parameters={"full_attention": config["rope_parameters"],
                          "sliding_attention": {"rope_type": "default",
-                                               "rope_theta": meta.float("rope.freq_base_swa", 10000.0)}},
+                                               "rope_theta": meta.get_float("rope.freq_base_swa", 10000.0)}},
         sliding_window=window or None,
         layer_types=types,
-        query_pre_attn_scalar=_gemma_query_scalar(meta, config, 62),
-        final_logit_softcapping=meta.float("final_logit_softcapping"),
+        query_pre_attn_scalar=_gemma_query_scalar(config, 62),
+        final_logit_softcapping=meta.get_float("final_logit_softcapping"),
         attn_logit_softcapping=None,
     )
     return config
@@ -275,7 +277,7 @@ def _longrope(meta: GgufMetadata, config: dict[str, Any]) -> dict[str, Any]:
     context = int(meta.get("context_length", required=True))
     scale = context / original
     derived = math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0
-    written = meta.float("rope.scaling.attn_factor")
+    written = meta.get_float("rope.scaling.attn_factor")
     if written is not None and abs(written - derived) > 1e-6 * derived:
         params["attention_factor"] = written
     return params
@@ -294,14 +296,13 @@ def granite(meta: GgufMetadata) -> dict[str, Any]:
     """Granite: the four multipliers, each refused when missing (llama.cpp's defaults differ from
     transformers' for the attention scale)."""
     config = decoder(meta)
-    with_bias = bias(meta, "attn_q")
     config.update(
-        attention_bias=with_bias,
+        attention_bias=bias(meta, "attn_q"),
         mlp_bias=bias(meta, "ffn_gate"),
-        embedding_multiplier=meta.float("embedding_scale", required=True),
-        residual_multiplier=meta.float("residual_scale", required=True),
-        attention_multiplier=meta.float("attention.scale", required=True),
-        logits_scaling=meta.float("logit_scale", required=True),
+        embedding_multiplier=meta.get_float("embedding_scale", required=True),
+        residual_multiplier=meta.get_float("residual_scale", required=True),
+        attention_multiplier=meta.get_float("attention.scale", required=True),
+        logits_scaling=meta.get_float("logit_scale", required=True),
     )
     return config
 
@@ -311,7 +312,7 @@ def cohere(meta: GgufMetadata) -> dict[str, Any]:
     config = decoder(meta)
     config.update(
         layer_norm_eps=layer_norm_eps(meta),
-        logit_scale=meta.float("logit_scale", required=True),
+        logit_scale=meta.get_float("logit_scale", required=True),
         use_qk_norm=meta.has("blk.0.attn_q_norm.weight"),
     )
     return config

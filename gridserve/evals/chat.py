@@ -190,7 +190,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base-url", default=DEFAULT_BASE_URL, help="the OpenAI API of a running server")
     parser.add_argument("--model", default=None, help="model name to ask (default: the first of /v1/models)")
     parser.add_argument("--api-key", default=None, help="bearer token, if the server was started with --api-key")
-    parser.add_argument("--questions", type=Path, default=QUESTIONS_FILE,
+    parser.add_argument("--questions", type=Path, default=None,
                         help="a JSONL question set (default: gridserve/evals/chat_questions.jsonl)")
     parser.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, help="new tokens per answer at most")
     parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds per request")
@@ -205,7 +205,7 @@ def run(args: argparse.Namespace) -> int:
     """Run ``gridserve eval chat``: print every question, answer and verdict, then the score(s)."""
     if args.max_tokens < 1:
         raise InvalidArgumentError("max_tokens", f"must be at least 1, got {args.max_tokens}")
-    questions = load_questions(args.questions)
+    questions = load_questions(args.questions or QUESTIONS_FILE)
     logging.getLogger("httpx2").setLevel(logging.WARNING)  # the openai client's line per request
     results = [ask_server(questions, args.base_url, args.model, args.max_tokens, args.api_key, args.timeout,
                           args.concurrency)]

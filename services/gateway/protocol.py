@@ -436,7 +436,9 @@ class ChatTool(ClosedModel):
 Messages = Annotated[list[ChatMessage], Field(min_length=1), capped("max_messages", what="messages")]
 
 
-RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"})
+# What the server gives every template (its variables and the sandbox's bounded functions).
+RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token",
+                                         "raise_exception", "namespace", "range"})
 
 
 def _template_kwargs(value: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:

@@ -205,3 +205,12 @@ def test_the_typed_grpc_chat_carries_tools_and_returns_calls(edge):
     with grpc.insecure_channel(edge.edge_address) as channel:
         reply = gateway_pb2_grpc.GatewayStub(channel).Chat(request, timeout=60)
     assert len(reply.message.tool_calls) == 1 and reply.finish_reason == common_pb2.FINISH_REASON_TOOL_CALLS
+
+
+def test_an_unknown_message_key_is_named_in_a_response_header_through_the_edge(edge, name):
+    body = {"model": name, "max_tokens": 2, "messages": [{"role": "user", "content": "hi", "provider_fields": {}}]}
+    request = urllib.request.Request(f"http://{edge.edge_address}/v1/chat/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        assert response.status == 200
+        assert response.headers["x-gridserve-ignored-fields"] == "messages[0].provider_fields"
