@@ -49,6 +49,7 @@ class QuantizableLinear(nn.Module):
         self.keeps_float_weight = False  # True where the float weight has another use (tied embedding)
         self.batch_invariant = False  # GEMMs on fixed row blocks (``batch_invariant.enable``)
         self.cpu_packed = False  # the fp32 weight is held in oneDNN's layout (``pack_for_cpu``)
+        self._packed_head: Optional[torch.Tensor] = None  # a tied head's packed copy (its table stays plain)
 
     def quantize(self, method: str, group_size: int = 128, activations: bool = True,
                  activation_rows: int = 2, activation_group: int = 0) -> None:
@@ -68,13 +69,32 @@ class QuantizableLinear(nn.Module):
         self.cpu_packed = True
         return True
 
+    def pack_head_copy(self) -> bool:
+        """For a tied LM head (the table is also the input embedding, so it stays plain for lookups):
+        hold a packed copy for the logits GEMM; False when there is nothing to do."""
+        if (not self.keeps_float_weight or self._packed_head is not None or self.qweight is not None
+                or self.batch_invariant or not cpu_packed_linear.packable(self.weight)):
+            return False
+        self._packed_head = cpu_packed_linear.pack(self.weight.data).detach()
+        return True
+
+    def release_packed_copy(self) -> bool:
+        """Drop a tied head's packed copy (``cpu_packed_linear.release``); ``repack`` makes it again."""
+        had = self._packed_head is not None
+        self._packed_head = None
+        return had
+
     def _writable(self, param: str) -> torch.Tensor:
         """``param``'s data to load into: a packed weight turns plain again (``cpu_packed_linear.repack``)."""
         if param == "weight" and self.weight is not None and self.weight.is_mkldnn:
             self.weight = cpu_packed_linear.unpack(self.weight)
+        if param == "weight":
+            self._packed_head = None  # stale once the table changes; ``repack`` packs it again
         return getattr(self, param).data
 
     def _float_linear(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if self._packed_head is not None:
+            return cpu_packed_linear.linear(x, self._packed_head, bias)
         if self.weight.is_mkldnn:
             return cpu_packed_linear.linear(x, self.weight, bias)
         return F.linear(x, self.weight, bias)

@@ -130,3 +130,22 @@ def test_release_lets_a_packed_model_go_to_the_meta_device(llama_tiny):
     assert released == sum(1 for m in _linears(model).values() if m.cpu_packed) > 0
     model.to_empty(device="meta")
     assert all(p.is_meta for p in model.parameters())
+
+
+def test_a_tied_head_reads_a_packed_copy_and_the_lookup_the_plain_table():
+    """Tied embeddings (SmolLM2, Gemma, ...): the logits GEMM was a plain F.linear (~3x slower)."""
+    state = ParallelState.single()
+    tied = _filled(VocabParallelEmbedding(1000, 96, state, prefix="model.embed_tokens"), 5)
+    x = torch.randn(64, 96, generator=torch.Generator().manual_seed(6))
+    want = F.linear(x, tied.weight)
+    ids = torch.tensor([3, 999, 0])
+    lookup = tied(ids)
+    assert tied.pack_head_copy() and not tied.pack_head_copy()  # once
+    assert not tied.weight.is_mkldnn and tied._packed_head.is_mkldnn
+    _close(tied.matmul(x), want)
+    assert torch.equal(tied(ids), lookup)
+    new = torch.randn(1000, 96, generator=torch.Generator().manual_seed(7))
+    tied.load("weight", CheckpointTensor("w", tuple(new.shape), lambda index: new[index], LoadReport()))
+    assert tied._packed_head is None  # a load makes the copy stale: dropped, then packed again
+    _close(tied.matmul(x), F.linear(x, new))
+    assert tied.pack_head_copy() and tied.release_packed_copy() and tied._packed_head is None
