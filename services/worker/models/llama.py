@@ -461,7 +461,11 @@ class LlamaForCausalLM(nn.Module):
         if self.spec.logit_scale != 1.0:
             logits = logits * self.spec.logit_scale
         cap = self.spec.final_soft_cap
-        return logits if cap is None else torch.tanh(logits / cap) * cap
+        if cap is None:
+            return logits
+        # cap * tanh(logits / cap), written as cap * (2 sigmoid(2 logits / cap) - 1): the same to
+        # ~1e-6 and ~3x faster on the CPU, where tanh over [batch, vocab] was a step's largest op
+        return torch.sigmoid(logits * (2.0 / cap)).mul_(2.0 * cap).sub_(cap)
 
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.model.layers if isinstance(layer, LlamaDecoderLayer)]
