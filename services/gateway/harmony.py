@@ -94,3 +94,28 @@ def _partial_marker(text: str) -> int:
     if tail == "<" or (tail.startswith("<|") and "|>" not in tail):
         return len(tail)
     return 0
+
+
+class BodyStream:
+    """A streamed harmony reply, re-parsed on every delta: each message's body characters not yet
+    handed out, as ``(message index, message, new text)`` (the ``openai`` tool parser and the
+    ``openai_gptoss`` reasoning parser route them to tool calls, reasoning or content)."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        self._sent: dict[int, int] = {}  # message index -> characters of its body handed out
+
+    def feed(self, delta: str) -> list[tuple[int, HarmonyMessage, str]]:
+        self.text += delta
+        return self._new(messages_of(self.text, hold_back=True))
+
+    def finish(self) -> Optional[list[tuple[int, HarmonyMessage, str]]]:
+        """The rest of every body; None when the reply holds no harmony message at all (plain text)."""
+        return self._new(messages_of(self.text)) if MESSAGE in self.text else None
+
+    def _new(self, messages: list[HarmonyMessage]) -> list[tuple[int, HarmonyMessage, str]]:
+        out = []
+        for i, message in enumerate(messages):
+            out.append((i, message, message.body[self._sent.get(i, 0):]))
+            self._sent[i] = len(message.body)
+        return out

@@ -19,8 +19,7 @@ class GptOssReasoningParser(ReasoningParser):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self._text = ""
-        self._body_sent: dict[int, int] = {}
+        self._bodies = harmony.BodyStream()
 
     def extract(self, text: str) -> tuple[Optional[str], Optional[str]]:
         if harmony.MESSAGE not in text:
@@ -31,19 +30,15 @@ class GptOssReasoningParser(ReasoningParser):
         return reasoning or None, content or None
 
     def stream(self, delta: str) -> ParsedDelta:
-        self._text += delta
-        return self._deltas(harmony.messages_of(self._text, hold_back=True))
+        return self._deltas(self._bodies.feed(delta))
 
     def finish(self) -> ParsedDelta:
-        if harmony.MESSAGE not in self._text:
-            return ParsedDelta(content=self._text)
-        return self._deltas(harmony.messages_of(self._text))
+        rest = self._bodies.finish()
+        return ParsedDelta(content=self._bodies.text) if rest is None else self._deltas(rest)
 
-    def _deltas(self, messages: list[harmony.HarmonyMessage]) -> ParsedDelta:
+    def _deltas(self, bodies: list[tuple[int, harmony.HarmonyMessage, str]]) -> ParsedDelta:
         out = ParsedDelta()
-        for i, message in enumerate(messages):
-            new = message.body[self._body_sent.get(i, 0):]
-            self._body_sent[i] = len(message.body)
+        for _, message, new in bodies:
             if message.is_reasoning:
                 out.reasoning += new
             elif message.is_content:

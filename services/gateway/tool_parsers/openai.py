@@ -33,7 +33,7 @@ class OpenAIToolParser(ToolParser):
 
     def __init__(self, tools=None) -> None:
         super().__init__(tools)
-        self._body_sent: dict[int, int] = {}  # message index -> characters of its body sent
+        self._bodies = harmony.BodyStream()
         self._call_of: dict[int, int] = {}  # message index -> tool call index
 
     def extract(self, text: str) -> ExtractedToolCalls:
@@ -51,19 +51,15 @@ class OpenAIToolParser(ToolParser):
                 if m.function and m.has_body]
 
     def stream(self, delta: str) -> ParsedDelta:
-        self._text += delta
-        return self._deltas(harmony.messages_of(self._text, hold_back=True))
+        return self._deltas(self._bodies.feed(delta))
 
     def finish(self) -> ParsedDelta:
-        if harmony.MESSAGE not in self._text:
-            return ParsedDelta(content=self._text)
-        return self._deltas(harmony.messages_of(self._text))
+        rest = self._bodies.finish()
+        return ParsedDelta(content=self._bodies.text) if rest is None else self._deltas(rest)
 
-    def _deltas(self, messages: list[harmony.HarmonyMessage]) -> ParsedDelta:
+    def _deltas(self, bodies: list[tuple[int, harmony.HarmonyMessage, str]]) -> ParsedDelta:
         out = ParsedDelta()
-        for i, message in enumerate(messages):
-            new = message.body[self._body_sent.get(i, 0):]
-            self._body_sent[i] = len(message.body)
+        for i, message, new in bodies:
             if message.function and message.has_body:
                 out.tool_calls.append(self._call_delta(i, message.function, new))
             elif message.is_content:
