@@ -30,7 +30,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -42,6 +41,7 @@ from typing import IO, Optional
 
 from gridserve.edge import EdgeLimits
 from gridserve.shared import envs
+from gridserve.shared.ports import free_port  # noqa: F401 - tests and tools import it from here
 from gridserve.shared.readiness import LIVENESS_SERVICE
 from gridserve.shared.rpc.client import health_status, make_channel, wait_until_serving
 from gridserve.shared.rpc.tls import TlsFiles
@@ -77,12 +77,6 @@ class RoleProcess:
     @property
     def pid(self) -> int:
         return self.process.pid
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 def _die_with_launcher(argv: list[str]) -> list[str]:
@@ -307,8 +301,16 @@ class Launcher:
             raise RuntimeError(f"the {proc.role} (pid {proc.pid}) exited with {proc.process.returncode} "
                                f"during startup{self._log_hint(proc)}")
 
-    def _log_hint(self, proc: RoleProcess) -> str:
-        return f"; see {proc.log.name}" if proc.log is not None else ""
+    def _log_hint(self, proc: RoleProcess, lines: int = 15) -> str:
+        """Where its log is, and the log's last ``lines`` lines (why it died, without opening the file)."""
+        if proc.log is None:
+            return ""
+        try:
+            tail = Path(proc.log.name).read_text(errors="replace").splitlines()[-lines:]
+        except OSError:
+            tail = []
+        text = "".join(f"\n  | {line}" for line in tail)
+        return f"; see {proc.log.name}" + (f", which ends:{text}" if text else "")
 
     def _wait_reachable(self, proc: RoleProcess) -> None:
         deadline = time.monotonic() + envs.GRIDSERVE_STARTUP_TIMEOUT_S

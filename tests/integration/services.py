@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-import logging
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Optional
@@ -14,8 +14,6 @@ from gridserve.api.common.v1 import common_pb2
 from gridserve.api.engine.v1 import engine_pb2_grpc
 from gridserve.api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from gridserve.launcher import Launcher
-
-logger = logging.getLogger(__name__)
 
 KV_BYTES = 32 << 20
 ENGINE_ARGS = ["--kv-cache-memory-bytes", str(KV_BYTES), "--max-num-seqs", "128"]
@@ -34,8 +32,9 @@ def deployment(model: Path, log_dir: Path, grace_s: float = 5.0, edge_port: Opti
         launcher.start()
         yield launcher
     except Exception:
+        # printed, not logged: a logging handler left by an earlier test may hold a closed stream
         for log in sorted(log_dir.glob("*.log")):
-            logger.error("---- %s\n%s", log.name, log.read_text()[-4000:])
+            print(f"---- {log.name}\n{log.read_text(errors='replace')[-4000:]}", file=sys.stderr)
         raise
     finally:
         launcher.stop()

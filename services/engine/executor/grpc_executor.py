@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -43,6 +42,7 @@ from gridserve.services.engine.executor.worker_stream import WorkerStream
 from gridserve.shared import envs
 from gridserve.shared.errors import ConfigError, EngineDeadError, InvalidArgumentError
 from gridserve.shared.parallel import output_rank
+from gridserve.shared.ports import free_port
 from gridserve.shared.rpc.client import aio_channel
 from gridserve.shared.rpc.loop_thread import LoopThread
 from gridserve.shared.rpc.values import encode
@@ -280,9 +280,7 @@ def _local_rendezvous(addresses: list[str]) -> str:
             "parallel.distributed_init_address",
             f"worker 0 runs on {host}: give the rendezvous address (--distributed-init-address host:port)",
         )
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return f"127.0.0.1:{sock.getsockname()[1]}"
+    return f"127.0.0.1:{free_port()}"
 
 
 _LOOPBACK = {"127.0.0.1", "localhost", "[::1]", "::1"}

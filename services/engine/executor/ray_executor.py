@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +24,7 @@ from typing import Any
 from gridserve.services.engine.executor.grpc_executor import GrpcExecutor
 from gridserve.shared import envs
 from gridserve.shared.errors import ConfigError
+from gridserve.shared.ports import free_port
 from gridserve.shared.rpc.server import insecure_internal_allowed, insecure_internal_env
 
 logger = logging.getLogger(__name__)
@@ -50,7 +50,7 @@ class WorkerHost:
     def start(self, env: dict[str, str]) -> str:
         """Start the worker on this node; its address."""
         host = _node_ip()
-        port = _free_port(host)
+        port = free_port(host)
         argv = [sys.executable, "-m", "gridserve", "worker", "--host", host, "--port", str(port)]
         self.process = subprocess.Popen(argv, env={**os.environ, **env}, preexec_fn=_die_with_parent)
         return f"{host}:{port}"
@@ -58,7 +58,7 @@ class WorkerHost:
     def rendezvous_address(self) -> str:
         """A free port on this node for the workers' torch.distributed rendezvous."""
         host = _node_ip()
-        return f"{host}:{_free_port(host)}"
+        return f"{host}:{free_port(host)}"
 
     def stop(self, timeout: float = 10.0) -> int | None:
         if self.process is None or self.process.poll() is not None:
@@ -168,12 +168,6 @@ def _node_ip() -> str:
     import ray
 
     return ray.util.get_node_ip_address()
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 def _die_with_parent() -> None:
