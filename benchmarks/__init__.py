@@ -31,6 +31,8 @@ BENCHMARKS = {
     "observability": ("observability", "engine step time with metrics / tracing off and on",
                       "add_arguments", "run"),
     "edge": ("edge", "TTFT through the Envoy edge vs straight to the gateway", "add_arguments", "run"),
+    "slowloris": ("slowloris", "a probe's p99 latency at the edge idle vs while slow clients trickle headers",
+                  "add_arguments", "run"),
     "plot": ("plot", "throughput and latency vs concurrency from bench serve JSON", "add_arguments", "run"),
     "fuzz": ("fuzz", "hostile generated requests through the edge: never a 5xx, a hang or a leak",
              "add_arguments", "run"),

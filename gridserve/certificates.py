@@ -3,7 +3,8 @@
 Everything lives in a private directory (mode 0700, keys 0600) that ``cleanup`` removes. Each
 certificate names its role the way ``shared.rpc.authz`` reads it: common name ``<role>`` and DNS SAN
 ``<role>.gridserve.internal``; server roles also carry ``localhost`` and ``127.0.0.1`` so clients
-verify the host they dial on loopback. EC P-256 keys (fast handshakes), SHA-256 signatures.
+verify the host they dial on loopback. Engines and gateways get one certificate per instance
+(``issue_all(instances=)``), which also names the instance: ``engine-1.gridserve.internal``. EC P-256 keys (fast handshakes), SHA-256 signatures.
 """
 
 from __future__ import annotations
@@ -68,14 +69,18 @@ class LocalCA:
         self.ca_file = self.folder / "ca.crt"
         _write(self.ca_file, self.ca_pem)
 
-    def issue(self, role: str, name: Optional[str] = None) -> TlsFiles:
+    def issue(self, role: str, name: Optional[str] = None, instance: Optional[str] = None) -> TlsFiles:
         """A certificate and key for ``role`` (files ``<name>.crt`` / ``<name>.key``, default the role's
-        name; issuing again replaces them atomically: a rotation)."""
+        name; issuing again replaces them atomically: a rotation). With ``instance`` it also names
+        that one instance of the role, DNS SAN ``<role>-<instance>.gridserve.internal`` (``engine-1``:
+        DP rank 1), which the coordinator and the engines bind ranks and streams to."""
         name = name or role
         key = ec.generate_private_key(ec.SECP256R1())
         now = datetime.datetime.now(datetime.timezone.utc)
         sans: list[x509.GeneralName] = [x509.DNSName(role + DNS_SUFFIX), x509.DNSName("localhost"),
                                         x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+        if instance is not None:
+            sans.insert(1, x509.DNSName(f"{role}-{instance}{DNS_SUFFIX}"))
         cert = (x509.CertificateBuilder()
                 .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, role)]))
                 .issuer_name(self._cert.subject).public_key(key.public_key())
@@ -95,8 +100,20 @@ class LocalCA:
         _write(files.cert, cert.public_bytes(serialization.Encoding.PEM))
         return files
 
-    def issue_all(self) -> dict[str, TlsFiles]:
-        return {role: self.issue(role) for role in ROLES}
+    def issue_all(self, instances: Optional[dict[str, int]] = None) -> dict[str, TlsFiles]:
+        """One certificate per role; a role given a count in ``instances`` (``{"engine": 2}``) gets one
+        per instance instead: instance 0 under the role's own key and files, instance i > 0 under
+        ``<role>-<i>``."""
+        files = {}
+        for role in ROLES:
+            count = (instances or {}).get(role)
+            if count is None:
+                files[role] = self.issue(role)
+                continue
+            for i in range(count):
+                files[role if i == 0 else f"{role}-{i}"] = self.issue(role, None if i == 0 else f"{role}-{i}",
+                                                                       instance=str(i))
+        return files
 
     def cleanup(self) -> None:
         if self._owned:

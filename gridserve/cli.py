@@ -10,13 +10,15 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import re
 import signal
 import sys
 from typing import Optional
 
 from gridserve.default_model import resolve_serve_model
-from gridserve.edge import EdgeLimits
+from gridserve.edge import CorsPolicy, EdgeLimits
 from gridserve.roles import (
     add_batch_invariant_argument,
     add_engine_arguments,
@@ -32,6 +34,7 @@ from gridserve.roles import (
 from gridserve.services.gateway.chat_options import ChatOptions
 from gridserve.services.gateway.limits import RequestLimits, add_limit_arguments, gateway_argv
 from gridserve.services.gateway.media_loader import MediaConfig
+from gridserve.services.gateway.responses_store import ResponsesStoreOptions
 from gridserve.shared import envs
 from gridserve.shared.errors import ConfigError, GridserveError
 from gridserve.shared.observability.logs import configure_logging
@@ -71,6 +74,25 @@ def _parser() -> argparse.ArgumentParser:
                        help="active client connections the edge accepts")
     serve.add_argument("--stream-idle-timeout", type=float, default=EdgeLimits.stream_idle_timeout_s,
                        help="seconds a response stream may stay silent before the edge resets it")
+    serve.add_argument("--request-body-timeout", type=float, default=EdgeLimits.request_body_timeout_s,
+                       help="seconds a request's headers and body may take to arrive at the edge (then 408); "
+                            "the response is not bounded by it")
+    serve.add_argument("--connection-idle-timeout", type=float, default=EdgeLimits.connection_idle_timeout_s,
+                       help="seconds the edge keeps a client connection with no request open")
+    serve.add_argument("--max-requests-per-connection", type=int, default=EdgeLimits.max_requests_per_connection,
+                       help="requests on one client connection before the edge closes (HTTP/1.1) or drains (HTTP/2) it")
+    serve.add_argument("--max-requests-per-client-per-s", type=int,
+                       default=EdgeLimits.max_requests_per_client_per_s,
+                       help="requests per second from one client address, all its connections together (then 429)")
+    serve.add_argument("--max-edge-heap-bytes", type=int, default=EdgeLimits.max_heap_bytes,
+                       help="Envoy's heap: near it the edge answers 503 to new requests instead of growing")
+    add_option(serve, "--allowed-origins", nargs="+", metavar="ORIGIN",
+               help="origins (scheme://host:port) whose web pages may call the API from a browser (CORS); "
+                    "'*': any (default: none, same-origin only; a JSON list is accepted too)")
+    add_option(serve, "--allowed-methods", nargs="+", metavar="METHOD", default=list(CorsPolicy.allowed_methods),
+               help="HTTP methods allowed origins may use ('*': any)")
+    add_option(serve, "--allowed-headers", nargs="+", metavar="HEADER", default=list(CorsPolicy.allowed_headers),
+               help="request headers allowed origins may send ('*': any, Authorization included)")
     serve.add_argument("--tls", action="store_true",
                        help="mutual TLS on every gRPC link: a throwaway CA and one certificate per role in a "
                             "private temp dir removed on exit; the edge serves HTTPS with its certificate")
@@ -188,7 +210,47 @@ def _gateway(args: argparse.Namespace) -> int:
                  metrics_port=args.metrics_port, otlp_traces_endpoint=args.otlp_traces_endpoint,
                  api_key=args.api_key, coordinator=args.coordinator, limits=RequestLimits.from_args(args),
                  blocking_workers=args.blocking_threads, media=MediaConfig.from_args(args),
-                 health_port=args.health_port, chat=ChatOptions.from_args(args))
+                 health_port=args.health_port, chat=ChatOptions.from_args(args),
+                 responses=ResponsesStoreOptions.from_args(args))
+
+
+# EdgeLimits' fields as `serve` flags, for its errors.
+_EDGE_FLAGS = {"max_request_body_bytes": "--max-request-body-bytes", "max_connections": "--max-edge-connections",
+               "stream_idle_timeout_s": "--stream-idle-timeout", "request_body_timeout_s": "--request-body-timeout",
+               "connection_idle_timeout_s": "--connection-idle-timeout",
+               "max_requests_per_connection": "--max-requests-per-connection",
+               "max_requests_per_client_per_s": "--max-requests-per-client-per-s",
+               "max_heap_bytes": "--max-edge-heap-bytes", "request_headers_timeout_s": "the headers timeout"}
+
+
+def _edge_limits(args: argparse.Namespace) -> EdgeLimits:
+    try:
+        return EdgeLimits(max_request_body_bytes=args.max_request_body_bytes, max_connections=args.max_edge_connections,
+                          stream_idle_timeout_s=args.stream_idle_timeout, request_body_timeout_s=args.request_body_timeout,
+                          connection_idle_timeout_s=args.connection_idle_timeout,
+                          max_requests_per_connection=args.max_requests_per_connection,
+                          max_requests_per_client_per_s=args.max_requests_per_client_per_s,
+                          max_heap_bytes=args.max_edge_heap_bytes)
+    except ValueError as exc:
+        message = re.sub(r"\b[a-z_]+\b", lambda m: _EDGE_FLAGS.get(m.group(0), m.group(0)), str(exc))
+        raise ConfigError("edge", message) from None
+
+
+def _cors(args: argparse.Namespace) -> CorsPolicy:
+    """--allowed-origins / -methods / -headers, each as values or as vLLM's JSON list."""
+    def values(flag: str) -> tuple[str, ...]:
+        given = getattr(args, flag.replace("-", "_"))
+        if given and len(given) == 1 and given[0].lstrip().startswith("["):
+            try:
+                return tuple(json.loads(given[0]))
+            except json.JSONDecodeError as exc:
+                raise ConfigError(flag, f"not a JSON list: {exc}") from None
+        return tuple(given or ())
+    given = values("allowed-origins"), values("allowed-methods"), values("allowed-headers")
+    try:
+        return CorsPolicy(*given)
+    except ValueError as exc:
+        raise ConfigError("allowed-origins", str(exc)) from None
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -203,6 +265,7 @@ def _serve(args: argparse.Namespace) -> int:
         # A stream pauses while its engine rebuilds a worker group; the edge must not cut it first.
         raise ConfigError("stream-idle-timeout", f"{args.stream_idle_timeout:g} s must exceed "
                           f"--worker-recovery-timeout ({args.worker_recovery_timeout:g} s)")
+    edge_limits, edge_cors = _edge_limits(args), _cors(args)
     if bool(args.ssl_certfile) != bool(args.ssl_keyfile):
         raise ConfigError("ssl-keyfile" if args.ssl_certfile else "ssl-certfile",
                           "--ssl-certfile and --ssl-keyfile go together")
@@ -215,9 +278,7 @@ def _serve(args: argparse.Namespace) -> int:
                         tensor_parallel_size=args.tensor_parallel_size,
                         pipeline_parallel_size=args.pipeline_parallel_size,
                         observability_args=observability_argv(args), gateway_args=gateway_argv(args),
-                        edge_limits=EdgeLimits(max_request_body_bytes=args.max_request_body_bytes,
-                                               max_connections=args.max_edge_connections,
-                                               stream_idle_timeout_s=args.stream_idle_timeout),
+                        edge_limits=edge_limits, edge_cors=edge_cors,
                         tls=args.tls, ssl_files=(args.ssl_certfile, args.ssl_keyfile) if args.ssl_certfile else None,
                         insecure_internal=args.insecure_internal)
     stopping = []

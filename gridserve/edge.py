@@ -14,6 +14,11 @@ security headers (``CONSOLE_HEADERS``): a Content-Security-Policy that allows sc
 fetches from the edge's own origin only and no framing (``frame-ancestors 'none'``, clickjacking),
 ``X-Content-Type-Options: nosniff`` and no referrer.
 
+Clients: ``EdgeLimits`` bounds what one client may take (body size, headers / body / idle
+deadlines, requests per connection and per client address, Envoy's heap, all connections);
+``CorsPolicy`` says which other origins' pages may call the API from a browser (none by default:
+Envoy's CORS filter is then left out and no answer carries CORS headers).
+
 TLS: with ``downstream_tls`` (``--ssl-certfile`` / ``--ssl-keyfile``) the listener serves HTTPS and
 gRPC over TLS (ALPN h2 and http/1.1); with ``upstream_tls`` (the edge's own certificate, role
 ``edge``, and the deployment CA) Envoy speaks mutual TLS to the gateways, health checks included,
@@ -26,6 +31,7 @@ line that runs a config (hot restart off, so several Envoys can run on one machi
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,6 +69,15 @@ _DOWNSTREAM_TLS = "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3
 GATEWAY_SAN = "gateway.gridserve.internal"
 _DOWNSTREAM_CONNECTIONS = ("type.googleapis.com/envoy.extensions.resource_monitors.downstream_connections.v3."
                            "DownstreamConnectionsConfig")
+_FIXED_HEAP = "type.googleapis.com/envoy.extensions.resource_monitors.fixed_heap.v3.FixedHeapConfig"
+_LOCAL_RATE_LIMIT = "type.googleapis.com/envoy.extensions.filters.http.local_ratelimit.v3.LocalRateLimit"
+_CORS = "type.googleapis.com/envoy.extensions.filters.http.cors.v3.Cors"
+_CORS_POLICY = "type.googleapis.com/envoy.extensions.filters.http.cors.v3.CorsPolicy"
+CORS_FILTER = "envoy.filters.http.cors"
+HEAP_MONITOR = "envoy.resource_monitors.fixed_heap"
+# Heap use (of max_heap_bytes) at which Envoy returns freed memory to the system, then refuses new
+# requests (503) until it falls again; connections and streams already open carry on.
+HEAP_ACTIONS = {"envoy.overload_actions.shrink_heap": 0.95, "envoy.overload_actions.stop_accepting_requests": 0.98}
 
 
 @dataclass(frozen=True)
@@ -77,6 +92,18 @@ class EdgeLimits:
     silent pause a healthy request can have (a long queue before its first token, a worker
     recovery). ``max_requests_per_gateway``: the circuit breaker's concurrent requests per replica
     (Envoy's default of 1024 for the whole cluster would turn a burst of streams into 503s).
+
+    Slow and greedy clients: ``request_headers_timeout_s`` bounds the headers (from their first
+    byte); ``request_body_timeout_s`` the whole request, headers and body: Envoy's ``request_timeout``
+    stops when the last request byte has gone upstream or the response has begun, so it never
+    cuts a response stream (no gateway RPC streams its request). ``connection_idle_timeout_s``
+    closes a connection with no request open (one that never sends a byte included).
+    ``max_requests_per_connection``: then the connection is closed (HTTP/1.1) or drained
+    (HTTP/2), so one client cannot pin a connection forever. ``max_requests_per_client_per_s``:
+    a token bucket per client address (the peer's, or the one ``xff_num_trusted_hops`` proxies
+    vouch for), all its connections together; beyond it 429. ``max_heap_bytes``: Envoy's own heap
+    (buffered bodies, connection state); near it Envoy shrinks its heap, then answers 503 to new
+    requests (``HEAP_ACTIONS``) instead of growing until the kernel kills it.
     """
 
     max_request_body_bytes: int = 32 << 20
@@ -84,14 +111,79 @@ class EdgeLimits:
     stream_idle_timeout_s: float = 300.0
     request_headers_timeout_s: float = 10.0
     max_requests_per_gateway: int = 4096
+    request_body_timeout_s: float = 60.0
+    connection_idle_timeout_s: float = 60.0
+    max_requests_per_connection: int = 1000
+    max_requests_per_client_per_s: int = 1000
+    max_heap_bytes: int = 1 << 30
 
     def __post_init__(self) -> None:
-        for name in ("max_request_body_bytes", "max_connections", "max_requests_per_gateway"):
+        for name in ("max_request_body_bytes", "max_connections", "max_requests_per_gateway",
+                     "max_requests_per_connection", "max_requests_per_client_per_s", "max_heap_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"edge limit {name} must be a positive integer, got {getattr(self, name)}")
-        for name in ("stream_idle_timeout_s", "request_headers_timeout_s"):
+        for name in ("stream_idle_timeout_s", "request_headers_timeout_s", "request_body_timeout_s",
+                     "connection_idle_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"edge limit {name} must be positive, got {getattr(self, name)}")
+        if self.request_headers_timeout_s > self.request_body_timeout_s:
+            raise ValueError(f"edge limit request_headers_timeout_s ({self.request_headers_timeout_s:g}) must "
+                             f"not exceed request_body_timeout_s ({self.request_body_timeout_s:g}): the request "
+                             "includes its headers")
+
+
+@dataclass(frozen=True)
+class CorsPolicy:
+    """Which other origins' web pages may call the edge from a browser (vLLM's ``--allowed-origins``,
+    ``--allowed-methods``, ``--allowed-headers``).
+
+    No origin (the default): no CORS headers at all, so browsers keep pages of other origins from
+    reading any answer (same-origin only). Otherwise Envoy's CORS filter answers the preflight
+    ``OPTIONS`` itself and adds ``Access-Control-Allow-Origin`` for an allowed origin; ``"*"``
+    allows any origin. Methods and headers: ``"*"`` is any (for headers Envoy echoes what the
+    preflight asks for, so ``Authorization`` is covered too). No credentials (cookies) either way.
+    """
+
+    allowed_origins: tuple[str, ...] = ()
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+
+    def __post_init__(self) -> None:
+        for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
+            values = tuple(getattr(self, name))
+            object.__setattr__(self, name, values)
+            bad = [v for v in values if not v or any(c in v for c in " ,\r\n")]
+            if bad:
+                raise ValueError(f"CORS {name}: {bad[0]!r} is not one origin, method or header name")
+        for origin in self.allowed_origins:  # what a browser sends: no path, not even a trailing slash
+            if origin != "*" and not re.fullmatch(r"[a-z][a-z0-9+.-]*://[^/?#]+", origin):
+                raise ValueError(f"CORS allowed_origins: {origin!r} is not scheme://host[:port] or '*'")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.allowed_origins)
+
+    def envoy_policy(self) -> dict[str, Any]:
+        """The ``CorsPolicy`` of the edge's virtual host (the CORS filter reads it per route)."""
+        origins = [{"safe_regex": {"regex": ".*"}} if o == "*" else {"exact": o} for o in self.allowed_origins]
+        return {"@type": _CORS_POLICY, "allow_origin_string_match": origins,
+                # Every preflight is answered by Envoy (without CORS headers for another origin).
+                "forward_not_matching_preflights": False,
+                "allow_methods": ",".join(self.allowed_methods), "allow_headers": ",".join(self.allowed_headers),
+                "max_age": "600"}
+
+
+# A browser's preflight (OPTIONS with an Origin and the method it asks for) needs a route with a
+# policy for the CORS filter to answer it; it answers every one, so none reaches a gateway (whose
+# gRPC server would reset a plain HTTP request).
+_NON_EMPTY = {"safe_regex": {"regex": ".+"}}
+_PREFLIGHT_ROUTE = {
+    "match": {"prefix": "/", "headers": [
+        {"name": ":method", "string_match": {"exact": "OPTIONS"}},
+        {"name": "origin", "string_match": _NON_EMPTY},
+        {"name": "access-control-request-method", "string_match": _NON_EMPTY}]},
+    "route": {"cluster": OPERATOR_CLUSTER, "timeout": "10s"},
+}
 
 # The gateway's OpenAI routes return exact bytes (google.api.HttpBody); their HTTP status comes in
 # the HTTP_STATUS_HEADER response header, which the Lua filter (after the transcoder) applies.
@@ -159,14 +251,15 @@ def envoy_config(host: str, port: int, gateways: list[str], *,
                  descriptor_set: Optional[Path] = None, admin_port: Optional[int] = None,
                  health_interval_s: float = 1.0,
                  metrics_addresses: Optional[list[str]] = None,
-                 limits: EdgeLimits = EdgeLimits(),
+                 limits: EdgeLimits = EdgeLimits(), cors: CorsPolicy = CorsPolicy(),
                  downstream_tls: Optional[tuple[str, str]] = None,
                  upstream_tls: Optional[tuple[str, str, str]] = None) -> dict[str, Any]:
     """The Envoy bootstrap of the edge on ``host:port`` for the gateway replicas ``gateways``;
     with ``metrics_addresses`` (the gateways' Prometheus ports) ``GET /metrics`` reaches one of them
     over HTTP/1.1, as ``vllm serve``'s /metrics (each gateway's includes its engines').
     ``downstream_tls``: (certificate, key) files clients see; ``upstream_tls``: (certificate, key,
-    CA) files of the edge's mutual TLS to the gateways."""
+    CA) files of the edge's mutual TLS to the gateways; ``cors``: the other origins browsers may
+    call the edge from (none by default)."""
     if not gateways:
         raise ValueError("the edge needs at least one gateway address")
     if descriptor_set is None:
@@ -189,6 +282,15 @@ def envoy_config(host: str, port: int, gateways: list[str], *,
         # Streams (SSE, gRPC) may stay open as long as the generation runs, but not idle forever.
         "stream_idle_timeout": f"{limits.stream_idle_timeout_s:g}s",
         "request_headers_timeout": f"{limits.request_headers_timeout_s:g}s",
+        # The whole request, body included (slow uploads); disarmed once the response begins.
+        "request_timeout": f"{limits.request_body_timeout_s:g}s",
+        "common_http_protocol_options": {
+            "idle_timeout": f"{limits.connection_idle_timeout_s:g}s",
+            "max_requests_per_connection": limits.max_requests_per_connection,
+        },
+        # The client address (per-client limits, x-forwarded-for) is the peer's, not a header's.
+        "use_remote_address": True,
+        "xff_num_trusted_hops": 0,
         # Envoy's own answers (no healthy gateway: 503; a body the transcoder cannot parse: 400) in
         # OpenAI's error shape, like the gateway's.
         "local_reply_config": {
@@ -200,6 +302,10 @@ def envoy_config(host: str, port: int, gateways: list[str], *,
                 "filter": {"status_code_filter": {"comparison": {
                     "op": "EQ", "value": {"default_value": 404, "runtime_key": "edge.local_reply.not_found"}}}},
                 "body_format_override": _openai_error_format("NotFoundError"),
+            }, {
+                "filter": {"status_code_filter": {"comparison": {
+                    "op": "EQ", "value": {"default_value": 429, "runtime_key": "edge.local_reply.rate_limited"}}}},
+                "body_format_override": _openai_error_format("RateLimitError"),
             }],
             "body_format": _openai_error_format("BadRequestError"),
         },
@@ -208,10 +314,12 @@ def envoy_config(host: str, port: int, gateways: list[str], *,
             "virtual_hosts": [{
                 "name": "gateway",
                 "domains": ["*"],
+                **({"typed_per_filter_config": {CORS_FILTER: cors.envoy_policy()}} if cors.enabled else {}),
                 "routes": [
                     *([{"match": {"path": "/metrics"}, "route": {"cluster": METRICS_CLUSTER, "timeout": "10s"}}]
                       if metrics_addresses else []),
                     *(_operator_route(match) for match in OPERATOR_ROUTES),
+                    *([_PREFLIGHT_ROUTE] if cors.enabled else []),
                     # gRPC: native calls, and REST calls the transcoder turned into gRPC.
                     {"match": {"prefix": "/", "grpc": {}},
                      "route": {"cluster": CLUSTER, "timeout": "0s", "retry_policy": _RETRY}},
@@ -224,12 +332,16 @@ def envoy_config(host: str, port: int, gateways: list[str], *,
             }],
         },
         "http_filters": [
+            _per_client_rate_limit(limits.max_requests_per_client_per_s),
             # Bodies over the limit: 413 at the edge (the gateways never buffer them).
             {"name": "envoy.filters.http.buffer",
              "typed_config": {"@type": _BUFFER, "max_request_bytes": limits.max_request_body_bytes}},
             {"name": "envoy.filters.http.lua",
              "typed_config": {"@type": _LUA, "default_source_code": {"inline_string": _STATUS_LUA}}},
             {"name": "envoy.filters.http.grpc_json_transcoder", "typed_config": transcoder},
+            # After the transcoder: the CORS filter reads the policy of the request's route, and only
+            # a transcoded REST call has one (before, it matches the 404 below, a direct response).
+            *([{"name": CORS_FILTER, "typed_config": {"@type": _CORS}}] if cors.enabled else []),
             {"name": "envoy.filters.http.router", "typed_config": {"@type": _ROUTER}},
         ],
     }
@@ -275,11 +387,19 @@ def envoy_config(host: str, port: int, gateways: list[str], *,
         }],
     }
     config: dict[str, Any] = {
-        "overload_manager": {"resource_monitors": [{
-            "name": "envoy.resource_monitors.global_downstream_max_connections",
-            "typed_config": {"@type": _DOWNSTREAM_CONNECTIONS,
-                             "max_active_downstream_connections": limits.max_connections},
-        }]},
+        "overload_manager": {
+            "refresh_interval": "0.25s",
+            "resource_monitors": [{
+                "name": "envoy.resource_monitors.global_downstream_max_connections",
+                "typed_config": {"@type": _DOWNSTREAM_CONNECTIONS,
+                                 "max_active_downstream_connections": limits.max_connections},
+            }, {
+                "name": HEAP_MONITOR,
+                "typed_config": {"@type": _FIXED_HEAP, "max_heap_size_bytes": limits.max_heap_bytes},
+            }],
+            "actions": [{"name": action, "triggers": [{"name": HEAP_MONITOR, "threshold": {"value": value}}]}
+                        for action, value in HEAP_ACTIONS.items()],
+        },
         "static_resources": {
             "listeners": [{
                 "name": "edge",
@@ -299,6 +419,23 @@ def envoy_config(host: str, port: int, gateways: list[str], *,
     if admin_port is not None:
         config["admin"] = {"address": _socket("127.0.0.1", admin_port)}
     return config
+
+
+def _per_client_rate_limit(requests_per_s: int) -> dict[str, Any]:
+    """A token bucket per client address (``remote_address``: one bucket per address seen, the
+    least recently seen forgotten past ``max_dynamic_descriptors``); no shared bucket."""
+    bucket = {"max_tokens": requests_per_s, "tokens_per_fill": requests_per_s, "fill_interval": "1s"}
+    everyone = {"default_value": {"numerator": 100, "denominator": "HUNDRED"}, "runtime_key": "edge.per_client"}
+    return {"name": "envoy.filters.http.local_ratelimit", "typed_config": {
+        "@type": _LOCAL_RATE_LIMIT,
+        "stat_prefix": "per_client",
+        "filter_enabled": everyone,
+        "filter_enforced": everyone,
+        "rate_limits": [{"actions": [{"remote_address": {}}]}],
+        "descriptors": [{"entries": [{"key": "remote_address"}], "token_bucket": bucket}],
+        "always_consume_default_token_bucket": False,
+        "max_dynamic_descriptors": 65536,
+    }}
 
 
 def _operator_route(match: dict[str, str]) -> dict[str, Any]:

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Optional
 
-from gridserve.edge import EdgeLimits
+from gridserve.edge import CorsPolicy, EdgeLimits
 from gridserve.shared import envs
 from gridserve.shared.ports import free_port  # noqa: F401 - tests and tools import it from here
 from gridserve.shared.readiness import LIVENESS_SERVICE
@@ -100,7 +100,7 @@ class Launcher:
                  log_dir: Optional[Path] = None, grace_s: float = 10.0,
                  edge_port: Optional[int] = None, served_model_name: Optional[str] = None,
                  api_key: Optional[str] = None, edge_admin_port: Optional[int] = None,
-                 edge_limits: Optional[EdgeLimits] = None,
+                 edge_limits: Optional[EdgeLimits] = None, edge_cors: Optional[CorsPolicy] = None,
                  tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
                  data_parallel_size: int = 1,
                  observability_args: Optional[list[str]] = None, metrics: bool = True,
@@ -126,6 +126,7 @@ class Launcher:
         self.api_key = api_key
         self.edge_admin_port = edge_admin_port
         self.edge_limits = edge_limits or EdgeLimits()
+        self.edge_cors = edge_cors or CorsPolicy()
         # --otlp-traces-endpoint / --log-format for every role; with ``metrics`` each role gets a
         # free --metrics-port (shown in the process table; the edge serves the gateways' at /metrics).
         self.observability_args = list(observability_args or [])
@@ -197,8 +198,16 @@ class Launcher:
             from gridserve.certificates import LocalCA
 
             self.ca = LocalCA()
-            self.certificates = self.ca.issue_all()
+            # One certificate per engine (its DP rank) and per gateway: the coordinator takes an
+            # engine's load only for its own rank, and an engine keeps each gateway's streams apart.
+            self.certificates = self.ca.issue_all({"engine": self.data_parallel_size,
+                                                   "gateway": self.api_server_count})
             logger.info("mutual TLS: throwaway CA and role certificates in %s", self.ca.folder)
+
+    def certificate_for(self, role: str, index: int) -> Optional[TlsFiles]:
+        """The certificate of instance ``index`` of ``role``: its own (engines by DP rank, gateways),
+        else the role's; None without ``tls``."""
+        return self.certificates.get(f"{role}-{index}") or self.certificates.get(role)
 
     @property
     def admin_tls(self) -> Optional[TlsFiles]:
@@ -247,8 +256,9 @@ class Launcher:
         address = f"{host}:{port}"
         argv = [sys.executable, "-m", "gridserve.cli", role, "--host", host, "--port", str(port),
                 "--grace-period", str(self.grace_s), *self.observability_args, *extra]
-        if role in self.certificates:
-            argv += self.certificates[role].argv()
+        files = self.certificate_for(role, index)
+        if files is not None:
+            argv += files.argv()
         if self.insecure_internal:
             argv.append("--insecure-internal")
         metrics_address = None
@@ -282,7 +292,7 @@ class Launcher:
         config = write_config(folder / "edge-0.json", envoy_config(self.host, port, self.gateway_addresses,
                                                                    admin_port=self.edge_admin_port,
                                                                    metrics_addresses=metrics,
-                                                                   limits=self.edge_limits,
+                                                                   limits=self.edge_limits, cors=self.edge_cors,
                                                                    downstream_tls=downstream,
                                                                    upstream_tls=upstream))
         log = None

@@ -64,13 +64,16 @@ def _engine_option(flag: str, kind: Any, default: Any, help_text: str, *, config
 
 # Engine options. ``gridserve serve`` forwards them to its engine.
 ENGINE_OPTIONS: list[EngineOption] = [
+    _engine_option("--tokenizer", str, None,
+                   "tokenizer folder or hub id, when not the model's own; for a .gguf model it replaces the "
+                   "file's embedded tokenizer and chat template (engine, gateway and workers all use it)"),
     _engine_option("--dtype", str, "auto", "weight dtype (auto, float32, float16, bfloat16)"),
     _engine_option("--max-model-len", int, None, "maximum tokens per sequence (default: the model's)"),
     _engine_option("--max-num-seqs", int, 256, "sequence cap per step"),
     _engine_option("--max-num-batched-tokens", int, None, "token budget per step"),
     _engine_option("--max-waiting-requests", int, None,
                    "admission control: refuse new requests (RESOURCE_EXHAUSTED; HTTP 429 when every engine "
-                   "is full) while this many wait (default: unbounded)"),
+                   "is full) while this many wait (default: max(1024, 4 x --max-num-seqs))"),
     _engine_option("--block-size", int, 16, "tokens per KV block"),
     _engine_option("--kv-cache-memory-bytes", int, None,
                    "KV-cache budget in bytes (default: profiled / 2 GiB on CPU)"),

@@ -9,7 +9,11 @@ The edge of ``gridserve serve`` and the chart's edge are one config: this script
   edge pod's init container copies from the gateway image;
 - a ``health_check`` filter answers the kubelet's probes of the edge itself on /edge/healthz;
 - TLS comes and goes with the values: mutual TLS to the gateways (the edge's certificate from its
-  Secret at ``tls.mountPath``) with ``tls.enabled``, HTTPS for clients with ``edge.tls.secretName``.
+  Secret at ``tls.mountPath``) with ``tls.enabled``, HTTPS for clients with ``edge.tls.secretName``;
+  so does CORS (the filter, the virtual host's policy, the preflight route) with
+  ``edge.cors.allowedOrigins``;
+- ``edge.xffNumTrustedHops``: behind a proxy (an ingress) the client address of the per-client
+  limit is the one that many trusted proxies put in ``x-forwarded-for``, not the proxy's own.
 
 Helm fills the ``{{ ... }}`` placeholders (``tpl``). Run it after changing gridserve/edge.py
 (tests/deploy fails while the file is stale):
@@ -40,12 +44,25 @@ _PLACEHOLDERS = {
     '"@MAX_BODY@"': "{{ .Values.edge.maxRequestBodyBytes | int64 }}",
     '"@MAX_CONNECTIONS@"': "{{ .Values.edge.maxConnections | int64 }}",
     '"@IDLE_TIMEOUT@"': '"{{ .Values.edge.streamIdleTimeout }}"',
+    '"@REQUEST_BODY_TIMEOUT@"': '"{{ .Values.edge.requestBodyTimeout }}"',
+    '"@CONNECTION_IDLE_TIMEOUT@"': '"{{ .Values.edge.connectionIdleTimeout }}"',
+    '"@MAX_REQUESTS_PER_CONNECTION@"': "{{ .Values.edge.maxRequestsPerConnection | int64 }}",
+    '"@CLIENT_RATE@"': "{{ .Values.edge.maxRequestsPerClientPerSecond | int64 }}",
+    '"@MAX_HEAP@"': "{{ .Values.edge.maxHeapBytes | int64 }}",
+    '"@XFF_HOPS@"': "{{ .Values.edge.xffNumTrustedHops | int64 }}",
+    '"@CORS_ORIGINS@"': ('[{{- range $i, $o := .Values.edge.cors.allowedOrigins }}{{ if $i }},{{ end }}'
+                         '{{ if eq $o "*" }}{"safe_regex":{"regex":".*"}}{{ else }}{"exact":{{ $o | toJson }}}'
+                         '{{ end }}{{ end }}]'),
+    '"@CORS_METHODS@"': '{{ join "," .Values.edge.cors.allowedMethods | toJson }}',
+    '"@CORS_HEADERS@"': '{{ join "," .Values.edge.cors.allowedHeaders | toJson }}',
     # Envoy's breakers are per cluster; the chart's cluster is every replica the HPA may run.
     '"@MAX_REQUESTS@"': "{{ mul .Values.edge.maxRequestsPerGateway .Values.gateway.autoscaling.maxReplicas }}",
     "@TLS_DIR@": '{{ trimSuffix "/" .Values.tls.mountPath }}',
 }
-# Transport sockets present only with TLS on: (sentinel, the Helm condition).
-_CONDITIONAL = {"@UPSTREAM_TLS@": ".Values.tls.enabled", "@DOWNSTREAM_TLS@": ".Values.edge.tls.secretName"}
+# Parts present only when a value asks for them: (sentinel, the Helm condition).
+_CORS_ON = ".Values.edge.cors.allowedOrigins"
+_CONDITIONAL = {"@UPSTREAM_TLS@": ".Values.tls.enabled", "@DOWNSTREAM_TLS@": ".Values.edge.tls.secretName",
+                "@CORS_POLICY@": _CORS_ON, "@CORS_FILTER@": _CORS_ON, "@PREFLIGHT_ROUTE@": _CORS_ON}
 
 
 def kubernetes_config() -> dict[str, Any]:
@@ -53,6 +70,7 @@ def kubernetes_config() -> dict[str, Any]:
     from gridserve import edge
 
     config = edge.envoy_config("0.0.0.0", 0, ["gateways:1"], descriptor_set=Path(DESCRIPTOR_PATH),
+                               cors=edge.CorsPolicy(("https://values.invalid",)),  # its origins: the values
                                downstream_tls=(f"{HTTPS_DIR}/tls.crt", f"{HTTPS_DIR}/tls.key"),
                                upstream_tls=("@TLS_DIR@/tls.crt", "@TLS_DIR@/tls.key", "@TLS_DIR@/ca.crt"))
     (listener,) = config["static_resources"]["listeners"]
@@ -61,11 +79,22 @@ def kubernetes_config() -> dict[str, Any]:
     listener["address"]["socket_address"]["port_value"] = "@EDGE_PORT@"
     manager = listener["filter_chains"][0]["filters"][0]["typed_config"]
     manager["stream_idle_timeout"] = "@IDLE_TIMEOUT@"
+    manager["request_timeout"] = "@REQUEST_BODY_TIMEOUT@"
+    manager["xff_num_trusted_hops"] = "@XFF_HOPS@"
+    manager["common_http_protocol_options"] = {"idle_timeout": "@CONNECTION_IDLE_TIMEOUT@",
+                                               "max_requests_per_connection": "@MAX_REQUESTS_PER_CONNECTION@"}
     for http_filter in manager["http_filters"]:
         if http_filter["name"] == "envoy.filters.http.buffer":
             http_filter["typed_config"]["max_request_bytes"] = "@MAX_BODY@"
-    (monitor,) = config["overload_manager"]["resource_monitors"]
-    monitor["typed_config"]["max_active_downstream_connections"] = "@MAX_CONNECTIONS@"
+        if http_filter["name"] == "envoy.filters.http.local_ratelimit":
+            for descriptor in http_filter["typed_config"]["descriptors"]:
+                descriptor["token_bucket"].update(max_tokens="@CLIENT_RATE@", tokens_per_fill="@CLIENT_RATE@")
+    _cors_when_asked(manager)
+    for monitor in config["overload_manager"]["resource_monitors"]:
+        if monitor["name"] == edge.HEAP_MONITOR:
+            monitor["typed_config"]["max_heap_size_bytes"] = "@MAX_HEAP@"
+        else:
+            monitor["typed_config"]["max_active_downstream_connections"] = "@MAX_CONNECTIONS@"
     manager["http_filters"].insert(0, {
         "name": "envoy.filters.http.health_check",
         "typed_config": {
@@ -90,6 +119,27 @@ def kubernetes_config() -> dict[str, Any]:
 _SOCKETS: dict[str, Any] = {}
 
 
+def _cors_when_asked(manager: dict[str, Any]) -> None:
+    """The CORS filter, the virtual host's policy and the preflight route become sentinels
+    ``render_template`` wraps in ``{{ if }}``; the policy's lists come from the values."""
+    from gridserve import edge
+
+    (host,) = manager["route_config"]["virtual_hosts"]
+    policy = host.pop("typed_per_filter_config")[edge.CORS_FILTER]
+    policy.update(allow_origin_string_match="@CORS_ORIGINS@", allow_methods="@CORS_METHODS@",
+                  allow_headers="@CORS_HEADERS@")
+    _SOCKETS["@CORS_POLICY@"] = {edge.CORS_FILTER: policy}
+    host_items = list(host.items())
+    host.clear()
+    host.update({"typed_per_filter_config": "@CORS_POLICY@", **dict(host_items)})
+    (cors_filter,) = [i for i, f in enumerate(manager["http_filters"]) if f["name"] == edge.CORS_FILTER]
+    (preflight,) = [i for i, r in enumerate(host["routes"]) if "headers" in r["match"]]
+    for items, index, sentinel in ((manager["http_filters"], cors_filter, "@CORS_FILTER@"),
+                                   (host["routes"], preflight, "@PREFLIGHT_ROUTE@")):
+        _SOCKETS[sentinel] = items[index]
+        items[index] = sentinel
+
+
 def _make_conditional(items: list[dict[str, Any]], sentinel: str) -> None:
     """Each item's ``transport_socket`` becomes its first key, a sentinel ``render_template`` wraps
     in ``{{ if }}`` (first: a comma always follows it, whether it is rendered or not)."""
@@ -101,10 +151,11 @@ def _make_conditional(items: list[dict[str, Any]], sentinel: str) -> None:
 def render_template() -> str:
     text = json.dumps(kubernetes_config(), indent=2) + "\n"
     for sentinel, condition in _CONDITIONAL.items():
-        socket = json.dumps(_SOCKETS[sentinel], separators=(",", ":"))
-        text = re.sub(rf'\n( *)"transport_socket": "{sentinel}",',
-                      lambda m, c=condition, t=socket: f'\n{m.group(1)}{{{{- if {c} }}}}\n{m.group(1)}'
-                                                        f'"transport_socket": {t},\n{m.group(1)}{{{{- end }}}}', text)
+        part = json.dumps(_SOCKETS[sentinel], separators=(",", ":"))
+        # A key (``"transport_socket": "@X@",``) or a list item (``"@X@",``), always followed by more.
+        text = re.sub(rf'\n( *)("[a-z_]+": )?"{sentinel}",',
+                      lambda m, c=condition, t=part: f'\n{m.group(1)}{{{{- if {c} }}}}\n{m.group(1)}'
+                                                      f'{m.group(2) or ""}{t},\n{m.group(1)}{{{{- end }}}}', text)
     for sentinel, expression in _PLACEHOLDERS.items():
         text = text.replace(sentinel, expression)
     return text

@@ -282,13 +282,25 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: Optional[int] = None
     enable_chunked_prefill: bool = True
-    # Admission control: new requests beyond this many waiting are refused (None: unbounded).
+    # Admission control: new requests beyond this many waiting are refused (None: ``waiting_limit``).
     max_waiting_requests: Optional[int] = None
 
     def __post_init__(self) -> None:
         _positive("scheduler", "max_num_seqs", self.max_num_seqs, allow_none=False)
         _positive("scheduler", "max_waiting_requests", self.max_waiting_requests)
         _positive("scheduler", "max_num_batched_tokens", self.max_num_batched_tokens)
+
+    @property
+    def waiting_limit(self) -> int:
+        """``max_waiting_requests``, by default max(1024, 4 x ``max_num_seqs``). A waiting request
+        holds no KV blocks, and the engine takes at most ``max_num_seqs`` into a step (fewer when
+        the KV cache is short), so four full batches of waiting work is already minutes of queue on
+        a CPU; past it a 429 (the gateway tries the next engine first) serves a client better than
+        an ever longer wait, and bounds the prompts an engine holds. The floor of 1024 admits
+        workload W (256 requests at once) whole on one engine at any ``max_num_seqs``."""
+        if self.max_waiting_requests is not None:
+            return self.max_waiting_requests
+        return max(1024, 4 * self.max_num_seqs)
 
     def finalize(self, max_model_len: int) -> None:
         """Fill the token budget default once the model length is known and check they agree."""

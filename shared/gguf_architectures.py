@@ -27,6 +27,11 @@ logger = logging.getLogger(__name__)
 # converter does not write: a GGUF without the window key is served up to this length, where full
 # attention and the window are the same.
 STARCODER2_WINDOW = 4096
+# SmolLM3 skips RoPE on every fourth layer (NoPE). GGUF has no key for it: llama.cpp fixes the step
+# (``hparams.n_no_rope_layer_step = 4``) for every smollm3 file, as every released SmolLM3 has it.
+SMOLLM3_NO_ROPE_INTERVAL = 4
+# GPT-J's sinusoids have a fixed base; neither GPT-J converter writes one.
+GPTJ_ROPE_BASE = 10000.0
 
 
 class GgufMetadata:
@@ -189,6 +194,16 @@ def llama(meta: GgufMetadata) -> dict[str, Any]:
             raise meta.error("expert_used_count", f"={used} must be in [1, {meta.arch}.expert_count={experts}]")
         config.update(architectures=["MixtralForCausalLM"], model_type="mixtral", num_local_experts=experts,
                       num_experts_per_tok=used, sliding_window=None)
+    return config
+
+
+def smollm3(meta: GgufMetadata) -> dict[str, Any]:
+    """SmolLM3: the Llama decoder (llama.cpp's converter permutes its Q/K rows as llama's) with no
+    RoPE on every ``SMOLLM3_NO_ROPE_INTERVAL``-th layer, as llama.cpp fixes it; no windows (llama.cpp's
+    SmolLM3 has none, as SmolLM3's config.json turns them off); biases when the file has them."""
+    config = decoder(meta)
+    config.update(attention_bias=bias(meta, "attn_q"), mlp_bias=bias(meta, "ffn_gate"),
+                  no_rope_layer_interval=SMOLLM3_NO_ROPE_INTERVAL, use_sliding_window=False, sliding_window=None)
     return config
 
 
@@ -374,6 +389,27 @@ def gpt2(meta: GgufMetadata) -> dict[str, Any]:
     }
 
 
+def gptj(meta: GgufMetadata) -> dict[str, Any]:
+    """GPT-J: GPT-J's interleaved RoPE (llama.cpp's normal mode: no Q/K permutation) on the first
+    ``rope.dimension_count`` dimensions of each head (all when absent), parallel attention and MLP on
+    one LayerNorm, biased MLP and LM head, a fixed RoPE base (a file with another is refused)."""
+    sizes = attention_sizes(meta)
+    head_dim = sizes["head_dim"]
+    rotary = int(meta.get("rope.dimension_count", 0) or head_dim)
+    if not 0 < rotary <= head_dim or rotary % 2:
+        raise meta.error("rope.dimension_count", f"= {rotary} is not an even share of the head size {head_dim}")
+    base = meta.get_float("rope.freq_base")
+    if base is not None and base != GPTJ_ROPE_BASE:
+        raise meta.error("rope.freq_base", f"= {base:g}: GPT-J's RoPE base is fixed at {GPTJ_ROPE_BASE:g}")
+    context = int(meta.get("context_length", required=True))
+    return {
+        "n_embd": sizes["hidden_size"], "n_head": sizes["num_attention_heads"], "n_layer": sizes["num_hidden_layers"],
+        "n_positions": context, "max_position_embeddings": context, "rotary_dim": rotary,
+        "n_inner": intermediate_size(meta), "layer_norm_epsilon": layer_norm_eps(meta),
+        "activation_function": "gelu_new",
+    }
+
+
 def phi2(meta: GgufMetadata) -> dict[str, Any]:
     """Phi-1 / Phi-2: partial rotary, parallel attention and MLP on one LayerNorm, a biased LM head.
     (GGUF has no place for Phi's optional Q/K LayerNorms.)"""
@@ -450,6 +486,7 @@ ARCHITECTURES: dict[str, Architecture] = {
     "llama": Architecture("LlamaForCausalLM", "llama", llama),
     "qwen2": Architecture("Qwen2ForCausalLM", "qwen2", llama),
     "qwen3": Architecture("Qwen3ForCausalLM", "qwen3", llama),
+    "smollm3": Architecture("SmolLM3ForCausalLM", "smollm3", smollm3),
     "gemma": Architecture("GemmaForCausalLM", "gemma", gemma),
     "gemma2": Architecture("Gemma2ForCausalLM", "gemma2", gemma2),
     "gemma3": Architecture("Gemma3ForCausalLM", "gemma3_text", gemma3),
@@ -461,6 +498,7 @@ ARCHITECTURES: dict[str, Architecture] = {
     "starcoder2": Architecture("Starcoder2ForCausalLM", "starcoder2", starcoder2),
     "stablelm": Architecture("StableLmForCausalLM", "stablelm", stablelm),
     "gpt2": Architecture("GPT2LMHeadModel", "gpt2", gpt2),
+    "gptj": Architecture("GPTJForCausalLM", "gptj", gptj),
     "phi2": Architecture("PhiForCausalLM", "phi", phi2),
     "gptneox": Architecture("GPTNeoXForCausalLM", "gpt_neox", gptneox),
     "falcon": Architecture("FalconForCausalLM", "falcon", falcon),

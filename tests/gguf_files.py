@@ -281,6 +281,18 @@ def _gpt2_parameters(writer, config: dict) -> None:
     writer.add_layer_norm_eps(config["layer_norm_epsilon"])
 
 
+def _gptj_parameters(writer, config: dict) -> None:
+    """llama.cpp's ``convert-gptj-hf-to-gguf.py`` (llama.cpp builds no GPT-J graph; this converter
+    and the ``gguf`` package's GPT-J tensor names define the file): 4 x width, ``rotary_dim``."""
+    writer.add_context_length(config["n_positions"])
+    writer.add_embedding_length(config["n_embd"])
+    writer.add_block_count(config["n_layer"])
+    writer.add_feed_forward_length(4 * config["n_embd"])
+    writer.add_head_count(config["n_head"])
+    writer.add_rope_dimension_count(config["rotary_dim"])
+    writer.add_layer_norm_eps(config["layer_norm_epsilon"])
+
+
 def _phi2_parameters(writer, config: dict) -> None:
     """``Phi2Model``: 4 x width, as many KV heads as heads, rotary dims from the width."""
     n_embd, n_head = config["hidden_size"], config["num_attention_heads"]
@@ -342,14 +354,15 @@ _PARAMETERS: dict[str, Callable[[Any, dict], None]] = {
     "granite": _granite_parameters, "command-r": _cohere_parameters, "glm4": _glm4_parameters,
     "stablelm": _stablelm_parameters, "gpt2": _gpt2_parameters, "phi2": _phi2_parameters,
     "gptneox": _gptneox_parameters, "falcon": _falcon_parameters, "bloom": _bloom_parameters,
+    "gptj": _gptj_parameters,
 }
 
 
 # ---- tensors: each converter class's ``modify_tensors`` ----------------------------------------------
 def _llama_tensors(config: dict, tensors: Tensors) -> Tensors:
-    """``LlamaModel.modify_tensors`` (also Granite's): Q/K rows (weights and biases) permuted; Mixtral's
-    experts stacked. Qwen2 / Qwen3 keep their layout."""
-    if config["model_type"] in ("llama", "mistral", "mixtral", "granite"):
+    """``LlamaModel.modify_tensors`` (also Granite's and SmolLM3's): Q/K rows (weights and biases)
+    permuted; Mixtral's experts stacked. Qwen2 / Qwen3 keep their layout."""
+    if config["model_type"] in ("llama", "mistral", "mixtral", "granite", "smollm3"):
         heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
         for name in list(tensors):
             if ".self_attn.q_proj." in name:
@@ -393,6 +406,11 @@ def _gpt2_tensors(config: dict, tensors: Tensors) -> Tensors:
         out[name] = value
     out.setdefault("lm_head.weight", out["transformer.wte.weight"])
     return out
+
+
+def _gptj_tensors(config: dict, tensors: Tensors) -> Tensors:
+    """The GPT-J converter: the causal-mask buffers dropped, every tensor as it is."""
+    return {name: value for name, value in tensors.items() if not name.endswith((".attn.bias", ".attn.masked_bias"))}
 
 
 def _fused_qkv_to_qkv(qkv: np.ndarray, heads: int, kv_heads: int, head_dim: int) -> np.ndarray:
@@ -455,7 +473,7 @@ _CONVERTERS: dict[str, Callable[[dict, Tensors], Tensors]] = {
     "gemma": _gemma_tensors, "gemma2": _gemma_tensors, "gemma3": _gemma_tensors, "phi3": _phi3_tensors,
     "granite": _llama_tensors, "gpt2": _gpt2_tensors, "gptneox": _gptneox_tensors, "bloom": _bloom_tensors,
     "falcon": _falcon_tensors, "stablelm": _stablelm_tensors, "starcoder2": _as_is, "olmo2": _as_is,
-    "command-r": _as_is, "glm4": _as_is, "phi2": _as_is,
+    "command-r": _as_is, "glm4": _as_is, "phi2": _as_is, "gptj": _gptj_tensors,
 }
 
 

@@ -1,6 +1,8 @@
 """The coordinator's gRPC servicer: ``ReportLoad`` (engines, client stream), ``WatchLoad``
 (gateways and MoE engines, server stream) and the wave calls; protobuf <-> ``LoadTable`` /
-``Waves`` only. Every handler is ``async``: the whole coordinator is one event loop."""
+``Waves`` only. Every handler is ``async``: the whole coordinator is one event loop. A report
+stream keeps the rank it started with, and with a certificate per instance (``engine-<rank>``,
+``shared.rpc.authz``) an engine speaks only for its own rank."""
 
 from __future__ import annotations
 
@@ -15,7 +17,9 @@ from gridserve.api.coordinator.v1 import coordinator_pb2, coordinator_pb2_grpc
 from gridserve.services.coordinator.load_table import Entry, LoadTable
 from gridserve.services.coordinator.waves import WaveError, Waves
 from gridserve.shared import envs
+from gridserve.shared.errors import InvalidArgumentError
 from gridserve.shared.load import EngineLoad
+from gridserve.shared.rpc.authz import check_rank
 
 logger = logging.getLogger(__name__)
 
@@ -43,8 +47,12 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         try:
             async for request in request_iterator:
                 if rank is None:
+                    check_rank(context, request.load.dp_rank)  # a certificate per instance: its own rank
                     logger.info("engine %d (%s) reports its load", request.load.dp_rank, request.load.address)
-                rank = request.load.dp_rank
+                    rank = request.load.dp_rank
+                elif request.load.dp_rank != rank:
+                    raise InvalidArgumentError("load.dp_rank", f"changed from {rank} to {request.load.dp_rank} "
+                                                               "within one report stream")
                 self.table.update(entry_from_pb(request.load, time.monotonic()))
         except grpc.RpcError:
             pass  # the engine went away: a cancelled stream, not an error
@@ -67,12 +75,14 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
 
     async def StartWave(self, request: coordinator_pb2.StartWaveRequest,
                         context: grpc.aio.ServicerContext) -> coordinator_pb2.StartWaveResponse:
+        check_rank(context, request.dp_rank)
         wave = self.waves.start()
         logger.debug("engine %d starts wave %d", request.dp_rank, wave)
         return coordinator_pb2.StartWaveResponse(wave=wave)
 
     async def SyncStep(self, request: coordinator_pb2.SyncStepRequest,
                        context: grpc.aio.ServicerContext) -> coordinator_pb2.SyncStepResponse:
+        check_rank(context, request.dp_rank)
         try:
             any_unfinished = await self.waves.sync(request.dp_rank, request.wave, request.step,
                                                    request.unfinished)

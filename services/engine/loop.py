@@ -96,9 +96,10 @@ class EngineLoop:
             raise EngineDeadError("the engine is shutting down")
         return self.submit(lambda: self._add(request, gateway_id))
 
-    def abort(self, request_ids: list[str]) -> Future:
-        """The future's result: the ids that were still in the engine."""
-        return self.submit(lambda: self._abort(request_ids))
+    def abort(self, request_ids: list[str], owner: Optional[str] = None) -> Future:
+        """The future's result: the ids that were still in the engine. ``owner``: abort only the
+        requests routed to that caller's streams (``<owner>/<gateway id>``; None: any)."""
+        return self.submit(lambda: self._abort(self._owned(request_ids, owner)))
 
     def open_stream(self, gateway_id: str, sink: OutputSink) -> Future:
         """Route ``gateway_id``'s outputs to ``sink`` from now on (a reconnect replaces the old one)."""
@@ -276,6 +277,11 @@ class EngineLoop:
                 self.waves.on_request()
             except Exception as exc:  # noqa: BLE001 - serve it anyway; the others join late
                 logger.error("could not start an MoE wave: %s", exc)
+
+    def _owned(self, request_ids: list[str], owner: Optional[str]) -> list[str]:
+        if owner is None:
+            return request_ids
+        return [rid for rid in request_ids if self._routes.get(rid, "").startswith(owner + "/")]
 
     def _abort(self, request_ids: list[str]) -> list[str]:
         aborted = self.core.abort_requests(request_ids)

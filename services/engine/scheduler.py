@@ -51,7 +51,7 @@ class Scheduler:
         self.max_num_batched_tokens = config.scheduler.max_num_batched_tokens or 2048
         self.chunked_prefill = config.scheduler.enable_chunked_prefill
         self.max_model_len = config.max_model_len
-        self.max_waiting_requests = config.scheduler.max_waiting_requests
+        self.max_waiting_requests = config.scheduler.waiting_limit
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -75,7 +75,7 @@ class Scheduler:
             self.requests[request.request_id] = request
             self.waiting.insert(self._first_new_waiting(), request)
             return
-        if self.max_waiting_requests is not None and len(self.waiting) >= self.max_waiting_requests:
+        if len(self.waiting) >= self.max_waiting_requests:
             raise ResourceExhaustedError(
                 f"the engine's waiting queue is full ({len(self.waiting)} of --max-waiting-requests "
                 f"{self.max_waiting_requests})")

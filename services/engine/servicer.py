@@ -3,6 +3,8 @@
 Every handler is ``async`` and runs on the server's event loop; it hands the work to the
 ``EngineLoop`` thread and awaits the answer. Each gateway's ``StreamOutputs`` is an async generator
 fed by a ``_LoopSink``: the engine thread puts one batch per step, the loop converts and sends it.
+A stream and the requests routed to it belong to the caller's verified identity (``_stream_key``):
+with a certificate per gateway instance, one gateway cannot subscribe to, feed or abort another's.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from gridserve.services.engine.status import EngineStatus
 from gridserve.shared.config import GridserveConfig
 from gridserve.shared.errors import EngineDeadError, InvalidArgumentError, PermissionDeniedError
 from gridserve.shared.observability.tracing import traceparent_from_metadata
+from gridserve.shared.rpc.authz import stream_owner
 from gridserve.shared.rpc.convert import (
     engine_output_to_pb,
     image_features_from_pb,
@@ -92,11 +95,12 @@ class EngineServicer(engine_pb2_grpc.EngineCoreServicer):
         domain.admit_always = request.continuation
         if self.tracing:
             domain.traceparent = traceparent_from_metadata(context.invocation_metadata())
-        await _done(self.loop.add_request(domain, request.gateway_id))
+        await _done(self.loop.add_request(domain, _stream_key(context, request.gateway_id)))
         return engine_pb2.AddRequestResponse()
 
     async def AbortRequests(self, request: engine_pb2.AbortRequestsRequest, context: grpc.aio.ServicerContext):
-        aborted = await _done(self.loop.abort(list(request.request_ids)))
+        owner = stream_owner(context)  # a gateway aborts only its own requests; admin (or plaintext) any
+        aborted = await _done(self.loop.abort(list(request.request_ids), None if owner in (None, "admin") else owner))
         return engine_pb2.AbortRequestsResponse(aborted_request_ids=aborted)
 
     async def StreamOutputs(
@@ -105,9 +109,9 @@ class EngineServicer(engine_pb2_grpc.EngineCoreServicer):
         """The gateway's outputs, one message per engine step (the first one empty: the stream is open)."""
         if not request.gateway_id:
             raise InvalidArgumentError("gateway_id", "must not be empty")
-        loop = self.loop
+        loop, key = self.loop, _stream_key(context, request.gateway_id)
         sink = _LoopSink(asyncio.get_running_loop())
-        await _done(loop.open_stream(request.gateway_id, sink))
+        await _done(loop.open_stream(key, sink))
         try:
             yield engine_pb2.StreamOutputsResponse()
             while True:
@@ -118,7 +122,7 @@ class EngineServicer(engine_pb2_grpc.EngineCoreServicer):
                     raise item
                 yield engine_pb2.StreamOutputsResponse(outputs=[engine_output_to_pb(o) for o in item])
         finally:
-            loop.close_stream(request.gateway_id, sink)
+            loop.close_stream(key, sink)
 
     async def GetInfo(self, request: engine_pb2.GetInfoRequest, context: grpc.aio.ServicerContext):
         model, cache = self.config.model, self.config.cache
@@ -187,6 +191,14 @@ class EngineServicer(engine_pb2_grpc.EngineCoreServicer):
             num_generation_tokens=stats.num_generation_tokens if stats else 0,
             num_prompt_tokens=stats.num_prompt_tokens if stats else 0,
         )
+
+
+def _stream_key(context: grpc.aio.ServicerContext, gateway_id: str) -> str:
+    """The engine's name for a caller's output stream: its ``gateway_id`` in the namespace of the
+    caller's verified identity (``gateway-0/gw-1a2b``), so no caller opens, feeds or takes over
+    another's stream; without TLS the id alone, as the caller wrote it."""
+    owner = stream_owner(context)
+    return gateway_id if owner is None else f"{owner}/{gateway_id}"
 
 
 def _struct(values: dict) -> struct_pb2.Struct:

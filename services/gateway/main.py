@@ -24,6 +24,7 @@ from gridserve.services.gateway.load_watcher import LoadWatcher
 from gridserve.services.gateway.media_loader import MediaConfig, MediaLoader
 from gridserve.services.gateway.multimodal import MultiModalProcessor
 from gridserve.services.gateway.observability import GatewayMetrics
+from gridserve.services.gateway.responses_store import ResponsesStoreOptions
 from gridserve.services.gateway.service import GatewayService
 from gridserve.services.gateway.servicer import GatewayServicer
 from gridserve.services.gateway.status import StatusCollector
@@ -47,10 +48,11 @@ def serve(engine_addresses: list[str], host: str, port: int, grace_s: float = 10
           otlp_traces_endpoint: Optional[str] = None, coordinator: Optional[str] = None,
           limits: Optional[RequestLimits] = None, blocking_workers: int = 8,
           media: Optional[MediaConfig] = None, health_port: Optional[int] = None,
-          chat: Optional[ChatOptions] = None) -> int:
+          chat: Optional[ChatOptions] = None, responses: Optional[ResponsesStoreOptions] = None) -> int:
     """``limits``: the per-request caps; ``blocking_workers``: the threads that tokenize and render
     chat templates off the event loop; ``media``: where images may come from, how big and slow;
-    ``chat``: the tool-call and reasoning parsers of chat replies."""
+    ``chat``: the tool-call and reasoning parsers of chat replies; ``responses``: whether (and
+    how much) the Responses API keeps for ``previous_response_id``."""
     load_general_plugins()  # plugins register in every process (lazy strings: no torch here)
     interceptors = [ApiKeyInterceptor(api_key)] if api_key else []
     # asyncio server: every RPC is ``async`` and shares its loop.
@@ -83,7 +85,7 @@ def serve(engine_addresses: list[str], host: str, port: int, grace_s: float = 10
         engine.on_state = lambda: _follow_engines(server.readiness, service)
     # DP > 1: route by the load every engine reports to the coordinator.
     watcher = server.call(lambda: LoadWatcher(coordinator, gateway_id, service.router)) if coordinator else None
-    servicer = GatewayServicer(service, served_model_name)
+    servicer = GatewayServicer(service, served_model_name, (responses or ResponsesStoreOptions()).store())
     servicer.status = StatusCollector(server.address, engine_addresses, coordinator, service.is_ready,
                                       lambda i: engines[i].ready.is_set())
     server.add_service(SERVICE, lambda s: gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, s))

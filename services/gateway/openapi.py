@@ -23,6 +23,11 @@ from gridserve.services.gateway.protocol import (
     TokenizeResponse,
     VersionResponse,
 )
+from gridserve.services.gateway.responses_protocol import (
+    ResponseObject,
+    ResponsesRequest,
+    ResponseStreamEvent,
+)
 
 _REF = "#/components/schemas/{model}"
 
@@ -31,6 +36,10 @@ ROUTES: list[tuple[str, str, str, Optional[type[BaseModel]], Optional[type[BaseM
     ("/v1/completions", "post", "Create a completion", CompletionRequest, CompletionResponse, CompletionResponse),
     ("/v1/chat/completions", "post", "Create a chat completion", ChatCompletionRequest, ChatCompletionResponse,
      ChatCompletionChunk),
+    ("/v1/responses", "post", "Create a response (the Responses API)", ResponsesRequest, ResponseObject,
+     ResponseStreamEvent),
+    ("/v1/responses/{response_id}", "get", "A stored response (--enable-responses-store)", None, ResponseObject,
+     None),
     ("/v1/models", "get", "List the served model", None, ModelList, None),
     ("/tokenize", "post", "Tokenize a prompt or a conversation", TokenizeRequest, TokenizeResponse, None),
     ("/detokenize", "post", "Token ids back to text", DetokenizeRequest, DetokenizeResponse, None),

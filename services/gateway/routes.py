@@ -201,6 +201,7 @@ class OpenAIRoutes:
             prompts = [await self.service.run_blocking(fill_in_the_middle, self.service.tokenizer, p, request.suffix)
                        for p in prompts]
         params = request.to_sampling_params(request.max_tokens, request.logprobs, self.sampling_defaults)
+        self.service.limits.open_request(len(prompts), params.n)  # n x prompts, prompt tokens in flight: 400 beyond
         if shape.decode is not None and params.prompt_logprobs is None:  # echo's logprobs: the prompt's too
             params = replace(params, prompt_logprobs=request.logprobs)
         rank = request.data_parallel_rank  # vLLM's extension: pin an engine

@@ -10,7 +10,9 @@ aborted, which frees their KV blocks. One path, on the gateway's asyncio loop, s
 
 Admission: an engine whose waiting queue is full refuses the add (``--max-waiting-requests``); the
 request then goes to the next engine the router picks, and when every ready engine refused it the
-caller gets ``ResourceExhaustedError`` (RESOURCE_EXHAUSTED / HTTP 429 with ``Retry-After``).
+caller gets ``ResourceExhaustedError`` (RESOURCE_EXHAUSTED / HTTP 429 with ``Retry-After``). Before
+that, a request's size is checked against its ``RequestBudget`` (``limits.py``: sequences, prompt
+tokens in flight): beyond it, ``InvalidArgumentError`` (HTTP 400) and nothing reaches an engine.
 Deadlines: each request ends by the earlier of the caller's deadline (gRPC) and ``--request-timeout``;
 at expiry it fails with ``DeadlineExceededError`` (DEADLINE_EXCEEDED / HTTP 504) and its engine
 requests are aborted. The expiry is one timer per request that drops the error into the request's
@@ -41,7 +43,7 @@ from typing import Any, Optional, TypeVar
 import grpc
 
 from gridserve.services.gateway.chat_options import ChatOptions
-from gridserve.services.gateway.limits import RequestLimits
+from gridserve.services.gateway.limits import RequestBudget, RequestLimits, current_budget
 from gridserve.services.gateway.media_loader import MediaLoader
 from gridserve.services.gateway.multimodal import MultiModalProcessor
 from gridserve.services.gateway.observability import GatewayMetrics, RequestObservation
@@ -169,6 +171,9 @@ class GatewayService:
         if self.draining:
             raise EngineDeadError("the gateway is shutting down")
         timeout = self._timeout(timeout)
+        # A completions route's prompts share the budget it opened; anything else is one prompt.
+        self.limits.check_sequences(1, params.n)
+        budget = current_budget() or RequestBudget(self.limits.max_prompt_tokens_per_request)
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
         request = _Request(self, request_id, traceparent)
@@ -179,12 +184,18 @@ class GatewayService:
                     processed = await processing
                 else:
                     processed = await _by(deadline, processing, timeout)
+            tokens = len(processed.prompt_token_ids)
+            budget.take(tokens)
         except BaseException as exc:
             request.observation.end({}, 0, None if isinstance(exc, asyncio.CancelledError) else exc)
             raise
         # From here to the ``try`` nothing awaits: a cancellation cannot fall between the counts
         # going up and the ``finally`` that brings them down.
-        stream = _Stream(request, processed, data_parallel_rank, asyncio.Queue())
+        try:
+            stream = _Stream(request, processed, data_parallel_rank, asyncio.Queue())
+        except BaseException:
+            budget.give_back(tokens)
+            raise
         error = None
         try:
             if deadline is not None:  # the expiry arrives as the request's next output
@@ -202,6 +213,7 @@ class GatewayService:
             raise
         finally:
             stream.close(error)
+            budget.give_back(tokens)
 
     async def complete(self, prompt: PromptType, params: SamplingParams, request_id: str = "",
                        traceparent: str = "", data_parallel_rank: Optional[int] = None,

@@ -28,6 +28,8 @@ from gridserve.services.gateway.protocol import (
     check_sampling_params,
     validate_as,
 )
+from gridserve.services.gateway.responses_api import ResponsesAPI
+from gridserve.services.gateway.responses_store import ResponseStore, owner_of
 from gridserve.services.gateway.routes import REFUSED_TEMPLATE, HttpResponse, OpenAIRoutes
 from gridserve.services.gateway.service import GatewayService
 from gridserve.services.gateway.status import StatusCollector, snapshot_to_pb
@@ -48,9 +50,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     on the gateway's event loop (blocking work goes to the service's own pool). A caller that goes
     away cancels its handler, which aborts its engine requests."""
 
-    def __init__(self, service: GatewayService, served_model_name: Optional[str] = None) -> None:
+    def __init__(self, service: GatewayService, served_model_name: Optional[str] = None,
+                 responses_store: Optional[ResponseStore] = None) -> None:
         self.service = service
         self.openai = OpenAIRoutes(service, served_model_name, __version__, service.sampling_defaults)
+        self.responses = ResponsesAPI(self.openai, responses_store)
         self.console = Console()
         self.status: Optional[StatusCollector] = None  # set by main once the server's address is known
 
@@ -138,6 +142,17 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                                                       context.time_remaining())
         async for body in _stream(response, context):
             yield body
+
+    async def OpenAIResponses(self, request: httpbody_pb2.HttpBody, context: grpc.aio.ServicerContext):
+        response = await self.responses.create(request.data, owner_of(context.invocation_metadata()),
+                                               self._traceparent(context), context.time_remaining())
+        async for body in _stream(response, context):
+            yield body
+
+    async def OpenAIGetResponse(self, request: gateway_pb2.OpenAIGetResponseRequest,
+                                context: grpc.aio.ServicerContext):
+        owner = owner_of(context.invocation_metadata())
+        return await _unary(await self.responses.retrieve(request.response_id, owner), context)
 
     async def OpenAITokenize(self, request: httpbody_pb2.HttpBody, context: grpc.aio.ServicerContext):
         return await _unary(await self.openai.tokenize(request.data), context)

@@ -3,9 +3,12 @@
 One snapshot asks, in parallel and with one short deadline, each engine for its ``grpc.health.v1``
 status, its load (``GetLoad``) and its own status (``GetStatus``: its workers' health, asked by the
 engine, which alone knows and may reach them; its cumulative token counts), and the coordinator for
-its health. The gateway reports itself from its own state. Nothing is cached between snapshots
-except each engine's token count, from which the token rate is derived: the engines report
-counters, the collector turns them into tokens per second over the last few seconds of snapshots.
+its health. The gateway reports itself from its own state. A snapshot serves every caller for
+``cache_s`` (1 s) after it was taken, and callers that ask while one is being taken share it: however
+many poll ``/v1/status`` (the endpoint needs no key), the deployment sees at most one fan-out per
+second from each gateway. Besides that only each engine's token count is kept, from which the token
+rate is derived: the engines report counters, the collector turns them into tokens per second over
+the last few seconds of snapshots.
 
 Health is a ``grpc.health.v1`` status name (``SERVING``, ``NOT_SERVING``, ...) or ``UNREACHABLE``
 when the role did not answer (an engine that does not answer lists no workers). Readiness is "can take work now" (see ``RoleStatus.ready`` in gateway.proto).
@@ -32,6 +35,7 @@ from gridserve.shared.rpc.client import aio_channel
 logger = logging.getLogger(__name__)
 
 DEADLINE_S = 2.0
+CACHE_S = 1.0
 RATE_WINDOW_S = 5.0
 SERVING, NOT_SERVING, UNREACHABLE = "SERVING", "NOT_SERVING", "UNREACHABLE"
 
@@ -90,17 +94,37 @@ class StatusCollector:
 
     def __init__(self, address: str, engine_addresses: list[str], coordinator: Optional[str],
                  gateway_ready: Callable[[], bool], engine_ready: Callable[[int], bool],
-                 deadline_s: float = DEADLINE_S) -> None:
+                 deadline_s: float = DEADLINE_S, cache_s: float = CACHE_S) -> None:
         self.address = address
         self.engine_addresses = list(engine_addresses)
         self.coordinator = coordinator
         self.gateway_ready = gateway_ready
         self.engine_ready = engine_ready
         self.deadline_s = deadline_s
+        self.cache_s = cache_s
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._rates = [TokenRate() for _ in engine_addresses]
+        self._latest: Optional[tuple[float, Snapshot]] = None  # (time.monotonic() taken, snapshot)
+        self._taking: Optional[asyncio.Future] = None  # the fan-out in progress, shared
 
     async def snapshot(self) -> Snapshot:
+        """The latest snapshot if younger than ``cache_s``; else the one being taken (one fan-out for
+        every caller; a caller that goes away does not cancel it for the others)."""
+        if self._latest is not None and time.monotonic() - self._latest[0] < self.cache_s:
+            return self._latest[1]
+        if self._taking is None:
+            self._taking = asyncio.ensure_future(self._take())
+        return await asyncio.shield(self._taking)
+
+    async def _take(self) -> Snapshot:
+        try:
+            snapshot = await self._collect()
+            self._latest = (time.monotonic(), snapshot)
+            return snapshot
+        finally:
+            self._taking = None
+
+    async def _collect(self) -> Snapshot:
         ready = self.gateway_ready()
         roles = [RoleState("gateway", "gateway", self.address, SERVING if ready else NOT_SERVING, ready,
                            "" if ready else "no engine output stream is open, or draining")]

@@ -6,7 +6,7 @@ some architectures, rearranges them; each ``Layout`` names the tensors back and 
 reversed here, so the tensors equal the safetensors checkpoint's and every model's ``load_weights``
 reads them unchanged:
 
-- llama, granite: Q/K rows permuted for llama.cpp's RoPE (``LlamaModel.permute``; transformers'
+- llama, granite, smollm3: Q/K rows permuted for llama.cpp's RoPE (``LlamaModel.permute``; transformers'
   ``LlamaTensorProcessor`` reverses it) -> ``unpermute_qk``.
 - gemma, gemma2, gemma3: every ``*norm.weight`` stored as ``1 + w`` (``GemmaModel.modify_tensors``;
   transformers' ``Gemma2TensorProcessor`` subtracts 1) -> minus 1.
@@ -21,6 +21,7 @@ reads them unchanged:
 - stablelm: the per-head Q/K LayerNorms stacked into one ``[heads, head_dim]`` tensor
   (``StableLMModel._stack_qk_norm``) -> one tensor per head.
 - llama with experts (Mixtral): the experts stacked ``[experts, rows, cols]`` -> one per expert.
+- gptj: nothing to undo (GPT-J's rotary already pairs neighbouring dimensions, as llama.cpp's does).
 - phi3, glm4: pre-fused ``qkv_proj`` / ``gate_up_proj`` kept as they are (``attn_qkv`` /
   ``ffn_up``: the models split them); phi2's older fused ``attn_qkv`` split into ``q/k/v_proj``.
 """
@@ -239,6 +240,7 @@ LAYOUTS: dict[str, Layout] = {
     "llama": _LLAMA,
     "qwen2": _QWEN,
     "qwen3": _QWEN,
+    "smollm3": Layout(_LLAMA_GLOBALS, {**_LLAMA_NORMS, **_ATTENTION, **_GATED_MLP}, undo=_undo_llama_permute),
     "gemma": _GEMMA,
     "gemma2": _GEMMA2,
     "gemma3": _GEMMA2,
@@ -262,6 +264,10 @@ LAYOUTS: dict[str, Layout] = {
                    {"attn_norm": "ln_1", "attn_qkv": "attn.c_attn", "attn_output": "attn.c_proj", "ffn_norm": "ln_2",
                     "ffn_up": "mlp.c_fc", "ffn_down": "mlp.c_proj"},
                    block_prefix="transformer.h.{bid}.", undo=_undo_gpt2_transpose),
+    "gptj": Layout({"token_embd": "transformer.wte", "output_norm": "transformer.ln_f", "output": "lm_head"},
+                   {"attn_norm": "ln_1", "attn_q": "attn.q_proj", "attn_k": "attn.k_proj", "attn_v": "attn.v_proj",
+                    "attn_output": "attn.out_proj", "ffn_up": "mlp.fc_in", "ffn_down": "mlp.fc_out"},
+                   block_prefix="transformer.h.{bid}."),
     "gptneox": Layout({"token_embd": "gpt_neox.embed_in", "output_norm": "gpt_neox.final_layer_norm",
                        "output": "embed_out"},
                       {"attn_norm": "input_layernorm", "attn_qkv": "attention.query_key_value",

@@ -15,9 +15,20 @@ method, logged, and counted in ``gridserve:rpc_denied_total{method,identity}``.
 Who calls what: the gateway is a client of the engines' request API and of the coordinator; an
 ``AsyncLLM`` in remote mode speaks the same request API and presents a ``gateway`` certificate.
 Engines drive their workers (``CollectiveRPC``, also for Ray-placed workers, which run the same
-worker service) and report to the coordinator. Envoy (``edge``) is the only client of the gateways
+worker service) and report to the coordinator (``ReportLoad``, the wave calls); a gateway only
+watches it (``WatchLoad``). Envoy (``edge``) is the only client of the gateways
 besides ``admin``; native gRPC clients of the public API come through Envoy. ``admin`` is the
 operator's identity (CLI, tests): the engine's control RPCs accept only it.
+
+Instances: a certificate may also name one instance of its role, ``<role>-<id>`` (``engine-3``
+for DP rank 3, ``gateway-0``), as its CN, a DNS SAN ``engine-3.gridserve.internal`` or the last
+segment of its SPIFFE URI (``.../sa/gridserve-engine-3``), next to the role's own name
+(``instance_of``). Then the coordinator takes an engine's load and wave calls only for its own rank
+(``check_rank``), and an engine keeps each caller's output streams and requests apart
+(``stream_owner``): a gateway cannot open, feed or abort another's. ``serve --tls`` issues one
+per engine and per gateway (``LocalCA.issue_all(instances=)``); with one certificate per role (the
+chart's tls.yaml) every engine may write any rank and gateways share one namespace of
+``gateway_id``s.
 
 Without TLS there are no identities: a plaintext role listens only on loopback unless started with
 ``--insecure-internal`` (``shared.rpc.server``), and even then ``LoopbackAdminInterceptor`` answers
@@ -29,12 +40,15 @@ from __future__ import annotations
 import inspect
 import ipaddress
 import logging
+import re
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Optional
 
 import grpc
 from prometheus_client.core import CounterMetricFamily
+
+from gridserve.shared.errors import PermissionDeniedError
 
 logger = logging.getLogger(__name__)
 
@@ -50,15 +64,17 @@ _ENGINE_REQUEST_API = ("AddRequest", "AbortRequests", "StreamOutputs", "GetLoad"
 _ENGINE_ADMIN_API = ("Sleep", "WakeUp", "ResetPrefixCache", "CollectiveRpc")
 _GATEWAY_API = ("Generate", "Complete", "Chat", "Tokenize", "Detokenize", "ListModels", "OpenAIListModels",
                 "OpenAICompletions", "OpenAIChatCompletions", "OpenAITokenize", "OpenAIDetokenize",
-                "OpenAIHealth", "OpenAIVersion", "GetStatus", "GetConsoleFile", "OpenAIOpenAPI")
+                "OpenAIHealth", "OpenAIVersion", "GetStatus", "GetConsoleFile", "OpenAIOpenAPI",
+                "OpenAIResponses", "OpenAIGetResponse")
 
 # method -> the identities allowed to call it. The one place authorization is decided.
 RULES: dict[str, frozenset[str]] = {
     _WORKER + "CollectiveRPC": frozenset({"engine"}),
     **{_ENGINE + m: frozenset({"gateway", "admin"}) for m in _ENGINE_REQUEST_API},
     **{_ENGINE + m: frozenset({"admin"}) for m in _ENGINE_ADMIN_API},
-    **{_COORDINATOR + m: frozenset({"engine", "gateway"})
-       for m in ("ReportLoad", "WatchLoad", "StartWave", "SyncStep")},
+    # Engines write their load and meet at the wave barriers; gateways (and MoE engines) only watch.
+    **{_COORDINATOR + m: frozenset({"engine"}) for m in ("ReportLoad", "StartWave", "SyncStep")},
+    _COORDINATOR + "WatchLoad": frozenset({"engine", "gateway"}),
     **{_GATEWAY + m: frozenset({"edge", "admin"}) for m in _GATEWAY_API},
 }
 OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.v1alpha.ServerReflection/",
@@ -95,6 +111,39 @@ def identity_of(auth_context: Mapping[str, Iterable[bytes]]) -> Optional[str]:
         return None
     roles = roles_named(auth_context)
     return next(iter(roles)) if len(roles) == 1 else None
+
+
+def instance_of(auth_context: Mapping[str, Iterable[bytes]]) -> Optional[str]:
+    """The one instance (``engine-3``) of its role the verified certificate names, or None (no TLS,
+    no role, or a certificate per role); PermissionDeniedError when it names several."""
+    role = identity_of(auth_context)
+    if role is None:
+        return None
+    names = _text(auth_context.get("x509_common_name", ()))
+    sans = _text(auth_context.get("x509_subject_alternative_name", ())) + _text(auth_context.get("peer_dns", ()))
+    names += [n[:-len(DNS_SUFFIX)] for n in sans if n.endswith(DNS_SUFFIX)]
+    names += [uri.rstrip("/").rsplit("/", 1)[-1].removeprefix("gridserve-")
+              for uri in _text(auth_context.get("peer_spiffe_id", ())) + [n for n in sans if n.startswith("spiffe://")]]
+    pattern = re.compile(rf"{role}-[a-z0-9]+(?:-[a-z0-9]+)*")
+    found = sorted({name for name in names if pattern.fullmatch(name)})
+    if len(found) > 1:
+        raise PermissionDeniedError(f"the {role} certificate names several instances ({', '.join(found)})")
+    return found[0] if found else None
+
+
+def check_rank(context: Any, rank: int) -> None:
+    """A call that speaks for DP rank ``rank`` (an engine's load, its wave barrier): with a
+    certificate per instance, only ``engine-<rank>`` may make it (PermissionDeniedError)."""
+    instance = instance_of(context.auth_context())
+    if instance is not None and instance != f"engine-{rank}":
+        raise PermissionDeniedError(f"{instance} may not speak for dp_rank {rank} (its certificate is not engine-{rank})")
+
+
+def stream_owner(context: Any) -> Optional[str]:
+    """Whose output streams and requests a caller's calls touch on an engine: its instance
+    (``gateway-0``), else its role; None without TLS (one shared namespace, as before)."""
+    auth = context.auth_context()
+    return instance_of(auth) or identity_of(auth)
 
 
 def _describe(auth_context: Mapping[str, Iterable[bytes]]) -> str:

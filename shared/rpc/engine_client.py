@@ -12,7 +12,8 @@ until the stream is open again. A second stream watches the engine's readiness
 (sleeping, loading, draining, recovering, dead), and the router sends it nothing new while another
 engine is READY; ``recovering`` tells the one case that still takes requests (it queues them while
 its workers are rebuilt, so a gateway whose engines only recover stays ready). An add the
-engine refuses because its waiting queue is full raises ``ResourceExhaustedError``. Every unary call
+engine refuses because its waiting queue is full raises ``ResourceExhaustedError``; one larger than
+the gRPC message limit (big images) raises ``InvalidArgumentError`` before it is sent. Every unary call
 has a deadline. Create it on the loop
 it runs on; ``register`` / ``unregister`` / ``ready`` / ``num_in_flight`` are safe from any thread.
 """
@@ -30,10 +31,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gridserve.api.engine.v1 import engine_pb2, engine_pb2_grpc
 from gridserve.shared.engine_client_protocol import EngineClientProtocol, OutputSink
-from gridserve.shared.errors import EngineDeadError, ResourceExhaustedError
+from gridserve.shared.errors import EngineDeadError, InvalidArgumentError, ResourceExhaustedError
 from gridserve.shared.multimodal import ImageFeature
 from gridserve.shared.observability.tracing import TRACEPARENT
 from gridserve.shared.readiness import State
+from gridserve.shared.rpc import client as rpc_client
 from gridserve.shared.rpc.client import DEFAULT_DEADLINE_S, aio_channel
 from gridserve.shared.rpc.convert import (
     engine_output_from_pb,
@@ -50,6 +52,23 @@ logger = logging.getLogger(__name__)
 ABORT_DEADLINE_S = 5.0
 INFO_DEADLINE_S = 2.0
 STATE_DEADLINE_S = 2.0
+
+
+def _check_size(message: engine_pb2.AddRequestRequest) -> None:
+    """A request over the channel's message limit is the caller's error (INVALID_ARGUMENT naming
+    what made it big), found here: gRPC would refuse it as RESOURCE_EXHAUSTED, a 429 that tells
+    the client to send the same thing again later."""
+    limit = dict(rpc_client.CHANNEL_OPTIONS)["grpc.max_send_message_length"]
+    size = message.ByteSize()
+    if size <= limit:
+        return
+    images = sum(len(f.pixel_values.data) for f in message.mm_features)
+    if images:
+        raise InvalidArgumentError("mm_features", f"{len(message.mm_features)} images of {images} bytes of pixels "
+                                                  f"make the request {size} bytes, over the {limit}-byte limit of "
+                                                  "a request to an engine: send fewer or smaller images")
+    raise InvalidArgumentError("prompt_token_ids", f"the request is {size} bytes, over the {limit}-byte limit of a "
+                                                   "request to an engine")
 
 
 class EngineLostError(EngineDeadError):
@@ -107,18 +126,20 @@ class EngineClient:
         a failover from a dead engine, which had already generated ``output_token_ids``."""
         if not self.ready.is_set():
             raise EngineDeadError(f"engine {self.address} is not reachable")
+        message = engine_pb2.AddRequestRequest(
+            request_id=request_id,
+            gateway_id=self.gateway_id,
+            prompt_token_ids=token_ids,
+            sampling_params=sampling_params_to_pb(params),
+            parent_request_id=parent_request_id or None,
+            mm_features=image_features_to_pb(mm_features or []),
+            output_token_ids=output_token_ids or [],
+            continuation=continuation,
+        )
+        _check_size(message)
         try:
             await self.stub.AddRequest(
-                engine_pb2.AddRequestRequest(
-                    request_id=request_id,
-                    gateway_id=self.gateway_id,
-                    prompt_token_ids=token_ids,
-                    sampling_params=sampling_params_to_pb(params),
-                    parent_request_id=parent_request_id or None,
-                    mm_features=image_features_to_pb(mm_features or []),
-                    output_token_ids=output_token_ids or [],
-                    continuation=continuation,
-                ),
+                message,
                 timeout=DEFAULT_DEADLINE_S,
                 metadata=((TRACEPARENT, traceparent),) if traceparent else None,
             )

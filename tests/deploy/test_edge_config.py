@@ -17,6 +17,8 @@ from gridserve.protos_build import DESCRIPTOR_SET, ensure_generated
 from .tools import NAMESPACE, RELEASE, REPO, Rendered
 
 CHART_DESCRIPTOR = "/etc/envoy/descriptors/protos.pb"
+CORS_VALUES = {"allowedOrigins": ["https://app.example", "*"], "allowedMethods": ["GET", "POST"],
+               "allowedHeaders": ["authorization", "content-type"]}
 
 
 def envoy_config(rendered: Rendered) -> dict[str, Any]:
@@ -49,7 +51,8 @@ def descriptor_set() -> Path:
 @pytest.mark.parametrize("values", [{}, {"edge": {"port": 9000, "healthCheckInterval": "5s"},
                                          "gateway": {"port": 6000}},
                                     {"tls": {"enabled": False}},
-                                    {"edge": {"tls": {"secretName": "public-cert"}}}])
+                                    {"edge": {"tls": {"secretName": "public-cert"}}},
+                                    {"edge": {"cors": CORS_VALUES}}])
 def test_envoy_accepts_the_chart_config(render_chart, descriptor_set: Path, tmp_path: Path, values) -> None:
     from gridserve.certificates import LocalCA
 
@@ -141,3 +144,39 @@ def test_the_edge_gets_its_descriptor_set_from_the_gateway_image(render_chart) -
     mounts = {m["mountPath"] for m in envoy["volumeMounts"]}
     assert mounts >= {"/etc/envoy/envoy.json", str(Path(CHART_DESCRIPTOR).parent)}
     assert envoy["image"].startswith("envoyproxy/envoy:")
+
+
+def test_chart_cors_is_off_by_default_and_equals_gridserve_edge_when_asked(render_chart) -> None:
+    assert edge.CORS_FILTER not in yaml.safe_dump(envoy_config(render_chart({})))  # same-origin only
+    chart = envoy_config(render_chart({"edge": {"cors": CORS_VALUES}}))
+    policy = edge.CorsPolicy(tuple(CORS_VALUES["allowedOrigins"]), tuple(CORS_VALUES["allowedMethods"]),
+                             tuple(CORS_VALUES["allowedHeaders"]))
+    reference = edge.envoy_config("0.0.0.0", 8080, ["gateway:50050"], descriptor_set=Path(CHART_DESCRIPTOR),
+                                  cors=policy)
+    assert normalized_filters(chart) == normalized_filters(reference)
+    chart_host, reference_host = (connection_manager(c)["route_config"]["virtual_hosts"][0] for c in (chart, reference))
+    assert chart_host["typed_per_filter_config"] == reference_host["typed_per_filter_config"]
+    assert [r["match"] for r in chart_host["routes"]] == [r["match"] for r in reference_host["routes"]]
+
+
+def test_chart_edge_limits_come_from_the_values(render_chart) -> None:
+    values = {"requestBodyTimeout": "30s", "connectionIdleTimeout": "45s", "maxRequestsPerConnection": 50,
+              "maxRequestsPerClientPerSecond": 20, "maxHeapBytes": 536870912, "xffNumTrustedHops": 1}
+    config = envoy_config(render_chart({"edge": values}))
+    manager = connection_manager(config)
+    assert manager["request_timeout"] == "30s" and manager["xff_num_trusted_hops"] == 1
+    assert manager["common_http_protocol_options"] == {"idle_timeout": "45s", "max_requests_per_connection": 50}
+    assert manager["use_remote_address"] is True
+    (rate_limit,) = [f["typed_config"] for f in manager["http_filters"]
+                     if f["name"] == "envoy.filters.http.local_ratelimit"]
+    (bucket,) = [d["token_bucket"] for d in rate_limit["descriptors"]]
+    assert bucket["max_tokens"] == bucket["tokens_per_fill"] == 20 and bucket["fill_interval"] == "1s"
+    overload = config["overload_manager"]
+    (heap,) = [m for m in overload["resource_monitors"] if m["name"] == edge.HEAP_MONITOR]
+    assert heap["typed_config"]["max_heap_size_bytes"] == 536870912
+    assert {a["name"]: a["triggers"][0]["threshold"]["value"] for a in overload["actions"]} == edge.HEAP_ACTIONS
+    default = connection_manager(envoy_config(render_chart({})))
+    reference = connection_manager(edge.envoy_config("0.0.0.0", 8080, ["gateway:50050"]))
+    for key in ("request_timeout", "request_headers_timeout", "common_http_protocol_options", "use_remote_address",
+                "xff_num_trusted_hops"):
+        assert default[key] == reference[key], key  # the chart's defaults are gridserve serve's

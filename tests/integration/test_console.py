@@ -24,6 +24,7 @@ from gridserve.api.engine.v1 import engine_pb2
 from gridserve.api.gateway.v1 import gateway_pb2
 from gridserve.default_model import DEFAULT_MODEL_NAME
 from gridserve.launcher import free_port
+from gridserve.services.gateway.status import CACHE_S as STATUS_CACHE_S
 
 from .browser import launch
 from .services import ENGINE_ARGS, address, deployment, engine_stub, gateway_stub, pid
@@ -139,6 +140,7 @@ def test_prompt_streams_tokens_into_the_page_incrementally(page, edge):
     assert growing[0] < len(final)
     assert page.is_hidden("#chat-error")
     assert page.is_enabled("#send") and page.is_disabled("#cancel")
+    time.sleep(STATUS_CACHE_S)  # a snapshot serves every caller for this long
     (engine,) = _status(edge)["engines"]
     assert engine["generation_tokens_per_second"] > 0  # the answer's tokens, since the first sample
 

@@ -1,10 +1,12 @@
 """GGUF checkpoints through ``LLM(model="....gguf")``: token-exact (greedy) against the same
 weights loaded from safetensors — float32 GGUFs of the recipe's Llama and Qwen2, a Q8_0 one
 against a safetensors folder of its dequantized weights — with the embedded tokenizer and chat
-template, ``tokenizer=`` overriding it, and ``quantization="int8"`` re-quantizing as usual."""
+template, ``tokenizer=`` / ``--tokenizer`` overriding it (in-process and through the services), and
+``quantization="int8"`` re-quantizing as usual."""
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import numpy as np
@@ -95,13 +97,89 @@ def test_quantized_gguf_serves_like_its_dequantized_weights(llama_tiny, tmp_path
     assert _outputs(_llm(path)) == _outputs(_llm(reference))
 
 
+def _gguf_with_a_coarser_tokenizer(folder, path):
+    """``folder``'s weights in a GGUF whose embedded tokenizer keeps only the first 100 merges (the
+    same vocabulary, other ids for every prompt here), so which tokenizer served is observable."""
+    data = json.loads((folder / "tokenizer.json").read_text())
+    data["model"]["merges"] = data["model"]["merges"][:100]
+    path = write_gguf(folder, path, tokenizer_json=data)
+    assert all(a != b for a, b in zip(_encodings(path), _encodings(folder)))
+    return path
+
+
+def _encodings(path_or_folder) -> list[list[int]]:
+    from tokenizers import Tokenizer
+
+    from gridserve.shared.gguf_tokenizer import tokenizer_from_gguf
+
+    path = str(path_or_folder)
+    tok = tokenizer_from_gguf(path).tokenizer if path.endswith(".gguf") else Tokenizer.from_file(
+        str(path_or_folder / "tokenizer.json"))
+    return [tok.encode(p).ids for p in PROMPTS]
+
+
 def test_tokenizer_override_and_int8(llama_tiny, tmp_path):
-    path = write_gguf(llama_tiny, tmp_path / "llama.gguf")
+    """``LLM(model=....gguf, tokenizer=FOLDER)`` encodes with the folder's tokenizer, not the file's."""
+    path = _gguf_with_a_coarser_tokenizer(llama_tiny, tmp_path / "llama.gguf")
+    folder_ids = _encodings(llama_tiny)
     llm = _llm(path, tokenizer=str(llama_tiny))
     assert llm.config.model.tokenizer_path == str(llama_tiny)
     assert llm.get_tokenizer().name_or_path == str(llama_tiny)
+    assert [llm.get_tokenizer().encode(p) for p in PROMPTS] == folder_ids
     assert _outputs(llm) == _outputs(_llm(llama_tiny))
-    assert _outputs(_llm(path, quantization="int8")) == _outputs(_llm(llama_tiny, quantization="int8"))
+    assert [o.prompt_token_ids for o in _llm(path).generate(PROMPTS, GREEDY, use_tqdm=False)] == _encodings(path)
+    int8 = _llm(path, tokenizer=str(llama_tiny), quantization="int8")
+    assert _outputs(int8) == _outputs(_llm(llama_tiny, quantization="int8"))
+
+
+def test_tokenizer_flag_reaches_the_engine_config(llama_tiny, tmp_path):
+    """``gridserve serve x.gguf --tokenizer F`` forwards the flag to its engine, and ``gridserve
+    engine --tokenizer F`` (or ``GRIDSERVE_TOKENIZER``) makes F the tokenizer the engine reports."""
+    from gridserve.cli import _parser
+    from gridserve.roles import engine_argv, engine_config
+
+    path = write_gguf(llama_tiny, tmp_path / "llama.gguf")
+    serve = _parser().parse_args(["serve", str(path), "--tokenizer", str(llama_tiny)])
+    argv = engine_argv(serve)
+    assert argv[argv.index("--tokenizer") + 1] == str(llama_tiny)
+    engine = _parser().parse_args(["engine", "--model", str(path), "--workers", "127.0.0.1:1", *argv])
+    config = engine_config(engine, ["127.0.0.1:1"])
+    assert config.model.tokenizer_path == str(llama_tiny)
+    assert config.model.architecture == "LlamaForCausalLM" and config.model.model_path == str(path)
+
+
+def test_tokenizer_flag_through_the_services(llama_tiny, tmp_path):
+    """``gridserve serve x.gguf --tokenizer FOLDER``'s processes: the gateway tokenizes with the
+    folder's tokenizer (not the file's coarser one) and text requests answer as the in-process LLM on
+    the safetensors folder."""
+    import grpc
+
+    from gridserve.api.gateway.v1 import gateway_pb2
+    from gridserve.cli import _parser
+    from gridserve.roles import engine_argv
+    from tests.integration.services import (
+        ENGINE_ARGS,
+        address,
+        deployment,
+        gateway_stub,
+        greedy,
+        stream_tokens,
+    )
+
+    path = _gguf_with_a_coarser_tokenizer(llama_tiny, tmp_path / "llama.gguf")
+    folder_ids, embedded_ids = _encodings(llama_tiny), _encodings(path)
+    args = _parser().parse_args(["serve", str(path), "--tokenizer", str(llama_tiny), *ENGINE_ARGS])
+    expected = [o.outputs[0] for o in _llm(llama_tiny).generate(
+        PROMPTS[:2], SamplingParams(temperature=0, max_tokens=8, min_tokens=8), use_tqdm=False)]
+    with deployment(path, tmp_path / "logs", engine_args=engine_argv(args)) as launcher:
+        with grpc.insecure_channel(address(launcher, "gateway")) as channel:
+            stub = gateway_stub(channel)
+            for prompt, want, embedded in zip(PROMPTS, folder_ids, embedded_ids):
+                got = list(stub.Tokenize(gateway_pb2.TokenizeRequest(text=prompt), timeout=30).token_ids)
+                assert got == want != embedded, prompt
+            for prompt, want in zip(PROMPTS, expected):
+                ids, text, _ = stream_tokens(stub, gateway_pb2.GenerateRequest(text=prompt, sampling_params=greedy(8)))
+                assert ids == list(want.token_ids) and text == want.text
 
 
 def test_gguf_through_the_services(llama_tiny, tmp_path):

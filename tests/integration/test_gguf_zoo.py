@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import shutil
 from dataclasses import dataclass, field
 
@@ -71,6 +72,11 @@ CASES: dict[str, Case] = {
     "phi3-longrope": Case("Phi3ForCausalLM", "Phi3Config",
                           {**_LLAMA_SIZES, "partial_rotary_factor": 0.5, "original_max_position_embeddings": 64,
                            "rope_parameters": _LONGROPE}),
+    # NoPE on every fourth layer (3: the step llama.cpp fixes), Q/K rows and biases permuted like
+    # llama's, MLP biases, MQA, tied
+    "smollm3": Case("SmolLM3ForCausalLM", "SmolLM3Config",
+                    {**_LLAMA_SIZES, "num_hidden_layers": 4, "num_key_value_heads": 1, "no_rope_layer_interval": 4,
+                     "attention_bias": True, "mlp_bias": True, "tie_word_embeddings": True}),
     "olmo2": Case("Olmo2ForCausalLM", "Olmo2Config", {**_LLAMA_SIZES, "head_dim": 24, "num_key_value_heads": 1}),
     # Q/K rows permuted like llama's, biases (permuted too), all four multipliers
     "granite": Case("GraniteForCausalLM", "GraniteConfig",
@@ -89,6 +95,10 @@ CASES: dict[str, Case] = {
     # Conv1D matrices transposed in the file, the head a copy of the embedding, 96-wide MLP (written 256)
     "gpt2": Case("GPT2LMHeadModel", "GPT2Config",
                  {"n_embd": 64, "n_head": 4, "n_layer": 2, "n_positions": 512, "n_inner": 96}),
+    # interleaved rotary on 8 of 16 dims, parallel residual on one LayerNorm, a biased untied head,
+    # 128-wide MLP (written 256)
+    "gptj": Case("GPTJForCausalLM", "GPTJConfig",
+                 {"n_embd": 64, "n_head": 4, "n_layer": 2, "n_positions": 512, "rotary_dim": 8, "n_inner": 128}),
     "phi2": Case("PhiForCausalLM", "PhiConfig", _SIZES),
     # per-head fused Q/K/V, half of each head rotated, parallel residual
     "gptneox": Case("GPTNeoXForCausalLM", "GPTNeoXConfig", {**_SIZES, "rotary_pct": 0.5}),
@@ -209,3 +219,20 @@ def test_an_unsupported_architecture_lists_the_supported_ones(tmp_path):
     assert "general.architecture 'mamba'" in message
     for arch in ("llama", "gemma3", "phi3", "command-r", "bloom", "gptneox"):
         assert f"'{arch}'" in message
+
+
+@pytest.mark.parametrize(("key", "value", "problem"), [("rope.freq_base", 50000.0, "RoPE base is fixed at 10000"),
+                                                       ("rope.dimension_count", 7, "not an even share")])
+def test_a_gptj_file_gridserve_would_misread_is_refused_naming_the_key(key, value, problem, tmp_path):
+    """GPT-J's RoPE base is fixed and its rotary share must be even: a file saying otherwise is refused."""
+    import dataclasses
+
+    from gridserve.shared.gguf_architectures import ARCHITECTURES, GgufMetadata
+    from gridserve.shared.gguf_config import read_gguf
+
+    path = write_gguf(CASES["gptj"].folder("gptj"), tmp_path / "gptj.gguf")
+    header = read_gguf(path)
+    header = dataclasses.replace(header, fields={**header.fields, f"gptj.{key}": value})
+    with pytest.raises(ConfigError, match=f"metadata gptj.{re.escape(key)} .*{problem}") as info:
+        ARCHITECTURES["gptj"].build(GgufMetadata(header, "gptj"))
+    assert info.value.field == "model.model" and str(path.resolve()) in str(info.value)

@@ -218,12 +218,13 @@ def test_rotating_certificates_keeps_open_streams_and_new_connections_use_the_ne
         stream = gateway_stub(channel).Generate(token_prompt(PROMPT, greedy(200)), timeout=120)
         first = next(stream)  # the streams (edge -> gateway -> engine -> worker) are open
         # The gateway's server certificate: a new one from the same CA.
-        new_gateway_serial = serial_of(ca.issue("gateway").cert.read_bytes())
+        # (the same identity, gateway-0: an engine keys the gateway's streams by it)
+        new_gateway_serial = serial_of(ca.issue("gateway", instance="0").cert.read_bytes())
         # The engine's certificate from a second CA; the engine (and everyone but the worker)
         # trusts both CAs; the worker only the second one: only the new engine certificate gets in.
         for role in ("engine", "gateway", "admin", "edge"):
             write_atomically(certs[role].ca, ca.ca_pem + second.ca_pem)
-        new_engine = second.issue("engine")
+        new_engine = second.issue("engine", instance="0")
         write_atomically(engine.key, new_engine.key.read_bytes())
         write_atomically(engine.cert, new_engine.cert.read_bytes())
         write_atomically(worker.ca, second.ca_pem)

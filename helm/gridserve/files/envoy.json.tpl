@@ -1,5 +1,6 @@
 {
   "overload_manager": {
+    "refresh_interval": "0.25s",
     "resource_monitors": [
       {
         "name": "envoy.resource_monitors.global_downstream_max_connections",
@@ -7,6 +8,37 @@
           "@type": "type.googleapis.com/envoy.extensions.resource_monitors.downstream_connections.v3.DownstreamConnectionsConfig",
           "max_active_downstream_connections": {{ .Values.edge.maxConnections | int64 }}
         }
+      },
+      {
+        "name": "envoy.resource_monitors.fixed_heap",
+        "typed_config": {
+          "@type": "type.googleapis.com/envoy.extensions.resource_monitors.fixed_heap.v3.FixedHeapConfig",
+          "max_heap_size_bytes": {{ .Values.edge.maxHeapBytes | int64 }}
+        }
+      }
+    ],
+    "actions": [
+      {
+        "name": "envoy.overload_actions.shrink_heap",
+        "triggers": [
+          {
+            "name": "envoy.resource_monitors.fixed_heap",
+            "threshold": {
+              "value": 0.95
+            }
+          }
+        ]
+      },
+      {
+        "name": "envoy.overload_actions.stop_accepting_requests",
+        "triggers": [
+          {
+            "name": "envoy.resource_monitors.fixed_heap",
+            "threshold": {
+              "value": 0.98
+            }
+          }
+        ]
       }
     ]
   },
@@ -34,6 +66,13 @@
                   "codec_type": "AUTO",
                   "stream_idle_timeout": "{{ .Values.edge.streamIdleTimeout }}",
                   "request_headers_timeout": "10s",
+                  "request_timeout": "{{ .Values.edge.requestBodyTimeout }}",
+                  "common_http_protocol_options": {
+                    "idle_timeout": "{{ .Values.edge.connectionIdleTimeout }}",
+                    "max_requests_per_connection": {{ .Values.edge.maxRequestsPerConnection | int64 }}
+                  },
+                  "use_remote_address": true,
+                  "xff_num_trusted_hops": {{ .Values.edge.xffNumTrustedHops | int64 }},
                   "local_reply_config": {
                     "mappers": [
                       {
@@ -83,6 +122,30 @@
                           },
                           "content_type": "application/json"
                         }
+                      },
+                      {
+                        "filter": {
+                          "status_code_filter": {
+                            "comparison": {
+                              "op": "EQ",
+                              "value": {
+                                "default_value": 429,
+                                "runtime_key": "edge.local_reply.rate_limited"
+                              }
+                            }
+                          }
+                        },
+                        "body_format_override": {
+                          "json_format": {
+                            "error": {
+                              "message": "%LOCAL_REPLY_BODY%",
+                              "type": "RateLimitError",
+                              "param": null,
+                              "code": "%RESPONSE_CODE%"
+                            }
+                          },
+                          "content_type": "application/json"
+                        }
                       }
                     ],
                     "body_format": {
@@ -101,6 +164,9 @@
                     "name": "edge",
                     "virtual_hosts": [
                       {
+                        {{- if .Values.edge.cors.allowedOrigins }}
+                        "typed_per_filter_config": {"envoy.filters.http.cors":{"@type":"type.googleapis.com/envoy.extensions.filters.http.cors.v3.CorsPolicy","allow_origin_string_match":[{{- range $i, $o := .Values.edge.cors.allowedOrigins }}{{ if $i }},{{ end }}{{ if eq $o "*" }}{"safe_regex":{"regex":".*"}}{{ else }}{"exact":{{ $o | toJson }}}{{ end }}{{ end }}],"forward_not_matching_preflights":false,"allow_methods":{{ join "," .Values.edge.cors.allowedMethods | toJson }},"allow_headers":{{ join "," .Values.edge.cors.allowedHeaders | toJson }},"max_age":"600"}},
+                        {{- end }}
                         "name": "gateway",
                         "domains": [
                           "*"
@@ -180,6 +246,9 @@
                               }
                             ]
                           },
+                          {{- if .Values.edge.cors.allowedOrigins }}
+                          {"match":{"prefix":"/","headers":[{"name":":method","string_match":{"exact":"OPTIONS"}},{"name":"origin","string_match":{"safe_regex":{"regex":".+"}}},{"name":"access-control-request-method","string_match":{"safe_regex":{"regex":".+"}}}]},"route":{"cluster":"gateways_any_state","timeout":"10s"}},
+                          {{- end }}
                           {
                             "match": {
                               "prefix": "/",
@@ -235,6 +304,52 @@
                       }
                     },
                     {
+                      "name": "envoy.filters.http.local_ratelimit",
+                      "typed_config": {
+                        "@type": "type.googleapis.com/envoy.extensions.filters.http.local_ratelimit.v3.LocalRateLimit",
+                        "stat_prefix": "per_client",
+                        "filter_enabled": {
+                          "default_value": {
+                            "numerator": 100,
+                            "denominator": "HUNDRED"
+                          },
+                          "runtime_key": "edge.per_client"
+                        },
+                        "filter_enforced": {
+                          "default_value": {
+                            "numerator": 100,
+                            "denominator": "HUNDRED"
+                          },
+                          "runtime_key": "edge.per_client"
+                        },
+                        "rate_limits": [
+                          {
+                            "actions": [
+                              {
+                                "remote_address": {}
+                              }
+                            ]
+                          }
+                        ],
+                        "descriptors": [
+                          {
+                            "entries": [
+                              {
+                                "key": "remote_address"
+                              }
+                            ],
+                            "token_bucket": {
+                              "max_tokens": {{ .Values.edge.maxRequestsPerClientPerSecond | int64 }},
+                              "tokens_per_fill": {{ .Values.edge.maxRequestsPerClientPerSecond | int64 }},
+                              "fill_interval": "1s"
+                            }
+                          }
+                        ],
+                        "always_consume_default_token_bucket": false,
+                        "max_dynamic_descriptors": 65536
+                      }
+                    },
+                    {
                       "name": "envoy.filters.http.buffer",
                       "typed_config": {
                         "@type": "type.googleapis.com/envoy.extensions.filters.http.buffer.v3.Buffer",
@@ -266,6 +381,9 @@
                         "ignore_unknown_query_parameters": true
                       }
                     },
+                    {{- if .Values.edge.cors.allowedOrigins }}
+                    {"name":"envoy.filters.http.cors","typed_config":{"@type":"type.googleapis.com/envoy.extensions.filters.http.cors.v3.Cors"}},
+                    {{- end }}
                     {
                       "name": "envoy.filters.http.router",
                       "typed_config": {

@@ -47,11 +47,11 @@ def test_new_requests_beyond_the_waiting_limit_are_refused_and_admitted_once_it_
     assert [r.request_id for r in s.waiting] == ["b", "c"]
 
 
-def test_without_a_limit_the_queue_is_unbounded():
+def test_without_a_flag_the_queue_takes_the_default_limit():
     s = _scheduler(max_waiting=None)
     for i in range(100):
         s.add_request(_request(str(i)))
-    assert len(s.waiting) == 100
+    assert len(s.waiting) == 100 and s.max_waiting_requests == 1024  # max(1024, 4 x max_num_seqs)
 
 
 def test_a_continuation_is_never_refused_and_goes_ahead_of_new_requests():

@@ -1,6 +1,7 @@
-"""No request field is dropped silently: every field of completions and chat is honoured (its effect
-checked) or refused with a 400 naming it — one case per row of docs/serving/openai-fields.md, and
-the page, the request models and ``/openapi.json`` list the same fields."""
+"""No request field is dropped silently: every field of completions, chat and responses is honoured
+(its effect checked) or refused with a 400 naming it — one case per row of
+docs/serving/openai-fields.md, and the page, the request models and ``/openapi.json`` list the same
+fields."""
 
 from __future__ import annotations
 
@@ -19,6 +20,9 @@ from gridserve.services.gateway.protocol import (
     CompletionRequest,
     StreamOptions,
 )
+from gridserve.services.gateway.responses_api import ResponsesAPI
+from gridserve.services.gateway.responses_protocol import ResponsesRequest
+from gridserve.services.gateway.responses_store import ResponseStore
 from tests.unit.gateway.scripted_engine import (
     FIM_TOKENS,
     THINK_TOKENS,
@@ -227,3 +231,129 @@ def test_openapi_lists_every_field_and_the_tool_call_shapes(folder):
     assert set(ChatCompletionRequest.model_fields) <= set(schemas["ChatCompletionRequest"]["properties"])
     assert {"ToolCallOut", "DeltaToolCall", "PromptLogprob", "NamedToolChoice"} <= set(go_schemas)
     assert {"reasoning_content", "tool_calls"} <= set(schemas["ChatResponseMessage"]["properties"])
+
+
+# ---- POST /v1/responses ----------------------------------------------------------------------
+RTOOLS = [{"type": "function", "name": "f", "parameters": {"type": "object"}}]
+
+
+def ok(r) -> bool:
+    return r.status == 200
+
+
+# (field, request fragment, REFUSED or a check of the result); the gateway keeps responses.
+RESPONSES_CASES: list[tuple[str, dict, Check]] = [
+    ("model", {"model": "m"}, ok),
+    ("input", {"input": [{"role": "user", "content": [{"type": "input_text", "text": "say hi"}]}]},
+     lambda r: "user\nsay hi" in r.prompt),
+    ("input", {"input": [{"type": "item_reference", "id": "x"}]}, REFUSED),
+    ("instructions", {"instructions": "be brief"}, lambda r: r.prompt.startswith("<|im_start|>system\nbe brief")),
+    ("previous_response_id", {"previous_response_id": "resp_unknown"},
+     lambda r: r.status == 404 and r.body["error"]["param"] == "previous_response_id"),
+    ("max_output_tokens", {"max_output_tokens": 3}, lambda r: params(r).max_tokens == 3),
+    ("temperature", {"temperature": 0.5}, lambda r: params(r).temperature == 0.5),
+    ("top_p", {"top_p": 0.5}, lambda r: params(r).top_p == 0.5),
+    ("tools", {"tools": RTOOLS, "tool_choice": "none"}, lambda r: '"name": "f"' in r.prompt),
+    ("tools", {"tools": [{"type": "web_search"}]}, REFUSED),
+    ("tool_choice", {"tools": RTOOLS, "tool_choice": "required"}, lambda r: params(r).structured_outputs.json),
+    ("tool_choice", {"tools": RTOOLS, "tool_choice": {"type": "function", "name": "g"}}, REFUSED),
+    ("parallel_tool_calls", {"tools": RTOOLS, "tool_choice": "required", "parallel_tool_calls": False},
+     lambda r: params(r).structured_outputs.json["maxItems"] == 1),
+    ("text", {"text": {"format": {"type": "json_object"}}}, lambda r: params(r).structured_outputs.json_object),
+    ("text", {"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object"}}}},
+     lambda r: params(r).structured_outputs.json == {"type": "object"}),
+    ("text", {"text": {"verbosity": "low"}}, REFUSED),
+    ("reasoning", {"reasoning": {"effort": "low"}}, lambda r: r.prompt.endswith("(effort low)")),
+    ("reasoning", {"reasoning": {"summary": "auto"}}, REFUSED),
+    ("store", {"store": False}, lambda r: r.body["store"] is False),
+    ("store", {"store": True}, lambda r: r.body["store"] is True),
+    ("stream", {"stream": True}, lambda r: r.text == "hello" and r.events[-1]["type"] == "response.completed"),
+    ("stream_options", {"stream_options": {"include_obfuscation": False}}, REFUSED),  # without stream
+    ("stream_options", {"stream": True, "stream_options": {"include_obfuscation": False}}, lambda r: r.text == "hello"),
+    ("stream_options", {"stream": True, "stream_options": {"include_obfuscation": True}}, REFUSED),
+    ("metadata", {"metadata": {"team": "a"}}, lambda r: r.body["metadata"] == {"team": "a"}),
+    ("metadata", {"metadata": {str(i): "x" for i in range(17)}}, REFUSED),
+    ("user", {"user": "alice"}, ok),
+    ("safety_identifier", {"safety_identifier": "h"}, ok),
+    ("prompt_cache_key", {"prompt_cache_key": "k"}, ok),
+    ("service_tier", {"service_tier": "default"}, ok),
+    ("service_tier", {"service_tier": "flex"}, REFUSED),
+    ("truncation", {"truncation": "disabled"}, ok),
+    ("truncation", {"truncation": "auto"}, REFUSED),
+    ("include", {"include": []}, ok),
+    ("include", {"include": ["message.output_text.logprobs"]}, REFUSED),
+    ("top_logprobs", {"top_logprobs": 2}, REFUSED),
+    ("background", {"background": True}, REFUSED),
+    ("max_tool_calls", {"max_tool_calls": 1}, REFUSED),
+    ("conversation", {"conversation": "conv_1"}, REFUSED),
+    ("prompt", {"prompt": {"id": "pmpt_1"}}, REFUSED),
+    ("prompt_cache_retention", {"prompt_cache_retention": "24h"}, REFUSED),
+    ("top_k", {"top_k": 5}, lambda r: params(r).top_k == 5),
+    ("logit_bias", {"logit_bias": {"5": 2.0}}, lambda r: params(r).logit_bias == {5: 2.0}),
+    ("skip_special_tokens", {"skip_special_tokens": False}, lambda r: params(r).skip_special_tokens is False),
+]
+
+
+def _respond(folder: Path, request: dict) -> SimpleNamespace:
+    async def go():
+        chat, engine = routes(folder, "hello", ChatOptions())
+        api = ResponsesAPI(chat, ResponseStore(16, 1 << 20, 60.0))
+        response = await api.create(json.dumps({"model": "m", "input": "say hi", **request}).encode())
+        if response.content_type == "text/event-stream":
+            chunks = [c.decode() async for c in response.chunks]
+            return response, engine, [json.loads(c.split("data: ", 1)[1]) for c in chunks]
+        return response, engine, None
+
+    response, engine, events = run(go())
+    result = SimpleNamespace(status=response.status, engine=engine, events=events,
+                             body=None if events is not None else json.loads(b"".join(response.chunks)))
+    result.prompt = engine.tokenizer.decode(engine.prompts[-1]) if engine.prompts else ""
+    result.text = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta") if events else ""
+    return result
+
+
+@pytest.mark.parametrize("field, fragment, check", RESPONSES_CASES,
+                         ids=[f"responses-{f}-{i}" for i, (f, _, _) in enumerate(RESPONSES_CASES)])
+def test_every_responses_field_is_honoured_or_refused_naming_it(folder, field, fragment, check):
+    result = _respond(folder, fragment)
+    if check == REFUSED:
+        assert result.status == 400, result.body
+        error = result.body["error"]
+        assert error["param"].split(".")[0].split("[")[0] == field, error
+        assert error["message"].startswith(field), error
+    else:
+        assert check(result), (result.status, result.body, result.events)
+
+
+def test_an_unknown_top_level_responses_field_is_refused_as_openai_does(folder):
+    for field in ("no_such_field", "request_id", "priority", "chat_template_kwargs"):
+        result = _respond(folder, {field: 1})
+        assert result.status == 400 and result.body["error"]["param"] == field
+        assert "unrecognized request argument supplied" in result.body["error"]["message"]
+
+
+def _doc_responses_fields() -> dict[str, str]:
+    """field -> status, from the page's Responses table."""
+    table = DOC.read_text().split("\n## Responses\n", 1)[1].split("### Input items", 1)[0]
+    return {m.group(1): m.group(2) for m in re.finditer(r"^\| `([\w.]+)` \| (\w+) \|", table, re.M)}
+
+
+def test_the_docs_responses_table_the_model_and_the_tests_list_the_same_fields():
+    doc = _doc_responses_fields()
+    assert set(doc) == set(ResponsesRequest.model_fields)
+    honoured = {field for field, _, check in RESPONSES_CASES if check != REFUSED}
+    refused = {field for field, _, check in RESPONSES_CASES if check == REFUSED}
+    assert {f for f, status in doc.items() if status == "honoured"} <= honoured
+    assert {f for f, status in doc.items() if status == "refused"} <= refused
+
+
+def test_openapi_lists_the_responses_routes(folder):
+    async def go():
+        chat, _ = routes(folder)
+        return json.loads(b"".join((await chat.openapi()).chunks))
+
+    document = run(go())
+    assert "post" in document["paths"]["/v1/responses"] and "get" in document["paths"]["/v1/responses/{response_id}"]
+    schemas = document["components"]["schemas"]
+    assert set(ResponsesRequest.model_fields) <= set(schemas["ResponsesRequest"]["properties"])
+    assert {"FunctionCallItem", "ReasoningItem", "OutputMessage", "ResponseStreamEvent"} <= set(schemas)

@@ -67,7 +67,9 @@ def test_the_table_covers_every_method_and_keeps_admin_rpcs_for_admin():
     for method in ("AddRequest", "AbortRequests", "StreamOutputs", "GetLoad"):
         assert RULES[engine + method] == {"gateway", "admin"}
     assert RULES["/gridserve.worker.v1.Worker/CollectiveRPC"] == {"engine"}
-    assert all(RULES[m] == {"engine", "gateway"} for m in RULES if m.startswith("/gridserve.coordinator"))
+    coordinator = "/gridserve.coordinator.v1.Coordinator/"
+    assert RULES[coordinator + "WatchLoad"] == {"engine", "gateway"}  # a gateway only watches
+    assert all(RULES[coordinator + m] == {"engine"} for m in ("ReportLoad", "StartWave", "SyncStep"))
     assert all(RULES[m] == {"edge", "admin"} for m in RULES if m.startswith("/gridserve.gateway"))
 
 
@@ -102,7 +104,7 @@ def test_refusals_are_permission_denied_counted_and_health_stays_open(tmp_path):
     files = ca.issue_all()
     server = _coordinator(0, files["coordinator"], health_port=0)
     try:
-        for role, allowed in (("engine", True), ("gateway", True), ("worker", False), ("admin", False)):
+        for role, allowed in (("engine", True), ("gateway", False), ("worker", False), ("admin", False)):
             with make_channel(server.address, files[role]) as channel:
                 assert health_status(channel) == "SERVING"
                 stub = coordinator_pb2_grpc.CoordinatorStub(channel)
@@ -116,7 +118,8 @@ def test_refusals_are_permission_denied_counted_and_health_stays_open(tmp_path):
                 else:
                     assert outcome.code() == grpc.StatusCode.PERMISSION_DENIED
                     assert role in outcome.details() and "SyncStep" in outcome.details()
-        assert server.authorization.denied == {("/gridserve.coordinator.v1.Coordinator/SyncStep", "worker"): 1,
+        assert server.authorization.denied == {("/gridserve.coordinator.v1.Coordinator/SyncStep", "gateway"): 1,
+                                               ("/gridserve.coordinator.v1.Coordinator/SyncStep", "worker"): 1,
                                                ("/gridserve.coordinator.v1.Coordinator/SyncStep", "admin"): 1}
         # The plaintext health port: readiness and liveness, nothing else.
         with grpc.insecure_channel(f"127.0.0.1:{server.health_port}") as channel:
