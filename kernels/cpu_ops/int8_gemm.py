@@ -12,7 +12,8 @@ matmul instead (its AMX kernel, through ``torch.ops.onednn.qlinear_pointwise``):
 rows, split into their two int8 digits as the VNNI tile splits them, as twice the rows of one
 int8 x int8 matmul, combined by this extension's epilogue (``onednn_gemm``). 2.3-4x the VNNI
 kernel at decode batch sizes where measured (docs/benchmarks/README.md, int8-gemm). ``GRIDSERVE_INT8_ONEDNN=0`` keeps the VNNI
-kernel; ``=1`` uses oneDNN without AMX too.
+kernel; ``=1`` uses oneDNN without AMX too, where the CPU has VNNI (``cpu_has_int8_dot``: AVX2
+alone saturates).
 """
 
 from __future__ import annotations
@@ -110,6 +111,19 @@ def onednn_rows(n: int) -> int:
 
 
 @functools.lru_cache(maxsize=1)
+def cpu_has_int8_dot() -> bool:
+    """Whether this CPU has an int8 dot product that sums into int32 (AVX-512 VNNI, AVX-VNNI or AMX).
+    Without one (AVX2 alone) oneDNN's u8 x s8 kernel adds pairs of products in saturating int16
+    (``vpmaddubsw``): the low digit rows (0..255) against int8 weights overflow it, and the product
+    is wrong by percents. Read from /proc/cpuinfo; elsewhere assumed present."""
+    try:
+        flags = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return True
+    return bool(flags & {"avx512_vnni", "avx_vnni", "amx_int8"})
+
+
+@functools.lru_cache(maxsize=1)
 def onednn_available() -> bool:
     """Whether the int16 mode runs through oneDNN's int8 matmul here: a CPU with AMX tiles (where
     oneDNN picks its AMX kernel), torch's ``onednn`` quantized-linear ops, and this extension (for
@@ -120,6 +134,10 @@ def onednn_available() -> bool:
         return False
     ops_exist = torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_pointwise")
     amx = bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
+    if setting == "1" and not amx and not cpu_has_int8_dot():
+        logger.warning("GRIDSERVE_INT8_ONEDNN=1 ignored: this CPU has no VNNI or AMX, and oneDNN's int8 "
+                       "matmul saturates without them; the C++ int8 GEMM runs instead")
+        return False
     ok = ops_exist and (setting == "1" or amx) and load() is not None
     if ok:
         logger.info("int8 CPU GEMM: oneDNN's int8 matmul%s", " (AMX)" if amx else "")

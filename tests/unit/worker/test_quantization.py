@@ -135,6 +135,8 @@ def _int8_backend(backend: str, monkeypatch) -> None:
         pytest.skip("the C++ int8 GEMM cannot be built here")
     if backend == "onednn" and not hasattr(torch.ops.onednn, "qlinear_pointwise"):
         pytest.skip("this torch has no oneDNN quantized linear")
+    if backend == "onednn" and not int8_gemm.cpu_has_int8_dot():
+        pytest.skip("no VNNI / AMX: oneDNN's int8 matmul saturates here, and onednn_available() says no")
     monkeypatch.setattr(int8_gemm, "onednn_available", lambda: backend == "onednn")
 
 
@@ -308,3 +310,20 @@ def test_quantization_settings_survive_the_worker_protobuf(llama_tiny):
     assert back.model.quantization == "int8"
     assert back.model.quantization_config == {"method": "int8", "ignore": ["lm_head"]}
     assert back.kv_bytes_per_token_per_rank() == config.kv_bytes_per_token_per_rank()
+
+
+def test_onednn_int8_is_never_picked_on_a_cpu_without_vnni_or_amx(monkeypatch, caplog):
+    """Forcing oneDNN (``GRIDSERVE_INT8_ONEDNN=1``) on a CPU with AVX2 alone, where its int8 matmul
+    saturates, is ignored with a warning: the C++ kernel runs."""
+    from gridserve.kernels.cpu_ops import int8_gemm
+
+    monkeypatch.setenv("GRIDSERVE_INT8_ONEDNN", "1")
+    monkeypatch.setattr(int8_gemm, "cpu_has_int8_dot", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False, raising=False)
+    int8_gemm.onednn_available.cache_clear()
+    try:
+        with caplog.at_level("WARNING"):
+            assert not int8_gemm.onednn_available()
+        assert "saturates" in caplog.text
+    finally:
+        int8_gemm.onednn_available.cache_clear()
