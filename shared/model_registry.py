@@ -27,7 +27,9 @@ class ArchitectureInfo:
     ``module`` is ``"module:Class"`` under ``gridserve.services.worker.models``; ``examples`` are
     Hugging Face checkpoints of that architecture (the docs' supported-models table); ``kv_kind``
     is what each attention layer caches (``full``: K and V of every token; ``sliding``: some or
-    all layers see only a window; ``mla``: a compressed latent).
+    all layers see only a window when the config sets one (``sliding_window``; Qwen2 / Qwen3 /
+    SmolLM3 only with ``use_sliding_window``), their KV still kept whole until the cache has a
+    per-layer spec; ``mla``: a compressed latent).
     """
 
     name: str
@@ -51,12 +53,13 @@ ARCHITECTURES: dict[str, ArchitectureInfo] = {a.name: a for a in (
           "HuggingFaceTB/SmolLM2-135M-Instruct"),
     _arch("MistralForCausalLM", "llama:MistralForCausalLM", "mistralai/Mistral-7B-Instruct-v0.3",
           kv_kind="sliding"),
-    _arch("MixtralForCausalLM", "mixtral:MixtralForCausalLM", "mistralai/Mixtral-8x7B-Instruct-v0.1"),
-    _arch("Qwen2ForCausalLM", "llama:Qwen2ForCausalLM", "Qwen/Qwen2.5-0.5B-Instruct"),
+    _arch("MixtralForCausalLM", "mixtral:MixtralForCausalLM", "mistralai/Mixtral-8x7B-Instruct-v0.1",
+          kv_kind="sliding"),
+    _arch("Qwen2ForCausalLM", "llama:Qwen2ForCausalLM", "Qwen/Qwen2.5-0.5B-Instruct", kv_kind="sliding"),
     _arch("OPTForCausalLM", "opt:OPTForCausalLM", "facebook/opt-125m", pipeline_parallel=False),
     # the dense zoo (issue 30): each helper-owned entry's features are set by the model's author
-    _arch("Qwen3ForCausalLM", "qwen3:Qwen3ForCausalLM", "Qwen/Qwen3-0.6B"),
-    _arch("SmolLM3ForCausalLM", "smollm3:SmolLM3ForCausalLM", "HuggingFaceTB/SmolLM3-3B"),
+    _arch("Qwen3ForCausalLM", "qwen3:Qwen3ForCausalLM", "Qwen/Qwen3-0.6B", kv_kind="sliding"),
+    _arch("SmolLM3ForCausalLM", "smollm3:SmolLM3ForCausalLM", "HuggingFaceTB/SmolLM3-3B", kv_kind="sliding"),
     _arch("Olmo2ForCausalLM", "olmo2:Olmo2ForCausalLM", "allenai/OLMo-2-0425-1B-Instruct"),
     _arch("GraniteForCausalLM", "granite:GraniteForCausalLM", "ibm-granite/granite-3.3-2b-instruct"),
     _arch("Phi3ForCausalLM", "phi3:Phi3ForCausalLM", "microsoft/Phi-3-mini-4k-instruct", kv_kind="sliding"),

@@ -31,23 +31,36 @@ class GemmaRMSNorm(RMSNorm):
 
     As transformers computes it: normalised and scaled in float32, then cast (``(x * (1 + w)).to``),
     so a 16-bit model rounds once, after the scale. A float32 model takes the kernels' path.
+    ``1 + w`` (float32) is computed once and kept until the weight changes (a load or a weight
+    sync writes it in place, which bumps its version; sleep and wake give it new storage); a weight
+    made under ``torch.inference_mode`` has no version to watch and is read on every call.
     """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__(hidden_size, eps)
+        self._scale: torch.Tensor | None = None
+        self._scale_of: tuple[int, int] | None = None
+
+    def scale(self) -> torch.Tensor:
+        """``1 + w`` in float32, recomputed only when ``weight`` was written or replaced."""
+        weight = self.weight
+        key = (weight.data_ptr(), -1 if weight.is_inference() else weight._version)
+        if self._scale is None or key != self._scale_of or key[1] < 0:
+            self._scale = weight.detach().float() + 1.0
+            self._scale_of = key
+        return self._scale
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if x.dtype == torch.float32:
-            return self._kernel(x, residual)
+            if residual is None:
+                return rms_norm(x, self.scale(), self.eps)
+            return fused_add_rms_norm(x, residual, self.scale(), self.eps)
         if residual is not None:
             residual = x + residual
             x = residual
         h = x.float()
-        out = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + self.weight.float())).to(x.dtype)
+        out = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps) * self.scale()).to(x.dtype)
         return out if residual is None else (out, residual)
-
-    def _kernel(self, x: torch.Tensor, residual: torch.Tensor | None):
-        weight = self.weight + 1.0
-        if residual is None:
-            return rms_norm(x, weight, self.eps)
-        return fused_add_rms_norm(x, residual, weight, self.eps)
 
 
 class BiasFreeLayerNorm(nn.Module):

@@ -150,7 +150,7 @@ def test_window_models_match_hf_with_chunked_prefill_and_a_cached_prefix_past_th
 
 
 def test_window_models_warn_at_start_that_the_kv_cache_keeps_every_token(caplog):
-    with caplog.at_level("WARNING", logger="gridserve.services.worker.models.llama"):
+    with caplog.at_level("WARNING", logger="gridserve.services.worker.models.windows"):
         LLM(model=checkpoint("mistral"), kv_cache_memory_bytes=KV_BYTES)
     assert any("sliding window" in r.message and "keeps every token" in r.message for r in caplog.records)
 

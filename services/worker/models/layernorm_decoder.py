@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 import torch
@@ -36,6 +36,7 @@ from gridserve.services.worker.checkpoint import CheckpointTensor
 from gridserve.services.worker.layers import RotaryEmbedding, rope_parameters, rotary_dim
 from gridserve.services.worker.models.hf_config import hf_config_of
 from gridserve.services.worker.models.llama import StageMissingLayer
+from gridserve.services.worker.models.windows import effective_windows, warn_full_kv
 from gridserve.services.worker.parallel_layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -346,6 +347,14 @@ class BiasedLMHead(VocabParallelEmbedding):
         self.bias.data[rows:].zero_()
 
 
+def _effective_window(spec: DecoderSpec, max_model_len: int) -> DecoderSpec:
+    """``spec`` without a window no sequence can outgrow (``windows.effective_windows``)."""
+    window = effective_windows((spec.attention.sliding_window,), max_model_len)[0]
+    if window == spec.attention.sliding_window:
+        return spec
+    return replace(spec, attention=replace(spec.attention, sliding_window=window))
+
+
 class LayerNormCausalLM(nn.Module):
     """A LayerNorm-family decoder with its LM head, built for this worker's place in the ``PP x TP`` grid.
 
@@ -357,7 +366,8 @@ class LayerNormCausalLM(nn.Module):
     def __init__(self, *, config: GridserveConfig, prefix: str = "") -> None:
         super().__init__()
         hf = hf_config_of(config)
-        spec = self.decoder_spec(hf)
+        spec = _effective_window(self.decoder_spec(hf), config.model.max_model_len)
+        warn_full_kv(type(self).__name__, (spec.attention.sliding_window,) * spec.num_layers)
         if spec.tie_word_embeddings and spec.head_bias:
             raise ConfigError("model.hf_config.tie_word_embeddings",
                               "true is not supported: this architecture's LM head has a bias of its own")

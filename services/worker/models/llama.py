@@ -37,6 +37,7 @@ from gridserve.services.worker.layers import (
     rotary_dim,
 )
 from gridserve.services.worker.models.hf_config import hf_config_of
+from gridserve.services.worker.models.windows import checked_window, effective_windows, warn_full_kv
 from gridserve.services.worker.parallel_layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -136,14 +137,13 @@ def layer_windows(hf: Any, default_types: Optional[Sequence[str]] = None,
     """
     layers = hf.num_hidden_layers
     window = getattr(hf, "sliding_window", None)
-    if not window or not getattr(hf, "use_sliding_window", windows_on):
+    if window is None or not getattr(hf, "use_sliding_window", windows_on):
         return (None,) * layers
-    if int(window) < 1:
-        raise ConfigError("model.hf_config.sliding_window", f"must be a positive integer, got {window!r}")
+    window = checked_window(window)
     types = layer_types_of(hf, default_types)
     if types is None:
-        return (int(window),) * layers
-    return tuple(int(window) if t == "sliding_attention" else None for t in types)
+        return (window,) * layers
+    return tuple(window if t == "sliding_attention" else None for t in types)
 
 
 def max_window_layer_types(hf: Any) -> tuple[str, ...]:
@@ -238,8 +238,14 @@ class LlamaAttention(nn.Module):
         if self.qk_norm == "projection":
             return self.q_norm(q), self.k_norm(k)
         t, d = q.shape[0], self.head_dim
-        q = self.q_norm(q.reshape(t, self.num_heads, d)).reshape(t, -1)
-        k = self.k_norm(k.reshape(t, self.num_kv_heads, d)).reshape(t, -1)
+        if self.qk_norm == "each_head":  # a weight row per head: [tokens, heads, head_dim]
+            q = self.q_norm(q.reshape(t, self.num_heads, d)).reshape(t, -1)
+            k = self.k_norm(k.reshape(t, self.num_kv_heads, d)).reshape(t, -1)
+            return q, k
+        # one weight for every head: q and k are column slices of the fused QKV output, so ``reshape``
+        # copies each once into [tokens x heads, head_dim] rows, which the norm kernel reads as they lie
+        q = self.q_norm(q.reshape(t * self.num_heads, d)).view(t, -1)
+        k = self.k_norm(k.reshape(t * self.num_kv_heads, d)).view(t, -1)
         return q, k
 
 
@@ -428,8 +434,9 @@ class LlamaForCausalLM(nn.Module):
         self.prefix = prefix
         self.state = get_parallel_state()
         self.vocab_size = hf.vocab_size
-        self.spec = _effective_windows(self.decoder_spec(hf), config.model.max_model_len)
-        _warn_full_kv(type(self).__name__, self.spec.windows)
+        spec = self.decoder_spec(hf)
+        self.spec = replace(spec, windows=effective_windows(spec.windows, config.model.max_model_len))
+        warn_full_kv(type(self).__name__, self.spec.windows)
         self.model = LlamaModel(hf, self.spec, self.state, self.layer_class, add_prefix(prefix, "model"))
         self.tie_word_embeddings = bool(getattr(hf, "tie_word_embeddings", False))
         layout = self.state.layout
@@ -495,23 +502,6 @@ class LlamaForCausalLM(nn.Module):
         if name.startswith("model.norm."):
             return name if hasattr(self.model, "norm") else None
         return name
-
-
-def _effective_windows(spec: DecoderSpec, max_model_len: int) -> DecoderSpec:
-    """Drop the windows no sequence can outgrow (``window >= max_model_len``): full attention then."""
-    windows = tuple(w if w is not None and w < max_model_len else None for w in spec.windows)
-    return spec if windows == spec.windows else replace(spec, windows=windows)
-
-
-def _warn_full_kv(architecture: str, windows: Sequence[Optional[int]]) -> None:
-    """Say at start that window layers keep every token's K/V (no per-layer KV-cache spec yet)."""
-    sliding = [w for w in windows if w is not None]
-    if sliding:
-        logger.warning(
-            "%s: %d of %d layers use a sliding window (%s tokens); they are masked to it but the KV cache "
-            "keeps every token of every layer (no per-layer KV-cache spec yet)",
-            architecture, len(sliding), len(windows), ", ".join(str(w) for w in sorted(set(sliding))),
-        )
 
 
 class MistralForCausalLM(LlamaForCausalLM):

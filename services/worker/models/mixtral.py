@@ -129,8 +129,8 @@ class MixtralDecoderLayer(LlamaDecoderLayer):
 class MixtralForCausalLM(LlamaForCausalLM):
     """Mixtral: Llama attention (GQA, RoPE) and a sparse MoE block per layer.
 
-    Sliding-window attention is not implemented: a checkpoint whose window is shorter than
-    ``max_model_len`` is refused rather than run with full attention.
+    A ``sliding_window`` applies to every layer, as Mistral's does (``llama_spec``): masked in
+    every attention path, the KV cache keeping every token (said at start).
     """
 
     layer_class = MixtralDecoderLayer

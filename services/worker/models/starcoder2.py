@@ -14,6 +14,7 @@ from gridserve.services.worker.models.layernorm_decoder import (
     head_dim_of,
     rotary_settings,
 )
+from gridserve.services.worker.models.windows import checked_window
 from gridserve.services.worker.weight_loader import LLAMA_STACKED, ROTARY_BUFFERS, WeightMap
 
 
@@ -31,7 +32,7 @@ class Starcoder2ForCausalLM(LayerNormCausalLM):
             attention=AttentionSpec(heads, getattr(hf, "num_key_value_heads", None) or heads, head_dim,
                                     qkv_bias=bias, o_bias=bias, scale=head_dim**-0.5,
                                     rotary=rotary_settings(hf, head_dim),
-                                    sliding_window=getattr(hf, "sliding_window", None)),
+                                    sliding_window=checked_window(getattr(hf, "sliding_window", None))),
             mlp=dense_mlp(hidden, hf.intermediate_size, act, bias=bias),
             norm_eps=getattr(hf, "norm_epsilon", 1e-5),
             parallel_residual=False,

@@ -73,7 +73,7 @@ def test_the_markdown_table_links_each_example_checkpoint(capsys):
     assert main(["models", "--format", "markdown"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("| architecture | TP | PP | quantization | multimodal | KV cache | source |")
-    assert "| `Qwen3ForCausalLM` | yes | yes | yes | no | full | built-in | " \
+    assert "| `Qwen3ForCausalLM` | yes | yes | yes | no | sliding | built-in | " \
            "[Qwen/Qwen3-0.6B](https://huggingface.co/Qwen/Qwen3-0.6B) |" in out
 
 
