@@ -18,15 +18,19 @@ from gridserve.shared.sampling_params import SamplingParams, StructuredOutputsPa
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "AsyncLLM", "ModelRegistry", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput",
-           "__version__"]
+           "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence", "__version__"]
 
 
 def __getattr__(name: str):
-    # LLM pulls in the worker (torch); import it only when asked for.
+    # LLM pulls in the worker (torch), beam search the gateway: import them only when asked for.
     if name == "LLM":
         from gridserve.llm import LLM
 
         return LLM
+    if name in ("BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence"):  # vLLM's names, served here
+        from gridserve.services.gateway import beam_search
+
+        return getattr(beam_search, name)
     if name == "AsyncLLM":
         from gridserve.async_llm import AsyncLLM
 

@@ -13,6 +13,12 @@ from tqdm.auto import tqdm
 
 from gridserve.launcher import Launcher
 from gridserve.llm_engine import LLMEngine
+from gridserve.services.gateway.beam_search import (
+    BeamSearch,
+    BeamSearchOutput,
+    BeamSearchParams,
+    candidates_of,
+)
 from gridserve.services.gateway.media_loader import MediaConfig, MediaLoader
 from gridserve.services.gateway.multimodal import chat_images
 from gridserve.services.gateway.processor import PromptType
@@ -102,6 +108,36 @@ class LLM:
                 prompt["multi_modal_data"] = {"image": [self._image(field, source) for field, source in images]}
             prompts.append(prompt)
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    def beam_search(self, prompts: Union[PromptType, Sequence[PromptType]], params: BeamSearchParams,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """vLLM's beam search: per prompt, the ``beam_width`` best sequences, best score first
+        (``sequences[i].tokens`` / ``.text`` are the continuation, not prompt + continuation as vLLM's).
+        Each step runs one one-token request per live beam of every prompt, all in one batch (their
+        prefixes come from the prefix cache); the rule is ``beam_search.BeamSearch``'s, transformers'."""
+        prompt_list = _as_prompt_list(prompts)
+        if any(isinstance(p, dict) and "multi_modal_data" in p for p in prompt_list):
+            raise InvalidArgumentError("prompts", "beam search takes text or token-id prompts (no images)")
+        params.check_width(self.config.model.max_logprobs)
+        step = params.step_params()
+        eos = self.config.model.eos_token_id
+        eos = self.tokenizer.eos_token_id if eos is None else eos
+        max_len = self.config.model.max_model_len
+
+        def decode(ids: list[int]) -> str:
+            return self.tokenizer.decode(ids, skip_special_tokens=params.skip_special_tokens)
+
+        firsts = self._run(prompt_list, [step] * len(prompt_list), use_tqdm)
+        searches = [BeamSearch(params, out.prompt_token_ids, () if eos is None else (eos,),
+                               max_len - len(out.prompt_token_ids), decode) for out in firsts]
+        for search, out in zip(searches, firsts):
+            search.advance([candidates_of(out, params.beam_width)])
+        while live := [s for s in searches if not s.done]:
+            beams = [{"prompt_token_ids": p} for s in live for p in s.prompts()]
+            outs = iter(self._run(beams, [step] * len(beams), use_tqdm=False))
+            for search in live:
+                search.advance([candidates_of(next(outs), params.beam_width) for _ in search.live])
+        return [BeamSearchOutput(s.results(), s.prompt_token_ids) for s in searches]
 
     def _image(self, field: str, source: Any) -> Any:
         """A chat image part's image: a PIL image as is, a URL loaded (default media limits)."""

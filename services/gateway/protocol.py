@@ -34,6 +34,7 @@ from pydantic import (
     model_validator,
 )
 
+from gridserve.services.gateway.beam_search import BeamSearchParams
 from gridserve.services.gateway.limits import RequestLimits
 from gridserve.shared.errors import InvalidArgumentError
 from gridserve.shared.sampling_params import SamplingParams, StructuredOutputsParams
@@ -192,6 +193,10 @@ class SamplingFields(OpenAIBaseModel):
     stream_options: Optional[StreamOptions] = None
     user: Annotated[Optional[str], Field(max_length=256)] = None  # who asks: logged with the request id
     data_parallel_rank: Optional[Annotated[int, Field(ge=0, le=INT32_MAX)]] = None
+    # vLLM's beam search (width n, the gateway's loop: beam_search.py); early_stopping is transformers'
+    use_beam_search: bool = False
+    length_penalty: Optional[Annotated[float, Field(ge=-10.0, le=10.0)]] = None
+    early_stopping: Optional[Union[bool, Literal["never"]]] = None
 
     @model_validator(mode="after")
     def _stream_only_fields(self) -> SamplingFields:
@@ -201,6 +206,38 @@ class SamplingFields(OpenAIBaseModel):
         if self.prompt_logprobs is not None and self.stream:
             raise InvalidArgumentError("prompt_logprobs", "not available with stream: true (as in vLLM)")
         return self
+
+    @model_validator(mode="after")
+    def _beam_search_fields(self, info: ValidationInfo) -> SamplingFields:
+        """Beam search ranks by the model's own logprobs: a field that would change them (or asks for
+        what it does not return) is refused with it, naming the field; its own fields need it."""
+        if not self.use_beam_search:
+            for name in ("length_penalty", "early_stopping"):
+                if getattr(self, name) is not None:
+                    raise InvalidArgumentError(name, "only with use_beam_search: true")
+            return self
+        for name, neutral in BEAM_SEARCH_NEUTRAL.items():
+            value = getattr(self, name, None)
+            if value is not None and not any(_same(value, v) for v in neutral):
+                raise InvalidArgumentError(name, "not available with use_beam_search: true")
+        max_logprobs = limits_of(info).max_logprobs
+        if 2 * self.n > max_logprobs:
+            raise InvalidArgumentError("n", f"beam search asks the engine for 2 x n logprobs a step; at most "
+                                            f"{max_logprobs // 2} (--max-logprobs {max_logprobs}), got {self.n}")
+        return self
+
+    def to_beam_search_params(self, max_tokens: Optional[int], max_model_len: int) -> BeamSearchParams:
+        """vLLM's ``BeamSearchParams``: width ``n``; no ``max_tokens``: up to the context's end."""
+        if self.best_of is not None and self.best_of != self.n:
+            raise InvalidArgumentError("best_of", "only best_of == n is supported (the beam width)")
+        return BeamSearchParams(
+            beam_width=self.n, max_tokens=max_tokens or max_model_len, ignore_eos=bool(self.ignore_eos),
+            length_penalty=1.0 if self.length_penalty is None else self.length_penalty,
+            early_stopping=False if self.early_stopping is None else self.early_stopping,
+            stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
+            stop_token_ids=list(self.stop_token_ids or []),
+            include_stop_str_in_output=bool(self.include_stop_str_in_output),
+            skip_special_tokens=self.skip_special_tokens is not False)
 
     @field_validator("logit_bias")
     @classmethod
@@ -261,6 +298,22 @@ class SamplingFields(OpenAIBaseModel):
         if fmt.json_schema is None or fmt.json_schema.json_schema is None:
             raise InvalidArgumentError("response_format", "json_schema.schema: expected a JSON schema object")
         return StructuredOutputsParams(json=fmt.json_schema.json_schema)
+
+
+# What use_beam_search refuses unless left out or given its neutral value (vLLM ignores these).
+BEAM_SEARCH_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "stream": (False,), "temperature": (0.0,), "top_p": (1.0,), "top_k": (0, -1), "min_p": (0.0,),
+    "presence_penalty": (0.0,), "frequency_penalty": (0.0,), "repetition_penalty": (1.0,), "min_tokens": (0,),
+    "bad_words": ([],), "allowed_token_ids": (), "logit_bias": ({},), "prompt_logprobs": (), "logprobs": (False,),
+    "top_logprobs": (), "echo": (False,), "response_format": (), "structured_outputs": (),
+    "tool_choice": ("none", "auto"), "truncate_prompt_tokens": (), "spaces_between_special_tokens": (True,),
+}
+
+
+
+def _same(value: Any, neutral: Any) -> bool:
+    """Equal, and a bool only to a bool (``logprobs: 0`` asks for logprobs; ``false`` does not)."""
+    return isinstance(value, bool) == isinstance(neutral, bool) and value == neutral
 
 
 PromptType = Union[str, list[str], list[TokenId], list[list[TokenId]]]

@@ -22,6 +22,7 @@ from pydantic import BaseModel
 
 from gridserve.services.gateway import caller
 from gridserve.services.gateway.api_errors import ApiError, to_api_error
+from gridserve.services.gateway.beam_search import search_all
 from gridserve.services.gateway.chat_options import ChatOptions
 from gridserve.services.gateway.chat_output import plan_chat
 from gridserve.services.gateway.fim import fill_in_the_middle
@@ -200,6 +201,12 @@ class OpenAIRoutes:
         if request.suffix is not None:  # fill in the middle (the echo stays the prompt itself)
             prompts = [await self.service.run_blocking(fill_in_the_middle, self.service.tokenizer, p, request.suffix)
                        for p in prompts]
+        if request.use_beam_search:  # the gateway's loop of one-token requests (beam_search.py)
+            beam = request.to_beam_search_params(request.max_tokens, self.service.max_model_len)
+            outs = await search_all(self.service, [_prompt_arg(p) for p in prompts], beam, traceparent,
+                                    request.data_parallel_rank, timeout)
+            _log_user(request.user, outs[0].request_id)
+            return HttpResponse(200, JSON, [completion_response(self.model, shape, outs, beam.as_sampling()).dumps()])
         params = request.to_sampling_params(request.max_tokens, request.logprobs, self.sampling_defaults)
         self.service.limits.open_request(len(prompts), params.n)  # n x prompts, prompt tokens in flight: 400 beyond
         if shape.decode is not None and params.prompt_logprobs is None:  # echo's logprobs: the prompt's too
@@ -241,6 +248,13 @@ class OpenAIRoutes:
         plan, params = await plan_chat(self.service, options, tools, prompt["prompt_token_ids"], params)
         headers = _ignored_fields(request.ignored_fields())
         top_n = params.logprobs or 0
+        if request.use_beam_search:
+            beam = request.to_beam_search_params(request.max_completion_tokens or request.max_tokens,
+                                                 self.service.max_model_len)
+            out = (await search_all(self.service, [prompt], beam, traceparent, request.data_parallel_rank, timeout))[0]
+            _log_user(request.user or request.safety_identifier, out.request_id)
+            response = chat_response(self.model, out, beam.as_sampling(), 0, plan, False)
+            return HttpResponse(200, JSON, [response.dumps()], headers)
         if request.stream:
             stream = self.service.generate(prompt, params, "", traceparent, request.data_parallel_rank, timeout)
             first = await anext(stream)

@@ -176,8 +176,12 @@ def test_fields_it_cannot_honour_are_refused_by_name(client, name):
         client.chat.completions.create(model=name, messages=ASK, max_tokens=4, store=True)
     assert stored.value.body["param"] == "store"
     with pytest.raises(openai.BadRequestError) as unknown:
-        client.chat.completions.create(model=name, messages=ASK, max_tokens=4, extra_body={"use_beam_search": True})
-    assert unknown.value.body["param"] == "use_beam_search"
+        client.chat.completions.create(model=name, messages=ASK, max_tokens=4, extra_body={"priority": 1})
+    assert unknown.value.body["param"] == "priority"
+    with pytest.raises(openai.BadRequestError) as streamed:
+        client.chat.completions.create(model=name, messages=ASK, max_tokens=4, n=2, stream=True,
+                                       extra_body={"use_beam_search": True})
+    assert streamed.value.body["param"] == "stream"  # the best beams are known only at the end
     with pytest.raises(openai.BadRequestError) as suffix:
         client.completions.create(model=name, prompt="def f(", suffix="):", max_tokens=4)
     assert suffix.value.body["param"] == "suffix"  # the tiny tokenizer has no FIM tokens
@@ -214,3 +218,20 @@ def test_an_unknown_message_key_is_named_in_a_response_header_through_the_edge(e
     with urllib.request.urlopen(request, timeout=60) as response:
         assert response.status == 200
         assert response.headers["x-gridserve-ignored-fields"] == "messages[0].provider_fields"
+
+
+def test_beam_search_over_rest_equals_transformers_num_beams(client, name, model):
+    from gridserve.services.gateway.tokenizer import GatewayTokenizer
+
+    from .test_beam_search_matches_hf import hf_beams
+
+    tokenizer = GatewayTokenizer(str(model))
+    prompt = list(tokenizer.encode("The capital of France is", True))
+    completion = client.completions.create(model=name, prompt=prompt, n=3, max_tokens=6,
+                                           extra_body={"use_beam_search": True, "ignore_eos": True})
+    best = hf_beams(name, prompt, 3, 6, eos=False)
+    assert [c.text for c in completion.choices] == [tokenizer.decode(t) for t, _ in best]
+    assert completion.usage.completion_tokens == 18
+    chat = client.chat.completions.create(model=name, messages=ASK, n=2, max_tokens=4,
+                                          extra_body={"use_beam_search": True, "length_penalty": 0.5, **NO_THINKING})
+    assert [c.index for c in chat.choices] == [0, 1] and chat.choices[0].finish_reason in ("stop", "length")

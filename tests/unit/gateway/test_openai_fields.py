@@ -98,6 +98,19 @@ CASES: list[tuple[str, str, dict, Check]] = [
     ("both", "user", {"user": "alice"}, lambda r: r.status == 200),
     ("both", "data_parallel_rank", {"data_parallel_rank": 0}, lambda r: r.status == 200),
     ("both", "data_parallel_rank", {"data_parallel_rank": 1}, REFUSED),
+    # beam search: one-token steps with 2 x n logprobs (tests/unit/gateway/test_beam_search.py: the results)
+    ("both", "use_beam_search", {"use_beam_search": True, "n": 2, "max_tokens": 2},
+     lambda r: params(r).max_tokens == 1 and params(r).logprobs == 4),
+    ("both", "use_beam_search", {"use_beam_search": "yes"}, REFUSED),
+    ("both", "stream", {"use_beam_search": True, "stream": True}, REFUSED),
+    ("both", "n", {"use_beam_search": True, "n": 11}, REFUSED),  # 2 x 11 logprobs > --max-logprobs 20
+    ("both", "temperature", {"use_beam_search": True, "temperature": 0.7}, REFUSED),
+    ("both", "length_penalty", {"use_beam_search": True, "length_penalty": 2.0, "max_tokens": 2},
+     lambda r: params(r).max_tokens == 1),
+    ("both", "length_penalty", {"length_penalty": 2.0}, REFUSED),  # without use_beam_search
+    ("both", "early_stopping", {"use_beam_search": True, "early_stopping": "never", "max_tokens": 2},
+     lambda r: params(r).max_tokens == 1),
+    ("both", "early_stopping", {"early_stopping": True}, REFUSED),
     ("chat", "chat_template", {"chat_template": "{{ messages[0].content }}"}, REFUSED),  # no trust flag
     ("chat", "add_generation_prompt", {"add_generation_prompt": False},
      lambda r: not r.prompt.endswith("assistant\n")),
@@ -180,7 +193,7 @@ def test_every_field_is_honoured_or_refused_naming_it(folder, route, field, frag
 
 
 @pytest.mark.parametrize("route", ["completions", "chat_completions"])
-@pytest.mark.parametrize("field", ["no_such_field", "use_beam_search", "guided_json", "priority"])
+@pytest.mark.parametrize("field", ["no_such_field", "guided_json", "priority"])
 def test_an_unknown_top_level_field_is_refused_as_openai_does(folder, route, field):
     result = _call(folder, route, {field: 1})
     assert result.status == 400 and result.body["error"]["param"] == field
