@@ -4,7 +4,12 @@ Everything lives in a private directory (mode 0700, keys 0600) that ``cleanup`` 
 certificate names its role the way ``shared.rpc.authz`` reads it: common name ``<role>`` and DNS SAN
 ``<role>.gridserve.internal``; server roles also carry ``localhost`` and ``127.0.0.1`` so clients
 verify the host they dial on loopback. Engines and gateways get one certificate per instance
-(``issue_all(instances=)``), which also names the instance: ``engine-1.gridserve.internal``. EC P-256 keys (fast handshakes), SHA-256 signatures.
+(``issue_all(instances=)``), which also names the instance: ``engine-1.gridserve.internal``.
+
+A CA made for a ``deployment`` (``serve --tls`` picks a random name) also scopes every name to it,
+``<role>[-<id>].<deployment>.gridserve.internal``: the only names a role started with
+``--tls-deployment <deployment>`` reads (the unscoped role name stays, for the edge's Envoy, which
+matches ``gateway.gridserve.internal``). EC P-256 keys (fast handshakes), SHA-256 signatures.
 """
 
 from __future__ import annotations
@@ -44,9 +49,12 @@ def _write(path: Path, data: bytes, mode: int = 0o644) -> None:
 
 
 class LocalCA:
-    """A CA in ``folder`` (default: a new private temp dir) and the certificates it issued there."""
+    """A CA in ``folder`` (default: a new private temp dir) and the certificates it issued there,
+    scoped to ``deployment`` when given."""
 
-    def __init__(self, folder: Optional[Path] = None, name: Optional[str] = None) -> None:
+    def __init__(self, folder: Optional[Path] = None, name: Optional[str] = None,
+                 deployment: Optional[str] = None) -> None:
+        self.deployment = deployment
         self._owned = folder is None
         self.folder = Path(folder or tempfile.mkdtemp(prefix="gridserve-tls-"))
         self.folder.mkdir(parents=True, exist_ok=True)
@@ -69,18 +77,24 @@ class LocalCA:
         self.ca_file = self.folder / "ca.crt"
         _write(self.ca_file, self.ca_pem)
 
-    def issue(self, role: str, name: Optional[str] = None, instance: Optional[str] = None) -> TlsFiles:
+    def issue(self, role: str, name: Optional[str] = None, instance: Optional[str] = None,
+              deployment: Optional[str] = None) -> TlsFiles:
         """A certificate and key for ``role`` (files ``<name>.crt`` / ``<name>.key``, default the role's
         name; issuing again replaces them atomically: a rotation). With ``instance`` it also names
         that one instance of the role, DNS SAN ``<role>-<instance>.gridserve.internal`` (``engine-1``:
-        DP rank 1), which the coordinator and the engines bind ranks and streams to."""
+        DP rank 1), which the coordinator and the engines bind ranks and streams to. Its names are
+        scoped to ``deployment`` (default: the CA's; ``""``: none), ``<role>[-<instance>].<deployment>.gridserve.internal``."""
         name = name or role
+        deployment = self.deployment if deployment is None else deployment
         key = ec.generate_private_key(ec.SECP256R1())
         now = datetime.datetime.now(datetime.timezone.utc)
-        sans: list[x509.GeneralName] = [x509.DNSName(role + DNS_SUFFIX), x509.DNSName("localhost"),
+        suffix = f".{deployment}{DNS_SUFFIX}" if deployment else DNS_SUFFIX
+        sans: list[x509.GeneralName] = [x509.DNSName(role + suffix), x509.DNSName("localhost"),
                                         x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
         if instance is not None:
-            sans.insert(1, x509.DNSName(f"{role}-{instance}{DNS_SUFFIX}"))
+            sans.insert(1, x509.DNSName(f"{role}-{instance}{suffix}"))
+        if deployment:
+            sans.insert(0, x509.DNSName(role + DNS_SUFFIX))
         cert = (x509.CertificateBuilder()
                 .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, role)]))
                 .issuer_name(self._cert.subject).public_key(key.public_key())

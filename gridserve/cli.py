@@ -161,9 +161,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     configure_logging(getattr(args, "log_format", "text"), role=args.command)
     try:
         if args.command in ("worker", "engine", "gateway", "coordinator"):
-            from gridserve.shared.rpc import server, tls
+            from gridserve.shared.rpc import authz, server, tls
 
             tls.configure(tls.TlsFiles.from_args(args))  # this role's server and clients
+            authz.configure(authz.Deployment.of(args.tls_deployment, args.tls_trust_domain))  # its peers
             server.allow_insecure_internal(args.insecure_internal)  # plaintext beyond loopback
         return _COMMANDS[args.command](args)
     except (GridserveError, ValueError) as exc:

@@ -12,8 +12,9 @@ at ``GET /metrics``) and the tracing / log flags of ``serve``. On
 SIGTERM and a grace period, then SIGKILL; children also get SIGTERM if the launcher itself dies.
 
 With ``tls`` it first makes a throwaway CA and one certificate per role (``gridserve.certificates``)
-in a private directory removed by ``stop()``: every role gets its ``--tls-*`` flags (mutual TLS on
-every link), the launcher checks health with the ``admin`` certificate, and the edge talks mutual
+in a private directory removed by ``stop()``, scoped to a random deployment name: every role gets its
+``--tls-*`` flags (mutual TLS on every link; ``--tls-deployment``: only this deployment's names
+count), the launcher checks health with the ``admin`` certificate, and the edge talks mutual
 TLS to the gateways with the ``edge`` one and serves HTTPS / gRPC over TLS with it (or with
 ``ssl_files``, ``--ssl-certfile`` / ``--ssl-keyfile``, which also work without ``tls``).
 
@@ -197,7 +198,8 @@ class Launcher:
         if self.tls and self.ca is None:
             from gridserve.certificates import LocalCA
 
-            self.ca = LocalCA()
+            # A deployment of its own: the roles take only names scoped to it (``authz.Deployment``).
+            self.ca = LocalCA(deployment=f"serve-{os.urandom(4).hex()}")
             # One certificate per engine (its DP rank) and per gateway: the coordinator takes an
             # engine's load only for its own rank, and an engine keeps each gateway's streams apart.
             self.certificates = self.ca.issue_all({"engine": self.data_parallel_size,
@@ -258,7 +260,7 @@ class Launcher:
                 "--grace-period", str(self.grace_s), *self.observability_args, *extra]
         files = self.certificate_for(role, index)
         if files is not None:
-            argv += files.argv()
+            argv += [*files.argv(), "--tls-deployment", self.ca.deployment]
         if self.insecure_internal:
             argv.append("--insecure-internal")
         metrics_address = None

@@ -128,12 +128,20 @@ def add_server_arguments(parser: argparse.ArgumentParser, default_port: Optional
 
 
 def add_tls_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--tls-cert-file`` / ``--tls-key-file`` / ``--tls-ca-file``: mutual TLS on every gRPC link."""
+    """``--tls-cert-file`` / ``--tls-key-file`` / ``--tls-ca-file``: mutual TLS on every gRPC link;
+    ``--tls-deployment`` / ``--tls-trust-domain``: the deployment the peers' certificates must name."""
     helps = ("this role's certificate (PEM): with the key and the CA, mutual TLS on every gRPC link and "
              "per-RPC authorization by role", "its private key (PEM)",
              "the CA that signs every role's certificate (PEM)")
     for flag, text in zip(("--tls-cert-file", "--tls-key-file", "--tls-ca-file"), helps):
         add_option(parser, flag, help=text)
+    add_option(parser, "--tls-deployment",
+               help="accept only peer certificates of this deployment (a DNS name; Helm: <fullname>.<namespace>): "
+                    "DNS SAN <role>[-<id>].<deployment>.gridserve.internal or SPIFFE URI "
+                    "spiffe://<trust domain>/ns/<namespace>/sa/<fullname>-<role>[-<id>] (default: any role name "
+                    "the CA signed)")
+    add_option(parser, "--tls-trust-domain",
+               help="with --tls-deployment: the SPIFFE trust domain a peer's URI must be in (default: any)")
 
 
 def add_observability_arguments(parser: argparse.ArgumentParser, metrics_port: bool = True) -> None:

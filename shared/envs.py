@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -60,6 +61,20 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise ValueError("must be >= 1")
     return value
+
+
+_DNS_NAME = re.compile(r"[a-z0-9](?:[-a-z0-9]{0,61}[a-z0-9])?(?:\.[a-z0-9](?:[-a-z0-9]{0,61}[a-z0-9])?)*")
+
+
+def dns_name(text: str) -> str:
+    """A lowercase DNS name (``gs-gridserve.llm``): labels of a-z, 0-9 and inner hyphens."""
+    value = text.strip()
+    if len(value) > 200 or not _DNS_NAME.fullmatch(value):
+        raise ValueError("must be a lowercase DNS name (labels of a-z, 0-9 and inner '-', joined by '.')")
+    return value
+
+
+dns_name.__name__ = "DNS name"
 
 
 def _choice(*choices: str) -> Callable[[str], str]:
@@ -144,6 +159,15 @@ _TABLE = [
            "worker"),
     EnvVar("GRIDSERVE_BATCH_INVARIANT", _bool, False,
            "batch-invariant numerics (same as --batch-invariant)", "worker, engine"),
+    # --- mutual TLS -------------------------------------------------------------------------
+    EnvVar("GRIDSERVE_TLS_DEPLOYMENT", dns_name, None,
+           "the deployment every peer certificate must name (same as --tls-deployment; Helm: "
+           "`<fullname>.<namespace>`): only `<role>[-<id>].<deployment>.gridserve.internal` or "
+           "`spiffe://<trust domain>/ns/<namespace>/sa/<fullname>-<role>[-<id>]` count (unset: any name "
+           "the CA signed)", "worker, engine, coordinator, gateway"),
+    EnvVar("GRIDSERVE_TLS_TRUST_DOMAIN", dns_name, None,
+           "the SPIFFE trust domain a peer's URI must be in (same as --tls-trust-domain; needs "
+           "GRIDSERVE_TLS_DEPLOYMENT)", "worker, engine, coordinator, gateway"),
     # --- gateway ------------------------------------------------------------------------------
     EnvVar("GRIDSERVE_MEDIA_LOADING_THREAD_COUNT", _positive_int, 8,
            "threads that fetch and decode image URLs in each gateway", "gateway"),

@@ -26,9 +26,18 @@ segment of its SPIFFE URI (``.../sa/gridserve-engine-3``), next to the role's ow
 (``instance_of``). Then the coordinator takes an engine's load and wave calls only for its own rank
 (``check_rank``), and an engine keeps each caller's output streams and requests apart
 (``stream_owner``): a gateway cannot open, feed or abort another's. ``serve --tls`` issues one
-per engine and per gateway (``LocalCA.issue_all(instances=)``); with one certificate per role (the
-chart's tls.yaml) every engine may write any rank and gateways share one namespace of
+per engine and per gateway (``LocalCA.issue_all(instances=)``), the chart's tls.yaml one per
+engine; with one certificate per role (the chart's gateways) those instances share one namespace of
 ``gateway_id``s.
+
+Deployment scope: with ``--tls-deployment`` (``GRIDSERVE_TLS_DEPLOYMENT``; the chart sets
+``<fullname>.<namespace>``, ``serve --tls`` a random name) only names scoped to that deployment
+count (``Deployment``): a DNS SAN ``<role>[-<id>].<deployment>.gridserve.internal``, or a SPIFFE URI
+``spiffe://<trust domain>/ns/<namespace>/sa/<fullname>-<role>[-<id>]`` whose namespace and fullname
+are the deployment's (and trust domain ``--tls-trust-domain``, when set); instance ids are then
+numbers. A bare CN, an unscoped ``engine.gridserve.internal`` or another deployment's name names
+nothing, so a certificate from a CA shared with another release or namespace is refused
+(PERMISSION_DENIED saying so). Unset: every name above counts, as the CA signed it.
 
 Without TLS there are no identities: a plaintext role listens only on loopback unless started with
 ``--insecure-internal`` (``shared.rpc.server``), and even then ``LoopbackAdminInterceptor`` answers
@@ -43,12 +52,14 @@ import logging
 import re
 import threading
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import grpc
 from prometheus_client.core import CounterMetricFamily
 
-from gridserve.shared.errors import PermissionDeniedError
+from gridserve.shared import envs
+from gridserve.shared.errors import ConfigError, PermissionDeniedError
 
 logger = logging.getLogger(__name__)
 
@@ -88,21 +99,114 @@ def _text(values: Iterable[bytes]) -> list[str]:
     return [v.decode(errors="replace") if isinstance(v, bytes) else str(v) for v in values]
 
 
+_SPIFFE = re.compile(r"spiffe://([^/]+)/ns/([^/]+)/sa/([^/]+)")
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """The deployment every peer belongs to: ``name`` a DNS name, ``<fullname>.<namespace>`` on
+    Kubernetes (the namespace is its last label; a name of one label takes no SPIFFE URI), and the
+    SPIFFE ``trust_domain`` a URI must be in (None: any)."""
+
+    name: str
+    trust_domain: Optional[str] = None
+
+    @classmethod
+    def of(cls, name: Optional[str], trust_domain: Optional[str] = None) -> Optional[Deployment]:
+        """From the flags' values (None: no deployment); a bad one is a ConfigError naming its flag."""
+        if trust_domain and not name:
+            raise ConfigError("tls-trust-domain", "--tls-trust-domain needs --tls-deployment (the deployment "
+                                                  "whose names the trust domain scopes)")
+        if not name:
+            return None
+        checked = []
+        for flag, value in (("tls-deployment", name), ("tls-trust-domain", trust_domain)):
+            try:
+                checked.append(envs.dns_name(value) if value else None)
+            except ValueError as exc:
+                raise ConfigError(flag, f"{exc} (got {value!r})") from None
+        return cls(checked[0], checked[1])
+
+    @property
+    def dns_suffix(self) -> str:
+        """``.<deployment>.gridserve.internal``: what a scoped DNS SAN ends with."""
+        return f".{self.name}{DNS_SUFFIX}"
+
+    def names(self, auth_context: Mapping[str, Iterable[bytes]]) -> list[str]:
+        """The role and instance names (``engine``, ``engine-3``) the certificate gives itself in this
+        deployment: scoped DNS SANs and SPIFFE URIs of its namespace, fullname and trust domain."""
+        sans = _sans(auth_context)
+        found = [name[:-len(self.dns_suffix)] for name in sans if name.endswith(self.dns_suffix)]
+        fullname, _, namespace = self.name.rpartition(".")
+        for uri in _uris(auth_context, sans):
+            match = _SPIFFE.fullmatch(uri)
+            if (match is None or not fullname or match[2] != namespace
+                    or (self.trust_domain is not None and match[1] != self.trust_domain)):
+                continue
+            if match[3].startswith(fullname + "-"):
+                found.append(match[3][len(fullname) + 1:])
+        return [name for name in found if "." not in name]
+
+    def expected(self, role: str = "<role>") -> str:
+        """The names a certificate of ``role`` carries here (for refusal messages)."""
+        fullname, _, namespace = self.name.rpartition(".")
+        spiffe = f" or spiffe://{self.trust_domain or '<trust domain>'}/ns/{namespace}/sa/{fullname}-{role}"
+        return f"{role}{self.dns_suffix}" + (spiffe if fullname else "")
+
+
+_UNSET: Any = object()
+_deployment: Any = _UNSET
+
+
+def configure(deployment: Optional[Deployment]) -> None:
+    """This process's deployment (the role's ``--tls-deployment`` / ``--tls-trust-domain``; None: unscoped)."""
+    global _deployment
+    _deployment = deployment
+
+
+def deployment() -> Optional[Deployment]:
+    """The configured deployment; until ``configure`` is called, the one ``GRIDSERVE_TLS_DEPLOYMENT``
+    and ``GRIDSERVE_TLS_TRUST_DOMAIN`` name, read now (an in-process server, a test)."""
+    if _deployment is not _UNSET:
+        return _deployment
+    return Deployment.of(envs.GRIDSERVE_TLS_DEPLOYMENT, envs.GRIDSERVE_TLS_TRUST_DOMAIN)
+
+
+def _sans(auth_context: Mapping[str, Iterable[bytes]]) -> list[str]:
+    return _text(auth_context.get("x509_subject_alternative_name", ())) + _text(auth_context.get("peer_dns", ()))
+
+
+def _uris(auth_context: Mapping[str, Iterable[bytes]], sans: list[str]) -> list[str]:
+    return _text(auth_context.get("peer_spiffe_id", ())) + [n for n in sans if n.startswith("spiffe://")]
+
+
+def _unscoped_names(auth_context: Mapping[str, Iterable[bytes]]) -> list[str]:
+    """Every role or instance name the certificate gives itself, in any deployment: its CN, DNS SANs
+    ``<name>.gridserve.internal``, the last segment of a SPIFFE URI less a ``gridserve-`` prefix."""
+    sans = _sans(auth_context)
+    names = _text(auth_context.get("x509_common_name", ()))
+    names += [n[:-len(DNS_SUFFIX)] for n in sans if n.endswith(DNS_SUFFIX)]
+    names += [uri.rstrip("/").rsplit("/", 1)[-1].removeprefix("gridserve-") for uri in _uris(auth_context, sans)]
+    return names
+
+
+def _names(auth_context: Mapping[str, Iterable[bytes]]) -> tuple[list[str], Optional[Deployment]]:
+    """The names that count (``Deployment.names`` when scoped, else every one) and the deployment."""
+    scope = deployment()
+    return (scope.names(auth_context) if scope is not None else _unscoped_names(auth_context)), scope
+
+
+_SCOPED_INSTANCE = re.compile(r"([a-z]+)-[0-9]+")
+
+
 def roles_named(auth_context: Mapping[str, Iterable[bytes]]) -> set[str]:
-    """Every role the peer's certificate names (CN, DNS SAN, SPIFFE URI SAN)."""
-    found = set()
-    for cn in _text(auth_context.get("x509_common_name", ())):
-        if cn in ROLES:
-            found.add(cn)
-    names = _text(auth_context.get("x509_subject_alternative_name", ())) + _text(auth_context.get("peer_dns", ()))
-    for name in names:
-        if name.endswith(DNS_SUFFIX) and name[:-len(DNS_SUFFIX)] in ROLES:
-            found.add(name[:-len(DNS_SUFFIX)])
-    for uri in _text(auth_context.get("peer_spiffe_id", ())) + [n for n in names if n.startswith("spiffe://")]:
-        last = uri.rstrip("/").rsplit("/", 1)[-1].removeprefix("gridserve-")
-        if last in ROLES:
-            found.add(last)
-    return found
+    """Every role the peer's certificate names (CN, DNS SAN, SPIFFE URI SAN; with a deployment, only
+    the names scoped to it, where an instance, ``engine-2``, names its role too: a SPIFFE certificate
+    carries one URI)."""
+    names, scope = _names(auth_context)
+    if scope is not None:
+        names = [m[1] if (m := _SCOPED_INSTANCE.fullmatch(name)) else name for name in names]
+    return {name for name in names if name in ROLES}
 
 
 def identity_of(auth_context: Mapping[str, Iterable[bytes]]) -> Optional[str]:
@@ -119,12 +223,10 @@ def instance_of(auth_context: Mapping[str, Iterable[bytes]]) -> Optional[str]:
     role = identity_of(auth_context)
     if role is None:
         return None
-    names = _text(auth_context.get("x509_common_name", ()))
-    sans = _text(auth_context.get("x509_subject_alternative_name", ())) + _text(auth_context.get("peer_dns", ()))
-    names += [n[:-len(DNS_SUFFIX)] for n in sans if n.endswith(DNS_SUFFIX)]
-    names += [uri.rstrip("/").rsplit("/", 1)[-1].removeprefix("gridserve-")
-              for uri in _text(auth_context.get("peer_spiffe_id", ())) + [n for n in sans if n.startswith("spiffe://")]]
-    pattern = re.compile(rf"{role}-[a-z0-9]+(?:-[a-z0-9]+)*")
+    names, scope = _names(auth_context)
+    # Scoped, an instance id is a number: a SPIFFE service account ``<fullname>-engine-gateway`` of a
+    # release named ``<fullname>-engine`` is no instance of this one's engine.
+    pattern = re.compile(rf"{role}-[0-9]+" if scope is not None else rf"{role}-[a-z0-9]+(?:-[a-z0-9]+)*")
     found = sorted({name for name in names if pattern.fullmatch(name)})
     if len(found) > 1:
         raise PermissionDeniedError(f"the {role} certificate names several instances ({', '.join(found)})")
@@ -147,14 +249,28 @@ def stream_owner(context: Any) -> Optional[str]:
 
 
 def _describe(auth_context: Mapping[str, Iterable[bytes]]) -> str:
-    """The caller for a refusal message: its role, or what its certificate says."""
+    """The caller for a refusal message and its counter: its role, or what its certificate says."""
     roles = roles_named(auth_context)
     if len(roles) == 1:
         return next(iter(roles))
-    cn = _text(auth_context.get("x509_common_name", ()))
     if roles:
         return f"ambiguous ({', '.join(sorted(roles))})"
+    cn = _text(auth_context.get("x509_common_name", ()))
+    if deployment() is not None:
+        sans = _sans(auth_context)
+        shown = [f"CN={c}" for c in cn] + [n for n in sans if n.endswith(DNS_SUFFIX)] + _uris(auth_context, sans)
+        if shown:
+            return ", ".join(shown[:3])
     return f"CN={cn[0]}" if cn else "no certificate"
+
+
+def _scope_refusal(auth_context: Mapping[str, Iterable[bytes]]) -> Optional[str]:
+    """Why a certificate that names no role of this deployment is refused (None: unscoped, or it does)."""
+    scope = deployment()
+    if scope is None or roles_named(auth_context):
+        return None
+    return (f"its names are not scoped to this deployment, {scope.name}: a certificate here names "
+            f"{scope.expected()}")
 
 
 class AuthorizationInterceptor(grpc.aio.ServerInterceptor):
@@ -183,6 +299,8 @@ class AuthorizationInterceptor(grpc.aio.ServerInterceptor):
         caller = identity or _describe(auth)
         why = "no authorization rule for it" if allowed is None else f"allowed: {', '.join(sorted(allowed))}"
         message = f"{caller} may not call {method} on the {self.role} ({why})"
+        if identity is None and (scope := _scope_refusal(auth)) is not None:
+            message += f"; {scope}"
         logger.warning("refused: %s (peer %s)", message, context.peer())
         with self._lock:
             self.denied[(method, caller)] = self.denied.get((method, caller), 0) + 1

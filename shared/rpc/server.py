@@ -13,7 +13,8 @@ Health follows the role's ``Readiness`` (``gridserve.shared.readiness``): readin
 
 With TLS files (``shared.rpc.tls``: the role's ``--tls-*`` flags) the port takes only mutual TLS and
 every call passes ``AuthorizationInterceptor`` (``shared.rpc.authz``: the caller's certificate
-names a role the method's row allows); SIGHUP re-reads the files. Without them it is plaintext, and
+names a role the method's row allows; with ``--tls-deployment``, a name scoped to this deployment);
+SIGHUP re-reads the files. Without them it is plaintext, and
 plaintext never leaves loopback silently: a plaintext server asked to bind any other address
 refuses to start (``ConfigError`` naming ``--insecure-internal``) unless the process was told
 ``--insecure-internal`` (``GRIDSERVE_INSECURE_INTERNAL=1``; then it warns), and a plaintext server
@@ -45,6 +46,7 @@ from grpc_reflection.v1alpha import reflection
 from gridserve.shared import envs
 from gridserve.shared.errors import ConfigError
 from gridserve.shared.readiness import LIVENESS_SERVICE, Readiness, State
+from gridserve.shared.rpc import authz
 from gridserve.shared.rpc import tls as tls_config
 from gridserve.shared.rpc.authz import AuthorizationInterceptor, LoopbackAdminInterceptor
 from gridserve.shared.rpc.client import SERVER_OPTIONS
@@ -121,6 +123,8 @@ class RpcServer:
         if self.tls is None:
             check_plaintext_bind(host, role, insecure_internal_allowed() if insecure_internal is None
                                  else insecure_internal)
+        # The deployment peers must belong to (``authz.Deployment``): a bad value fails the start.
+        self.deployment = authz.deployment() if self.tls is not None else None
         self.grace_s = grace_s
         self.readiness = Readiness(role)
         self.runner = LoopThread("rpc-loop")
@@ -176,8 +180,9 @@ class RpcServer:
             logger.info("health (plaintext, probes only) on %s:%d", self.address.rpartition(":")[0],
                         self.health_port)
         self._watchdog_task = self.call(lambda: self.loop.create_task(self._watch_liveness()))
+        scope = f" of deployment {self.deployment.name}" if self.deployment is not None else ""
         logger.info("listening on %s (%s)%s", self.address, ", ".join(self._services),
-                    " with mutual TLS" if self.tls is not None else "")
+                    f" with mutual TLS (peers{scope})" if self.tls is not None else "")
 
     def register_metrics(self, registry: Any) -> None:
         """Count refused calls (``gridserve:rpc_denied_total``) in the role's Prometheus registry."""

@@ -1,7 +1,7 @@
 """``gridserve serve --tls``: mutual TLS on every gRPC link, authorization by role, HTTPS at the edge.
 
 One deployment for the module (worker, engine, gateway, Envoy; a throwaway CA and one certificate
-per role, as ``serve --tls`` makes them). The official openai client and the native gRPC example
+per role, as ``serve --tls`` makes them, scoped to a random deployment name). The official openai client and the native gRPC example
 talk HTTPS / gRPC over TLS to the edge with that CA; every refusal the issue lists is checked with
 real certificates against the real processes; the last test rotates certificates under open streams.
 """
@@ -191,6 +191,30 @@ def test_the_engine_refuses_token_ids_outside_the_vocabulary_and_keeps_serving(e
     assert sum(len(r.token_ids) for r in responses) == MAX_TOKENS
 
 
+def test_a_certificate_of_the_same_ca_for_another_deployment_is_refused_by_each_role(edge):
+    """The roles take only names of their deployment (``serve --tls`` picks one at random): the same
+    CA's certificate for another deployment, or with today's unscoped names, names no role."""
+    assert re.fullmatch(r"serve-[0-9a-f]{8}", edge.ca.deployment)
+    for proc in edge.processes:
+        if proc.role != "edge":
+            assert proc.argv[proc.argv.index("--tls-deployment") + 1] == edge.ca.deployment, proc.role
+    calls = {  # the role served -> the role allowed to call it, and a call
+        "engine": ("gateway", lambda channel: engine_stub(channel).GetInfo(engine_pb2.GetInfoRequest(), timeout=10)),
+        "worker": ("engine", lambda channel: list(worker_pb2_grpc.WorkerStub(channel).CollectiveRPC(
+            iter([worker_pb2.CollectiveRPCRequest(call_id=1)]), timeout=10))),
+        "gateway": ("edge", lambda channel: gateway_stub(channel).ListModels(gateway_pb2.ListModelsRequest(),
+                                                                          timeout=10)),
+    }
+    for served, (caller, call) in calls.items():
+        for scope in ("serve-0ther000", ""):  # another deployment's names; unscoped names
+            files = edge.ca.issue(caller, f"other-{caller}-{scope or 'unscoped'}", deployment=scope)
+            with make_channel(address(edge, served), files) as channel:
+                assert health_status(channel) == "SERVING"  # the handshake passes: the CA is the same
+                code, details = _code(lambda: call(channel))  # noqa: B023
+            assert code == grpc.StatusCode.PERMISSION_DENIED, (served, scope)
+            assert f"not scoped to this deployment, {edge.ca.deployment}" in details, details
+
+
 # ---- rotation (last: it changes the deployment's certificates) -----------------------------------
 def _server_certificate_serial(addr: str, client: TlsFiles) -> int:
     """The serial of the certificate a server presents on a new connection."""
@@ -213,7 +237,7 @@ def test_rotating_certificates_keeps_open_streams_and_new_connections_use_the_ne
     with make_channel(address(edge, "engine"), certs["admin"]) as channel:  # engine -> worker before
         status = engine_stub(channel).GetStatus(engine_pb2.GetStatusRequest(), timeout=30)
         assert [w.health for w in status.workers] == ["SERVING"]
-    second = LocalCA(tmp_path / "second")
+    second = LocalCA(tmp_path / "second", deployment=ca.deployment)  # a new CA of the same deployment
     with _edge_channel(edge) as channel:
         stream = gateway_stub(channel).Generate(token_prompt(PROMPT, greedy(200)), timeout=120)
         first = next(stream)  # the streams (edge -> gateway -> engine -> worker) are open

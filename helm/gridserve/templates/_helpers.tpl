@@ -131,6 +131,12 @@ helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version }}
   value: {{ printf "%s/tls.key" $dir | quote }}
 - name: GRIDSERVE_TLS_CA_FILE
   value: {{ printf "%s/ca.crt" $dir | quote }}
+- name: GRIDSERVE_TLS_DEPLOYMENT
+  value: {{ include "gridserve.tlsDeployment" .root | quote }}
+{{- with .root.Values.tls.certManager.spiffeTrustDomain }}
+- name: GRIDSERVE_TLS_TRUST_DOMAIN
+  value: {{ . | quote }}
+{{- end }}
 {{- else }}
 {{- /* Plaintext roles listen on the pod's address only when told so (--insecure-internal): the
        chart's NetworkPolicies are then what keeps others from calling them. */}}
@@ -139,7 +145,8 @@ helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version }}
 {{- end }}
 {{- end -}}
 
-{{/* The Secret holding a role's certificate, key and CA (dict "root" $ "role" "engine"). */}}
+{{/* The Secret holding a role's certificate, key and CA (dict "root" $ "role" "worker"; an engine's is
+     its DP rank's own, "role" "engine-<rank>"). */}}
 {{- define "gridserve.tlsSecretName" -}}
 {{- printf "%s-tls-%s" (include "gridserve.fullname" .root) .role -}}
 {{- end -}}
@@ -162,12 +169,26 @@ helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version }}
 {{- end }}
 {{- end -}}
 
-{{/* DNS names a role's certificate carries: <role>.gridserve.internal (its identity) and the
-     Service / pod names its clients dial (hostname verification). */}}
+{{/* The deployment every role's peers must belong to (GRIDSERVE_TLS_DEPLOYMENT): <fullname>.<namespace>,
+     unique in the cluster, so a certificate of another release or namespace from a shared issuer
+     names no role here. */}}
+{{- define "gridserve.tlsDeployment" -}}
+{{- printf "%s.%s" (include "gridserve.fullname" .) .Release.Namespace -}}
+{{- end -}}
+
+{{/* DNS names a role's certificate carries: <role>.<deployment>.gridserve.internal (its identity;
+     with "instance", also <role>-<instance>.<deployment>.gridserve.internal), the unscoped
+     <role>.gridserve.internal (what the edge's Envoy matches on a gateway; the roles ignore it) and
+     the Service / pod names its clients dial (hostname verification). */}}
 {{- define "gridserve.tlsDnsNames" -}}
 {{- $full := include "gridserve.fullname" .root -}}
 {{- $suffix := include "gridserve.svcSuffix" .root -}}
-{{- $names := list (printf "%s.gridserve.internal" .role) -}}
+{{- $deployment := include "gridserve.tlsDeployment" .root -}}
+{{- $names := list (printf "%s.%s.gridserve.internal" .role $deployment) -}}
+{{- if not (kindIs "invalid" .instance) -}}
+{{- $names = append $names (printf "%s-%v.%s.gridserve.internal" .role .instance $deployment) -}}
+{{- end -}}
+{{- $names = append $names (printf "%s.gridserve.internal" .role) -}}
 {{- range $svc := list (printf "%s-%s" $full .role) (printf "%s-%s-headless" $full .role) -}}
 {{- $names = concat $names (list $svc (printf "%s.%s" $svc $suffix) (printf "*.%s" $svc) (printf "*.%s.%s" $svc $suffix)) -}}
 {{- end -}}

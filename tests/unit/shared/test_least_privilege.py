@@ -155,10 +155,17 @@ def test_serve_tls_issues_one_certificate_per_engine_and_gateway():
         cert = x509.load_pem_x509_certificate(launcher.certificate_for(role, index).cert.read_bytes())
         names[(role, index)] = sorted(cert.extensions.get_extension_for_class(x509.SubjectAlternativeName)
                                       .value.get_values_for_type(x509.DNSName))
-    assert names[("engine", 0)] == ["engine-0.gridserve.internal", "engine.gridserve.internal", "localhost"]
-    assert names[("engine", 1)] == ["engine-1.gridserve.internal", "engine.gridserve.internal", "localhost"]
-    assert names[("gateway", 1)] == ["gateway-1.gridserve.internal", "gateway.gridserve.internal", "localhost"]
-    assert names[("worker", 1)] == ["localhost", "worker.gridserve.internal"]  # workers: one per role
+    # Scoped to the launcher's own deployment (the unscoped role name stays, for the edge's Envoy).
+    d = launcher.ca.deployment
+    assert re.fullmatch(r"serve-[0-9a-f]{8}", d)
+    assert names[("engine", 0)] == [f"engine-0.{d}.gridserve.internal", "engine.gridserve.internal",
+                                    f"engine.{d}.gridserve.internal", "localhost"]
+    assert names[("engine", 1)] == [f"engine-1.{d}.gridserve.internal", "engine.gridserve.internal",
+                                    f"engine.{d}.gridserve.internal", "localhost"]
+    assert names[("gateway", 1)] == [f"gateway-1.{d}.gridserve.internal", "gateway.gridserve.internal",
+                                     f"gateway.{d}.gridserve.internal", "localhost"]
+    assert names[("worker", 1)] == ["localhost", "worker.gridserve.internal",
+                                    f"worker.{d}.gridserve.internal"]  # workers: one per role
     assert launcher.certificate_for("engine", 0) == launcher.certificates["engine"]
     launcher.ca.cleanup()
 
