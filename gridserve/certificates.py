@@ -8,8 +8,8 @@ verify the host they dial on loopback. Engines and gateways get one certificate 
 
 A CA made for a ``deployment`` (``serve --tls`` picks a random name) also scopes every name to it,
 ``<role>[-<id>].<deployment>.gridserve.internal``: the only names a role started with
-``--tls-deployment <deployment>`` reads (the unscoped role name stays, for the edge's Envoy, which
-matches ``gateway.gridserve.internal``). EC P-256 keys (fast handshakes), SHA-256 signatures.
+``--tls-deployment <deployment>`` reads (the unscoped role name stays, read only where no deployment is
+set; the edge's Envoy matches ``gateway[-<n>].<deployment>.gridserve.internal`` too). EC P-256 keys (fast handshakes), SHA-256 signatures.
 """
 
 from __future__ import annotations

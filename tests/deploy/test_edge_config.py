@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import copy
 import importlib.util
 import subprocess
@@ -14,7 +15,8 @@ import yaml
 from gridserve import edge
 from gridserve.protos_build import DESCRIPTOR_SET, ensure_generated
 
-from .tools import NAMESPACE, RELEASE, REPO, Rendered
+from .test_chart import FULL, env_of, main_container
+from .tools import CHART, NAMESPACE, RELEASE, REPO, Rendered, helm_run
 
 CHART_DESCRIPTOR = "/etc/envoy/descriptors/protos.pb"
 CORS_VALUES = {"allowedOrigins": ["https://app.example", "*"], "allowedMethods": ["GET", "POST"],
@@ -144,6 +146,44 @@ def test_the_edge_gets_its_descriptor_set_from_the_gateway_image(render_chart) -
     mounts = {m["mountPath"] for m in envoy["volumeMounts"]}
     assert mounts >= {"/etc/envoy/envoy.json", str(Path(CHART_DESCRIPTOR).parent)}
     assert envoy["image"].startswith("envoyproxy/envoy:")
+
+
+def _gateway_sans(config: dict[str, Any]) -> list[list[dict[str, Any]]]:
+    """The SAN matchers of each gateway cluster's upstream TLS (health-checked and operator)."""
+    return [c["transport_socket"]["typed_config"]["common_tls_context"]["validation_context"]
+            ["match_typed_subject_alt_names"] for c in config["static_resources"]["clusters"]]
+
+
+def test_the_chart_edge_accepts_only_this_releases_gateways(render_chart, helm) -> None:
+    """The edge dials gateways over mutual TLS and takes only a gateway certificate of this
+    deployment (<fullname>.<namespace>, the roles' GRIDSERVE_TLS_DEPLOYMENT), as gridserve/edge.py
+    writes it; the unscoped gateway.gridserve.internal, which any release's gateway under a shared
+    issuer carries, is not accepted."""
+    rendered = render_chart({})
+    (gateway,) = rendered.by_role("gateway")
+    deployment = env_of(main_container(gateway))["GRIDSERVE_TLS_DEPLOYMENT"]
+    assert deployment == f"{FULL}.{NAMESPACE}"
+    config = envoy_config(rendered)
+    scoped = edge.gateway_san_matchers(deployment)
+    assert _gateway_sans(config) == [scoped, scoped]
+    assert [m["matcher"] for m in scoped] == [
+        {"exact": f"gateway.{FULL}.{NAMESPACE}.gridserve.internal"},
+        {"safe_regex": {"regex": rf"gateway-[0-9]+\.{FULL}\.{NAMESPACE}\.gridserve\.internal"}}]
+    assert edge.GATEWAY_SAN not in yaml.safe_dump(config)
+    # The gateways' certificate (the generated Secret) carries the name the edge takes.
+    from cryptography import x509
+
+    secret = rendered.named("Secret", f"{FULL}-tls-gateway")
+    cert = x509.load_pem_x509_certificate(base64.b64decode(secret["data"]["tls.crt"]))
+    names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(
+        x509.DNSName)
+    assert scoped[0]["matcher"]["exact"] in names
+    # Another release in another namespace: its edge takes only its own gateways.
+    result = helm_run(helm, "template", "chat", str(CHART), "--namespace", "prod")
+    assert result.returncode == 0, result.stderr
+    (config_map,) = [d for d in yaml.safe_load_all(result.stdout) if d and d["kind"] == "ConfigMap"]
+    other = _gateway_sans(yaml.safe_load(config_map["data"]["envoy.json"]))
+    assert other == [edge.gateway_san_matchers("chat-gridserve.prod")] * 2 and other[0] != scoped
 
 
 def test_chart_cors_is_off_by_default_and_equals_gridserve_edge_when_asked(render_chart) -> None:

@@ -8,14 +8,18 @@ real certificates against the real processes; the last test rotates certificates
 
 from __future__ import annotations
 
+import json
 import re
 import socket
 import ssl
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
+from concurrent import futures
 from pathlib import Path
+from typing import Optional
 
 import grpc
 import pytest
@@ -24,6 +28,13 @@ from gridserve.api.engine.v1 import engine_pb2
 from gridserve.api.gateway.v1 import gateway_pb2
 from gridserve.api.worker.v1 import worker_pb2, worker_pb2_grpc
 from gridserve.certificates import LocalCA, serial_of, write_atomically
+from gridserve.edge import (
+    GATEWAY_SERVICE,
+    envoy_argv,
+    envoy_config,
+    gateway_san_matchers,
+    write_config,
+)
 from gridserve.launcher import free_port
 from gridserve.shared.rpc.client import health_status, make_channel
 from gridserve.shared.rpc.tls import TlsFiles
@@ -103,7 +114,6 @@ def test_an_operators_certificate_at_the_edge(edge, certs, tmp_path):
     (here in front of the module's gateway, mTLS to it with the edge certificate)."""
     import time
 
-    from gridserve.edge import envoy_argv, envoy_config, write_config
     from gridserve.launcher import RoleProcess
 
     public = LocalCA(tmp_path / "public").issue("edge", name="public")
@@ -213,6 +223,90 @@ def test_a_certificate_of_the_same_ca_for_another_deployment_is_refused_by_each_
                 code, details = _code(lambda: call(channel))  # noqa: B023
             assert code == grpc.StatusCode.PERMISSION_DENIED, (served, scope)
             assert f"not scoped to this deployment, {edge.ca.deployment}" in details, details
+    # The edge too: it dials the gateways taking only this deployment's gateway names.
+    config = json.loads((edge.log_dir / "edge-0.json").read_text())
+    sans = [c["transport_socket"]["typed_config"]["common_tls_context"]["validation_context"]
+            ["match_typed_subject_alt_names"] for c in config["static_resources"]["clusters"] if "transport_socket" in c]
+    assert sans == [gateway_san_matchers(edge.ca.deployment)] * 2
+
+
+# ---- the edge dials only this deployment's gateways (no model: a stand-in gateway) ----------------
+def _stand_in_gateway(files: TlsFiles) -> tuple[grpc.Server, str]:
+    """A gRPC server presenting ``files`` (mutual TLS, their CA) that is SERVING and answers
+    ``GetStatus`` with an empty status: all the edge needs to proxy ``GET /v1/status``."""
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    servicer = health.HealthServicer()
+    servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(GATEWAY_SERVICE, {
+        "GetStatus": grpc.unary_unary_rpc_method_handler(
+            lambda request, context: gateway_pb2.GetStatusResponse(),
+            request_deserializer=gateway_pb2.GetStatusRequest.FromString,
+            response_serializer=gateway_pb2.GetStatusResponse.SerializeToString)}),))
+    credentials = grpc.ssl_server_credentials([(files.key.read_bytes(), files.cert.read_bytes())],
+                                              root_certificates=files.ca.read_bytes(), require_client_auth=True)
+    port = server.add_secure_port("127.0.0.1:0", credentials)
+    server.start()
+    return server, f"127.0.0.1:{port}"
+
+
+def _get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+DEPLOYMENT = "serve-5c0bed00"
+
+
+@pytest.mark.parametrize("role, scope, edge_scope, accepted", [
+    ("gateway", None, DEPLOYMENT, True),  # this deployment's gateway: gateway[-0].D.gridserve.internal
+    ("gateway-3", None, DEPLOYMENT, True),  # an instance's name alone: gateway-3.D.gridserve.internal
+    ("gateway", "serve-0ther000", DEPLOYMENT, False),  # the same CA, another deployment's gateway
+    ("gateway", "", DEPLOYMENT, False),  # only the unscoped gateway.gridserve.internal
+    ("engine", None, DEPLOYMENT, False),  # this deployment, another role
+    ("gateway", "serve-0ther000", None, True),  # an edge without a deployment takes any gateway the CA signed
+], ids=["scoped", "instance", "other-deployment", "unscoped", "engine", "unscoped-edge"])
+def test_the_edge_proxies_only_to_a_gateway_of_its_deployment(tmp_path, role: str, scope: Optional[str],
+                                                              edge_scope: Optional[str], accepted: bool):
+    """Envoy checks the gateway's certificate when it dials it: one from the deployment's own CA
+    but naming another deployment (which also carries the unscoped gateway.gridserve.internal) fails
+    the handshake, and the edge answers 503 instead of proxying."""
+    ca = LocalCA(tmp_path / "ca", deployment=DEPLOYMENT)
+    edge_files = ca.issue("edge")
+    gateway_files = ca.issue(role, "gateway", instance="0" if role == "gateway" else None, deployment=scope)
+    server, gateway = _stand_in_gateway(gateway_files)
+    port, admin = free_port(), free_port()
+    config = envoy_config("127.0.0.1", port, [gateway], admin_port=admin, tls_deployment=edge_scope,
+                          upstream_tls=(str(edge_files.cert), str(edge_files.key), str(edge_files.ca)))
+    process = subprocess.Popen(envoy_argv(write_config(tmp_path / "envoy.json", config)))
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                status, body = _get(f"http://127.0.0.1:{port}/v1/status")
+                break
+            except (urllib.error.URLError, ConnectionError):  # Envoy is still starting
+                assert process.poll() is None and time.monotonic() < deadline, "the edge did not start"
+                time.sleep(0.2)
+        with urllib.request.urlopen(f"http://127.0.0.1:{admin}/stats?filter=ssl.fail_verify_san", timeout=10) as resp:
+            stats = dict(line.split(": ") for line in resp.read().decode().splitlines() if ": " in line)
+        refusals = int(stats.get("cluster.gateways_any_state.ssl.fail_verify_san", "0"))
+        if accepted:
+            assert status == 200, body
+            assert refusals == 0
+        else:
+            assert status == 503, body
+            assert "upstream connect error" in json.loads(body)["error"]["message"], body
+            assert refusals > 0, stats  # the gateway's names, not the handshake as such
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+        server.stop(0)
 
 
 # ---- rotation (last: it changes the deployment's certificates) -----------------------------------

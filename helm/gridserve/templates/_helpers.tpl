@@ -169,17 +169,18 @@ helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version }}
 {{- end }}
 {{- end -}}
 
-{{/* The deployment every role's peers must belong to (GRIDSERVE_TLS_DEPLOYMENT): <fullname>.<namespace>,
-     unique in the cluster, so a certificate of another release or namespace from a shared issuer
-     names no role here. */}}
+{{/* The deployment every role's peers must belong to (GRIDSERVE_TLS_DEPLOYMENT), and the gateways the
+     edge dials (files/envoy.json.tpl): <fullname>.<namespace>, unique in the cluster, so a
+     certificate of another release or namespace from a shared issuer names no role here. */}}
 {{- define "gridserve.tlsDeployment" -}}
 {{- printf "%s.%s" (include "gridserve.fullname" .) .Release.Namespace -}}
 {{- end -}}
 
 {{/* DNS names a role's certificate carries: <role>.<deployment>.gridserve.internal (its identity;
-     with "instance", also <role>-<instance>.<deployment>.gridserve.internal), the unscoped
-     <role>.gridserve.internal (what the edge's Envoy matches on a gateway; the roles ignore it) and
-     the Service / pod names its clients dial (hostname verification). */}}
+     with "instance", also <role>-<instance>.<deployment>.gridserve.internal; the edge's Envoy takes a
+     gateway by gateway.<deployment>.gridserve.internal, files/envoy.json.tpl), the unscoped
+     <role>.gridserve.internal (which neither the roles nor the edge match now) and the Service /
+     pod names its clients dial (hostname verification). */}}
 {{- define "gridserve.tlsDnsNames" -}}
 {{- $full := include "gridserve.fullname" .root -}}
 {{- $suffix := include "gridserve.svcSuffix" .root -}}

