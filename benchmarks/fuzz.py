@@ -7,9 +7,19 @@ nested garbage (hypothesis strategies); raw bodies (invalid UTF-8, truncated or 
 non-objects); and the cases schemathesis derives from the server's own ``/openapi.json`` (positive
 and negative) — and native gRPC ``Generate`` requests drawn over every field of the proto.
 
+Image cases (issue 38), to ``/v1/chat/completions`` and ``/tokenize``: chat requests whose parts
+carry images — ``data:`` URLs of a decompression-bomb PNG, extreme aspect ratios, too many images,
+malformed base64, non-images — and ``http`` URLs at 127.0.0.1, ``[::1]``, 169.254.169.254, private
+addresses, other schemes, and at a local server (``MediaServer``) that trickles its body and
+redirects to 127.0.0.1 and to the metadata address. Each fixed case is sent once, then generated
+mixes of them. A hostile image is a 400 naming a ``messages`` part on any deployment; on a
+text-only model every image is (it takes no image); ``/secret`` on the local server, reachable only
+through a redirect a gateway must refuse, is never asked for (``media_problems``).
+
 A request passes when the answer comes within ``TIMEOUT_S`` (no hang) with a 2xx or 4xx status
 (never 5xx), a 4xx body in OpenAI's error shape, a 2xx body that parses (each SSE event too, and an
-in-band error is 4xx); a gRPC call ends OK, INVALID_ARGUMENT or RESOURCE_EXHAUSTED. Afterwards
+in-band error is 4xx); a gRPC call ends OK, INVALID_ARGUMENT or RESOURCE_EXHAUSTED (an image case as
+above too). Afterwards
 health is SERVING and the engine holds no running or waiting request and no KV block. The counts
 (requests per route, statuses seen) are printed. ``hypothesis`` and ``schemathesis`` come with the
 ``test`` extra; they are imported only when the fuzzer runs.
@@ -18,14 +28,23 @@ health is SERVING and the engine holds no running or waiting request and no KV b
 from __future__ import annotations
 
 import argparse
+import base64
+import functools
 import http.client
+import io
 import json
 import logging
 import math
+import os
 import random
+import socket
+import struct
+import threading
 import time
+import zlib
 from collections import Counter
 from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, Optional
 
@@ -98,12 +117,16 @@ class Fuzzer:
         self.timeout_s = timeout_s
         self.counts: Counter[tuple[str, str]] = Counter()
         self.failures: list[str] = []
+        self.labels: Counter[str] = Counter()  # requests sent per kind ("fields", "raw", "image bomb-8000x8000", ...)
         self._channel = grpc.insecure_channel(edge_address)
 
     def close(self) -> None:
         self._channel.close()
 
-    def post(self, route: str, data: bytes, label: str) -> None:
+    def post(self, route: str, data: bytes, label: str,
+             check: Optional[Callable[[int, bytes], Optional[str]]] = None) -> None:
+        """One REST request, its answer checked (and by ``check(status, payload)`` when given)."""
+        self.labels[label] += 1
         host, port = self.edge_address.rsplit(":", 1)
         conn = http.client.HTTPConnection(host, int(port), timeout=self.timeout_s)
         try:
@@ -120,13 +143,14 @@ class Fuzzer:
         finally:
             conn.close()
         self.counts[(route, str(status))] += 1
-        problem = http_problem(status, content_type, payload)
+        problem = http_problem(status, content_type, payload) or (check(status, payload) if check else None)
         if problem:
             self._fail(route, label, problem, data)
 
     def generate(self, request: Any, label: str) -> None:
         from gridserve.api.gateway.v1 import gateway_pb2_grpc
 
+        self.labels[label] += 1
         stub = gateway_pb2_grpc.GatewayStub(self._channel)
         try:
             for _ in stub.Generate(request, timeout=self.timeout_s):
@@ -314,6 +338,248 @@ def _grpc_requests():
     return st.one_of(plausible, hostile)
 
 
+# ---- image cases (issue 38) ---------------------------------------------------------------------
+IMAGE_ROUTES = ("/v1/chat/completions", "/tokenize")
+SLOW_BODY_S = 4.0  # how long MediaServer's /slow.png trickles: longer than a fetch deadline
+
+
+def png(width: int = 12, height: int = 8, mode: str = "RGB") -> bytes:
+    """A small PNG (any size: flat colour, so even 1 x 5000 is a few hundred bytes)."""
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new(mode, (width, height), 128 if mode == "L" else (200, 40, 30)).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+@functools.lru_cache(maxsize=4)
+def bomb_png(width: int = 8000, height: int = 8000, rows: bool = True) -> bytes:
+    """A valid grayscale PNG of ``width`` x ``height`` zeros, deflated to almost nothing (8000 x 8000:
+    64 MP in ~64 kB); ``rows=False``: the header only, its pixel data cut off."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    data = zlib.compress(b"\0" * ((width + 1) * height), 9) if rows else zlib.compress(b"\0" * 64)
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0))
+            + chunk(b"IDAT", data) + chunk(b"IEND", b""))
+
+
+def data_url(data: bytes, kind: str = "image/png") -> str:
+    return f"data:{kind};base64," + base64.b64encode(data).decode()
+
+
+class MediaServer:
+    """A local image server on loopback for the image cases, reached by ``name`` (``localhost``:
+    a gateway started with ``--allowed-media-domains localhost`` and the loopback test hook
+    fetches from it; any other gateway must refuse it before connecting).
+
+    ``/cat.png`` a small PNG; ``/slow.png`` a body trickled a byte every 0.1 s for ``slow_body_s``;
+    ``/to-loopback`` a 302 to ``http://127.0.0.1:<port>/secret``, ``/to-metadata`` a 302 to
+    169.254.169.254. ``hits`` lists the paths asked for; ``/secret`` is reachable only through the
+    redirect, so a hit there is a fetch a gateway let through (``media_problems``)."""
+
+    def __init__(self, name: str = "localhost", slow_body_s: float = SLOW_BODY_S) -> None:
+        self.name = name
+        self.slow_body_s = slow_body_s
+        self.hits: list[str] = []
+        handler = self._handler()
+        self._servers = [ThreadingHTTPServer(("127.0.0.1", 0), handler)]
+        self.port = self._servers[0].server_address[1]
+        for address in _loopback_addresses(name, self.port):  # ::1 too where the name resolves to it
+            if address != "127.0.0.1":
+                try:
+                    self._servers.append(_V6Server((address, self.port), handler))
+                except OSError:
+                    pass
+        for server in self._servers:
+            server.daemon_threads = True
+            threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+
+    def url(self, path: str) -> str:
+        return f"http://{self.name}:{self.port}{path}"
+
+    def close(self) -> None:
+        for server in self._servers:
+            server.shutdown()
+            server.server_close()
+
+    def __enter__(self) -> MediaServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _handler(self) -> type[BaseHTTPRequestHandler]:
+        media = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 - http.server's name
+                media.hits.append(self.path)
+                port = self.server.server_address[1]
+                redirects = {"/to-loopback": f"http://127.0.0.1:{port}/secret",
+                             "/to-metadata": "http://169.254.169.254/latest/meta-data/"}
+                if self.path in redirects:
+                    self.send_response(302)
+                    self.send_header("Location", redirects[self.path])
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                elif self.path == "/slow.png":
+                    self.send_response(200)
+                    self.end_headers()
+                    for _ in range(int(media.slow_body_s / 0.1)):  # no single read waits long; the fetch's deadline ends it
+                        try:
+                            self.wfile.write(b"x")
+                            self.wfile.flush()
+                        except OSError:
+                            return
+                        time.sleep(0.1)
+                elif self.path in ("/cat.png", "/secret"):
+                    body = png()
+                    self.send_response(200)
+                    self.send_header("Content-Type", "image/png")
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    self.wfile.write(body)
+                else:
+                    self.send_error(404)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        return Handler
+
+
+class _V6Server(ThreadingHTTPServer):
+    address_family = socket.AF_INET6
+
+
+def _loopback_addresses(name: str, port: int) -> list[str]:
+    try:
+        return list(dict.fromkeys(str(i[4][0]) for i in socket.getaddrinfo(name, port, type=socket.SOCK_STREAM)))
+    except OSError:
+        return []
+
+
+def media_problems(media: MediaServer, fetches_from_it: bool) -> list[str]:
+    """What the local server's log says went wrong: ``/secret`` asked for (a redirect to 127.0.0.1
+    followed), or, for a gateway that may not fetch from it, any request at all."""
+    if not fetches_from_it and media.hits:
+        return [f"the gateway fetched from loopback: {media.hits[:5]}"]
+    if "/secret" in media.hits:
+        return ["a redirect to 127.0.0.1 was followed (/secret fetched)"]
+    return []
+
+
+def image_cases(media: Optional[MediaServer]) -> list[tuple[str, list[str], bool]]:
+    """``(kind, image URLs of one request, must be refused)``: the fixed image cases. A case not
+    refused may still be a 400 (prompt too long, a text-only model, a gateway that fetches no URL)."""
+    small = data_url(png())
+    cases: list[tuple[str, list[str], bool]] = [
+        ("valid", [small], False),
+        ("valid-two", [small, data_url(png(20, 20, "L"))], False),
+        ("bomb-8000x8000", [data_url(bomb_png())], True),
+        ("bomb-header-50000x50000", [data_url(bomb_png(50_000, 50_000, rows=False))], True),
+        ("aspect-1x5000", [data_url(png(1, 5000))], True),
+        ("aspect-5000x1", [data_url(png(5000, 1))], True),
+        ("aspect-2x400", [data_url(png(2, 400))], True),
+        ("count-9", [small] * 9, True),
+        ("count-100", [small] * 100, True),
+        ("base64-invalid", ["data:image/png;base64,!!!not base64!!!"], True),
+        ("base64-truncated", [small[:-7]], True),
+        ("base64-not-base64-header", ["data:image/png," + base64.b64encode(png()).decode()], True),
+        ("base64-empty", ["data:image/png;base64,"], True),
+        ("not-an-image", [data_url(b"GIF89a" + b"\0" * 40)], True),
+        ("svg", [data_url(b"<svg xmlns='http://www.w3.org/2000/svg'/>", "image/svg+xml")], True),
+        ("truncated-png", [data_url(png(64, 64)[:60])], True),
+        ("url-metadata", ["http://169.254.169.254/latest/meta-data/iam/security-credentials/"], True),
+        ("url-private", ["http://10.0.0.1/a.png"], True),
+        ("url-file", ["file:///etc/passwd"], True),
+        ("url-ftp", ["ftp://127.0.0.1/a.png"], True),
+        ("url-gopher", ["gopher://127.0.0.1:6379/_INFO"], True),
+        ("url-no-host", ["http:///a.png"], True),
+    ]
+    if media is not None:
+        port = media.port
+        cases += [
+            ("url-127.0.0.1", [f"http://127.0.0.1:{port}/cat.png"], True),
+            ("url-[::1]", [f"http://[::1]:{port}/cat.png"], True),
+            ("url-[::ffff:127.0.0.1]", [f"http://[::ffff:127.0.0.1]:{port}/cat.png"], True),
+            ("url-0.0.0.0", [f"http://0.0.0.0:{port}/cat.png"], True),
+            ("url-slow", [media.url("/slow.png")], True),
+            ("url-redirect-to-127.0.0.1", [media.url("/to-loopback")], True),
+            ("url-redirect-to-metadata", [media.url("/to-metadata")], True),
+            ("url-local-server", [media.url("/cat.png")], False),  # 200 only where it may fetch from it
+        ]
+    return cases
+
+
+def image_problem(takes_images: bool, must_refuse: bool) -> Callable[[int, bytes], Optional[str]]:
+    """The check of one image case's answer (beyond ``http_problem``'s): a 400 naming a
+    ``messages`` part where the image must be refused, and on a text-only model always."""
+    def check(status: int, payload: bytes) -> Optional[str]:
+        if takes_images and not must_refuse:
+            return None
+        if status != 400:
+            return f"HTTP {status} for an image that must be refused: {payload[:300]!r}"
+        param = (json.loads(payload).get("error") or {}).get("param") or ""
+        if not param.startswith("messages"):
+            return f"400 not naming the image part (param {param!r}): {payload[:300]!r}"
+        return None
+    return check
+
+
+def _image_requests(media: Optional[MediaServer], model: str):
+    """Generated image requests: ``(route, body, kind, must be refused)``, mixes of the fixed cases
+    (one or two of them in a request, anywhere among text parts, in one or two messages)."""
+    from hypothesis import strategies as st
+
+    cases = image_cases(media)
+    text = st.fixed_dictionaries({"type": st.just("text"), "text": st.text(max_size=12)})
+
+    def request(route, chosen, texts, split, extra):
+        parts = [{"type": "image_url", "image_url": {"url": url}} for _, urls, _ in chosen for url in urls]
+        parts = parts[:split] + texts + parts[split:]
+        messages = [{"role": "user", "content": parts or [{"type": "text", "text": "?"}]}]
+        if len(chosen) > 1:
+            messages = [{"role": "user", "content": [{"type": "text", "text": "a"}, *parts[:1]]},
+                        {"role": "assistant", "content": "b"}, {"role": "user", "content": parts[1:] or "c"}]
+        body: dict[str, Any] = {"messages": messages, **extra}
+        if route == "/tokenize":
+            body = {k: v for k, v in body.items() if k in ("messages", "model")}
+        kind = "+".join(k for k, _, _ in chosen)
+        return route, body, kind, any(refused for _, _, refused in chosen)
+
+    extra = st.fixed_dictionaries({"max_tokens": st.integers(1, 3)}, optional={
+        "model": st.just(model), "temperature": st.floats(0, 1), "stream": st.booleans(), "n": st.integers(1, 2)})
+    return st.builds(request, st.sampled_from(IMAGE_ROUTES), st.lists(st.sampled_from(cases), min_size=1, max_size=2),
+                     st.lists(text, max_size=2), st.integers(0, 3), extra)
+
+
+def fuzz_images(fuzzer: Fuzzer, examples: int, seed: int = 0, media: Optional[MediaServer] = None,
+                takes_images: bool = False) -> None:
+    """Each fixed image case once to chat (``/tokenize`` too, without the slow ones), then about
+    ``examples`` generated mixes. ``takes_images``: the deployment's model has a vision encoder."""
+    chat = {"max_tokens": 2, "temperature": 0.0}
+    for kind, urls, refused in image_cases(media):
+        parts = [*({"type": "image_url", "image_url": {"url": url}} for url in urls), {"type": "text", "text": "?"}]
+        messages = [{"role": "user", "content": parts}]
+        check = image_problem(takes_images, refused)
+        fuzzer.post("/v1/chat/completions", _encode({"messages": messages, **chat}), f"image {kind}", check)
+        if kind != "url-slow":
+            fuzzer.post("/tokenize", _encode({"messages": messages}), f"image {kind}", check)
+    _drive(_image_requests(media, fuzzer.model), examples, seed,
+           lambda r: fuzzer.post(r[0], _encode(r[1]), f"image {r[2]}", image_problem(takes_images, r[3])))
+
+
+def model_takes_images(model: str) -> bool:
+    """Whether the model folder's config has a vision encoder (the gateway then loads images)."""
+    try:
+        config = json.loads((Path(model) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return bool(config.get("vision_config"))
+
+
 def _schemathesis_bodies(openapi: dict[str, Any], route: str, negative: bool):
     """Bodies schemathesis derives from ``/openapi.json`` for ``route`` (valid or, negative, not)."""
     import schemathesis
@@ -352,9 +618,12 @@ def _drive(strategy: Any, examples: int, seed: int, fn: Callable[[Any], None]) -
     run()
 
 
-def fuzz(fuzzer: Fuzzer, openapi: dict[str, Any], examples: int, seed: int = 0) -> None:
+def fuzz(fuzzer: Fuzzer, openapi: dict[str, Any], examples: int, seed: int = 0,
+         media: Optional[MediaServer] = None, vision: bool = False) -> None:
     """About ``examples`` requests in all: per REST route, strategy bodies, raw bodies and
-    schemathesis' (positive and negative); then gRPC ``Generate``."""
+    schemathesis' (positive and negative); then gRPC ``Generate``; then the image cases (the fixed
+    ones and ``examples // 15`` generated; ``media``: the local image server, ``vision``: the model
+    takes images)."""
     per_route = max(1, examples // (len(ROUTES) + 1))
     strategies = _strategies(fuzzer.model)
     for route in ROUTES:
@@ -366,6 +635,7 @@ def fuzz(fuzzer: Fuzzer, openapi: dict[str, Any], examples: int, seed: int = 0) 
             strategy = _schemathesis_bodies(openapi, route, negative=label.endswith("negative"))
             _drive(strategy, share[label], seed, lambda b, r=route, lab=label: fuzzer.post(r, _encode(b), lab))
     _drive(_grpc_requests(), per_route, seed, lambda req: fuzzer.generate(req, "proto fields"))
+    fuzz_images(fuzzer, examples // 15, seed, media, vision)
 
 
 # ---- the stack and its state afterwards ---------------------------------------------------------
@@ -423,6 +693,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--examples", type=int, default=2000, help="requests in all (REST routes and gRPC)")
     parser.add_argument("--seed", type=int, default=None, help="hypothesis seed (default: random, printed)")
     parser.add_argument("--log-dir", default=None, help="keep the roles' logs here")
+    parser.add_argument("--fetch-local-images", action="store_true",
+                        help="let the gateway fetch image URLs from the fuzzer's local image server (test hooks "
+                             "GRIDSERVE_TEST_HOOKS / GRIDSERVE_TEST_MEDIA_LOOPBACK, --allowed-media-domains "
+                             "localhost, a 1 s fetch deadline), so slow and redirecting URLs are fetched; a "
+                             "vision model (--model) then takes its images")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -437,21 +712,31 @@ def run(args: argparse.Namespace) -> int:
         model = str(ensure_checkpoint("llama", "tiny"))
     seed = args.seed if args.seed is not None else random.randrange(2**31)
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="gridserve-fuzz-"))
-    launcher = Launcher(model, ENGINE_ARGS, log_dir=log_dir, edge_port=free_port(), gateway_args=GATEWAY_ARGS,
+    gateway_args = list(GATEWAY_ARGS)
+    fetches = bool(getattr(args, "fetch_local_images", False))
+    if fetches:  # test hooks: the gateway (a child process) reads them from the environment
+        os.environ["GRIDSERVE_TEST_HOOKS"] = os.environ["GRIDSERVE_TEST_MEDIA_LOOPBACK"] = "1"
+        gateway_args += ["--allowed-media-domains", "localhost", "--media-fetch-timeout-s", "1"]
+    vision = model_takes_images(model)
+    launcher = Launcher(model, ENGINE_ARGS, log_dir=log_dir, edge_port=free_port(), gateway_args=gateway_args,
                         edge_limits=edge_limits(), grace_s=5.0)
-    print(f"fuzz: {args.examples} requests, seed {seed}, logs in {log_dir}", flush=True)
+    print(f"fuzz: {args.examples} requests, seed {seed}, {'a vision' if vision else 'a text-only'} model, "
+          f"logs in {log_dir}", flush=True)
+    media = MediaServer()
     try:
         launcher.start()
         fuzzer = Fuzzer(launcher.edge_address, model)
         start = time.monotonic()
         try:
-            fuzz(fuzzer, openapi_of(launcher.edge_address), args.examples, seed)
+            fuzz(fuzzer, openapi_of(launcher.edge_address), args.examples, seed, media, vision)
         finally:
             fuzzer.close()
         engine = next(p.address for p in launcher.processes if p.role == "engine")
         problems = settled(launcher.edge_address, engine, launcher.gateway_addresses[0])
+        problems += media_problems(media, fetches_from_it=fetches)
     finally:
         launcher.stop()
+        media.close()
     print(fuzzer.table())
     print(f"{time.monotonic() - start:.0f} s; afterwards: {'; '.join(problems) or 'SERVING, engine idle, no KV block in use'}")
     for failure in fuzzer.failures[:20]:
