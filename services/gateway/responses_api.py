@@ -41,9 +41,9 @@ from gridserve.services.gateway.routes import (
     SSE,
     HttpResponse,
     OpenAIRoutes,
-    _answers_errors,
-    _ignored_fields,
-    _log_user,
+    answers_errors,
+    ignored_fields_header,
+    log_user,
 )
 from gridserve.services.gateway.service import StreamChunk
 from gridserve.services.gateway.tool_choice import plan_tools
@@ -57,7 +57,7 @@ NO_STORE = "this server keeps no responses: the gateways run without --enable-re
 
 @dataclass
 class Conversation:
-    """Chat-template messages, as ``OpenAIRoutes._chat_prompt`` reads a chat request."""
+    """Chat-template messages, as ``OpenAIRoutes.render_chat`` reads a chat request."""
 
     messages: list[dict[str, Any]]
     chat_template: Optional[str] = None
@@ -131,12 +131,12 @@ class ResponsesAPI:
         self.service = routes.service
         self.store = store
 
-    @_answers_errors
+    @answers_errors
     async def create(self, data: bytes, owner: str = "", traceparent: str = "",
                      timeout: Optional[float] = None) -> HttpResponse:
         """``owner``: whose the response is (``responses_store.owner_of`` the call's metadata)."""
         with _responses_names():
-            return await self._create(self.routes._parse(ResponsesRequest, data), owner, traceparent, timeout)
+            return await self._create(self.routes.parse_body(ResponsesRequest, data), owner, traceparent, timeout)
 
     async def _create(self, request: ResponsesRequest, owner: str, traceparent: str,
                       timeout: Optional[float]) -> HttpResponse:
@@ -151,21 +151,21 @@ class ResponsesAPI:
                            request.parallel_tool_calls, options)
         effort = request.reasoning.effort if request.reasoning is not None else None
         variables = {"reasoning_effort": effort} if effort is not None else None
-        prompt = await self.routes._chat_prompt(Conversation(system + messages), tools.template_tools, variables)
+        prompt = await self.routes.render_chat(Conversation(system + messages), tools.template_tools, variables)
         plan, params = await plan_chat(self.service, options, tools, prompt["prompt_token_ids"], self._params(request))
         shape = ResponseShape(self.store.new_id() if self.store is not None else item_id("resp"), self.routes.model,
                               keep, _echo(request, params))
-        headers = _ignored_fields(request.ignored_fields())
+        headers = ignored_fields_header(request.ignored_fields())
         run = (prompt, params, shape.id, traceparent, None, timeout)
         if request.stream:
             stream = self.service.generate(*run)
             first = await anext(stream)  # validation errors surface here, before the status is sent
-            _log_user(request.user or request.safety_identifier, shape.id)
+            log_user(request.user or request.safety_identifier, shape.id)
             events = ResponseEvents(shape, plan.choice() if plan is not None else None)
             remember = (owner, messages) if keep else None
             return HttpResponse(200, SSE, self._events(events, stream, first, remember), headers)
         out = await self.service.complete(*run)
-        _log_user(request.user or request.safety_identifier, shape.id)
+        log_user(request.user or request.safety_identifier, shape.id)
         reply = out.outputs[0]
         parts = _split(plan, reply.text)
         status = status_of(finish_reason(reply.finish_reason))
@@ -175,7 +175,7 @@ class ResponsesAPI:
             self._keep(owner, shape.id, body, messages + [assistant_turn(parts)])
         return HttpResponse(200, JSON, [body], headers)
 
-    @_answers_errors
+    @answers_errors
     async def retrieve(self, response_id: str, owner: str = "") -> HttpResponse:
         """``GET /v1/responses/{response_id}``: a response its owner stored."""
         if self.store is None:

@@ -56,7 +56,7 @@ SSE = "text/event-stream"
 REFUSED_TEMPLATE = ("a request's own chat template is refused; the server must run with "
                     "--trust-request-chat-template")
 IGNORED_FIELDS_HEADER = "x-gridserve-ignored-fields"  # unknown keys inside messages (protocol.py's rule)
-REQUEST_TOOLS: Any = object()  # ``_chat_prompt``: the template sees the request's own tools
+REQUEST_TOOLS: Any = object()  # ``render_chat``: the template sees the request's own tools
 
 logger = logging.getLogger(__name__)
 M = TypeVar("M", bound=BaseModel)
@@ -72,7 +72,7 @@ class HttpResponse:
     headers: dict[str, str] = field(default_factory=dict)  # extra response headers (``retry-after``)
 
 
-def _answers_errors(route: Callable[..., Awaitable[HttpResponse]]) -> Callable[..., Awaitable[HttpResponse]]:
+def answers_errors(route: Callable[..., Awaitable[HttpResponse]]) -> Callable[..., Awaitable[HttpResponse]]:
     """Turn any exception of ``route`` into an OpenAI error response."""
 
     @functools.wraps(route)
@@ -100,14 +100,14 @@ class OpenAIRoutes:
         self.sampling_defaults = dict(sampling_defaults or {})
         self._openapi: Optional[bytes] = None
 
-    def _parse(self, model: type[M], data: bytes) -> M:
+    def parse_body(self, model: type[M], data: bytes) -> M:
         parsed = model.model_validate_json(data or b"{}", context={"limits": self.service.limits})
         requested = getattr(parsed, "model", None)
         if requested is not None and requested != self.model:
             raise ApiError(404, f"The model `{requested}` does not exist.", "model", "NotFoundError")
         return parsed
 
-    async def _chat_prompt(self, request: ChatTemplateFields, tools: Any = REQUEST_TOOLS,
+    async def render_chat(self, request: ChatTemplateFields, tools: Any = REQUEST_TOOLS,
                            variables: Optional[dict[str, Any]] = None) -> dict:
         """The rendered, tokenized conversation; with its images (loaded, not yet preprocessed) as
         ``multi_modal_data`` for a vision-language model, refused naming the part for any other.
@@ -129,40 +129,40 @@ class OpenAIRoutes:
         return prompt
 
     # ---- simple routes ----------------------------------------------------------------------
-    @_answers_errors
+    @answers_errors
     async def models(self) -> HttpResponse:
         card = ModelCard(id=self.model, created=int(time.time()), root=self.service.model_name,
                          max_model_len=self.service.max_model_len)
         return HttpResponse(200, JSON, [ModelList(data=[card]).dumps()])
 
-    @_answers_errors
+    @answers_errors
     async def health(self) -> HttpResponse:
         if self.service.is_ready():
             return HttpResponse(200, JSON, [b"{}"])
         return HttpResponse(503, JSON, [ApiError(503, "not ready", None, "ServiceUnavailableError").body()])
 
-    @_answers_errors
+    @answers_errors
     async def version_info(self) -> HttpResponse:
         return HttpResponse(200, JSON, [VersionResponse(version=self.version).dumps()])
 
-    @_answers_errors
+    @answers_errors
     async def openapi(self) -> HttpResponse:
         if self._openapi is None:
             self._openapi = await self.service.run_blocking(openapi_document, self.version)
         return HttpResponse(200, JSON, [self._openapi])
 
     # ---- tokenizer routes (vLLM's /tokenize and /detokenize) ---------------------------------
-    @_answers_errors
+    @answers_errors
     async def tokenize(self, data: bytes) -> HttpResponse:
         """``{"prompt": str}`` or ``{"messages": [...]}`` -> ``{"count", "max_model_len", "tokens"}``."""
-        request = self._parse(TokenizeRequest, data)
+        request = self.parse_body(TokenizeRequest, data)
         if request.messages is not None:
             chat = ChatTemplateFields.model_construct(
                 messages=request.messages, chat_template=request.chat_template,
                 add_generation_prompt=request.add_generation_prompt, tools=request.tools)
             if not caller.api_key_given() and chat_images(chat.template_messages())[1]:
                 raise ApiError(401, caller.IMAGES_NEED_KEY, None, "AuthenticationError")
-            prompt = await self._chat_prompt(chat, variables=request.chat_template_kwargs)
+            prompt = await self.render_chat(chat, variables=request.chat_template_kwargs)
             tokens = prompt["prompt_token_ids"]
             if "multi_modal_data" in prompt:  # each image placeholder as the image's tokens
                 expand = self.service.input_processor.multimodal.process
@@ -179,10 +179,10 @@ class OpenAIRoutes:
                                     token_strs=token_strs)
         return HttpResponse(200, JSON, [response.dumps()])
 
-    @_answers_errors
+    @answers_errors
     async def detokenize(self, data: bytes) -> HttpResponse:
         """``{"tokens": [int, ...]}`` -> ``{"prompt": str}``."""
-        request = self._parse(DetokenizeRequest, data)
+        request = self.parse_body(DetokenizeRequest, data)
         vocab = self.service.input_processor.vocab_size
         bad = [t for t in request.tokens if not 0 <= t < vocab]
         if bad:
@@ -191,9 +191,9 @@ class OpenAIRoutes:
         return HttpResponse(200, JSON, [DetokenizeResponse(prompt=text).dumps()])
 
     # ---- completions ------------------------------------------------------------------------
-    @_answers_errors
+    @answers_errors
     async def completions(self, data: bytes, traceparent: str = "", timeout: Optional[float] = None) -> HttpResponse:
-        request = self._parse(CompletionRequest, data)
+        request = self.parse_body(CompletionRequest, data)
         prompts = request.prompts()
         shape = CompletionShape(await self._echo_texts(prompts) if request.echo else None,
                                 self._decode_one if request.echo and request.logprobs is not None else None,
@@ -205,7 +205,7 @@ class OpenAIRoutes:
             beam = request.to_beam_search_params(request.max_tokens, self.service.max_model_len)
             outs = await search_all(self.service, [_prompt_arg(p) for p in prompts], beam, traceparent,
                                     request.data_parallel_rank, timeout)
-            _log_user(request.user, outs[0].request_id)
+            log_user(request.user, outs[0].request_id)
             return HttpResponse(200, JSON, [completion_response(self.model, shape, outs, beam.as_sampling()).dumps()])
         params = request.to_sampling_params(request.max_tokens, request.logprobs, self.sampling_defaults)
         self.service.limits.open_request(len(prompts), params.n)  # n x prompts, prompt tokens in flight: 400 beyond
@@ -217,13 +217,13 @@ class OpenAIRoutes:
         if request.stream:
             streams = [generate(_prompt_arg(p)) for p in prompts]
             first = await anext(streams[0])  # validation errors surface here, before the status is sent
-            _log_user(request.user, first.request_id)
+            log_user(request.user, first.request_id)
             events = CompletionEvents(self.model, first.request_id, params, shape, request.include_usage(),
                                       request.continuous_usage())
             return HttpResponse(200, SSE, _with_inband_errors(_completion_events(events, streams, first), streams))
         outs = await _all(self.service.complete(_prompt_arg(p), params, "", traceparent, rank, timeout)
                           for p in prompts)
-        _log_user(request.user, outs[0].request_id)
+        log_user(request.user, outs[0].request_id)
         return HttpResponse(200, JSON, [completion_response(self.model, shape, outs, params).dumps()])
 
     def _decode_one(self, token_id: int) -> str:
@@ -236,39 +236,39 @@ class OpenAIRoutes:
                 for p in prompts]
 
     # ---- chat -------------------------------------------------------------------------------
-    @_answers_errors
+    @answers_errors
     async def chat_completions(self, data: bytes, traceparent: str = "",
                                timeout: Optional[float] = None) -> HttpResponse:
-        request = self._parse(ChatCompletionRequest, data)
+        request = self.parse_body(ChatCompletionRequest, data)
         params = request.to_params(self.sampling_defaults)
         options = getattr(self.service, "chat_options", None) or ChatOptions()
         choice = request.tool_choice.model_dump() if isinstance(request.tool_choice, BaseModel) else request.tool_choice
         tools = plan_tools(request.template_tools(), choice, request.parallel_tool_calls, options)
-        prompt = await self._chat_prompt(request, tools.template_tools, request.template_variables())
+        prompt = await self.render_chat(request, tools.template_tools, request.template_variables())
         plan, params = await plan_chat(self.service, options, tools, prompt["prompt_token_ids"], params)
-        headers = _ignored_fields(request.ignored_fields())
+        headers = ignored_fields_header(request.ignored_fields())
         top_n = params.logprobs or 0
         if request.use_beam_search:
             beam = request.to_beam_search_params(request.max_completion_tokens or request.max_tokens,
                                                  self.service.max_model_len)
             out = (await search_all(self.service, [prompt], beam, traceparent, request.data_parallel_rank, timeout))[0]
-            _log_user(request.user or request.safety_identifier, out.request_id)
+            log_user(request.user or request.safety_identifier, out.request_id)
             response = chat_response(self.model, out, beam.as_sampling(), 0, plan, False)
             return HttpResponse(200, JSON, [response.dumps()], headers)
         if request.stream:
             stream = self.service.generate(prompt, params, "", traceparent, request.data_parallel_rank, timeout)
             first = await anext(stream)
-            _log_user(request.user or request.safety_identifier, first.request_id)
+            log_user(request.user or request.safety_identifier, first.request_id)
             events = ChatEvents(self.model, first.request_id, params, top_n, request.include_usage(),
                                 request.continuous_usage(), plan)
             return HttpResponse(200, SSE, _with_inband_errors(_chat_events(events, stream, first), [stream]), headers)
         out = await self.service.complete(prompt, params, "", traceparent, request.data_parallel_rank, timeout)
-        _log_user(request.user or request.safety_identifier, out.request_id)
+        log_user(request.user or request.safety_identifier, out.request_id)
         response = chat_response(self.model, out, params, top_n, plan, request.prompt_logprobs is not None)
         return HttpResponse(200, JSON, [response.dumps()], headers)
 
 
-def _ignored_fields(paths: list[str], most: int = 16) -> dict[str, str]:
+def ignored_fields_header(paths: list[str], most: int = 16) -> dict[str, str]:
     """The ``x-gridserve-ignored-fields`` header naming unknown keys inside messages (ASCII-escaped)."""
     if not paths:
         return {}
@@ -276,7 +276,7 @@ def _ignored_fields(paths: list[str], most: int = 16) -> dict[str, str]:
     return {IGNORED_FIELDS_HEADER: named + (f", ... ({len(paths)} in all)" if len(paths) > most else "")}
 
 
-def _log_user(user: Optional[str], request_id: str) -> None:
+def log_user(user: Optional[str], request_id: str) -> None:
     """OpenAI's ``user``: who asks, for the operator (the request's id ties it to the other logs)."""
     if user:
         logger.info("request %s for user %s", request_id, json.dumps(user))
