@@ -29,6 +29,7 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional, Union
 
+from gridserve.services.gateway.service import gather_or_cancel
 from gridserve.shared.errors import DeadlineExceededError, InvalidArgumentError
 from gridserve.shared.outputs import CompletionOutput, FinishReason, RequestOutput
 from gridserve.shared.sampling_params import SamplingParams
@@ -227,7 +228,7 @@ async def search_all(service: GatewayService, prompts: list[Any], params: BeamSe
     """A REST request's beam searches, one per prompt, side by side (``n`` = width sequences each,
     counted against ``--max-sequences-per-request``)."""
     service.limits.open_request(len(prompts), params.beam_width)
-    return await _together(beam_search(service, p, params, traceparent, data_parallel_rank, timeout) for p in prompts)
+    return await gather_or_cancel(beam_search(service, p, params, traceparent, data_parallel_rank, timeout) for p in prompts)
 
 
 async def beam_search(service: GatewayService, prompt: Any, params: BeamSearchParams, traceparent: str = "",
@@ -257,18 +258,9 @@ async def beam_search(service: GatewayService, prompt: Any, params: BeamSearchPa
         await service.run_blocking(search.advance, [candidates_of(o, params.beam_width) for o in outs])
         if search.done:
             break
-        outs = await _together(one_token({"prompt_token_ids": p}) for p in search.prompts())
+        outs = await gather_or_cancel(one_token({"prompt_token_ids": p}) for p in search.prompts())
     await service.run_blocking(search.results)
     prompt_text = prompt if isinstance(prompt, str) else None
     return as_request_output(first.request_id or f"beam-{uuid.uuid4().hex}", prompt_text, search)
 
 
-async def _together(requests: Any) -> list[RequestOutput]:
-    """Run one step's requests at once; when one fails, the others are cancelled (and aborted)."""
-    tasks = [asyncio.ensure_future(r) for r in requests]
-    try:
-        return await asyncio.gather(*tasks)
-    except BaseException:
-        for task in tasks:
-            task.cancel()
-        raise

@@ -9,7 +9,6 @@ status; one after a stream started is sent in band, then ``[DONE]``.
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import json
 import logging
@@ -48,7 +47,7 @@ from gridserve.services.gateway.responses import (
     chat_response,
     completion_response,
 )
-from gridserve.services.gateway.service import GatewayService, StreamChunk
+from gridserve.services.gateway.service import GatewayService, StreamChunk, gather_or_cancel
 from gridserve.services.gateway.tool_choice import plan_tools
 
 JSON = "application/json"
@@ -221,7 +220,7 @@ class OpenAIRoutes:
             events = CompletionEvents(self.model, first.request_id, params, shape, request.include_usage(),
                                       request.continuous_usage())
             return HttpResponse(200, SSE, _with_inband_errors(_completion_events(events, streams, first), streams))
-        outs = await _all(self.service.complete(_prompt_arg(p), params, "", traceparent, rank, timeout)
+        outs = await gather_or_cancel(self.service.complete(_prompt_arg(p), params, "", traceparent, rank, timeout)
                           for p in prompts)
         log_user(request.user, outs[0].request_id)
         return HttpResponse(200, JSON, [completion_response(self.model, shape, outs, params).dumps()])
@@ -284,17 +283,6 @@ def log_user(user: Optional[str], request_id: str) -> None:
 
 def _prompt_arg(prompt: Union[str, list[int]]) -> Any:
     return prompt if isinstance(prompt, str) else {"prompt_token_ids": prompt}
-
-
-async def _all(requests: Iterable[Awaitable[Any]]) -> list[Any]:
-    """Run the requests together; when one fails, the others are cancelled (and aborted)."""
-    tasks = [asyncio.ensure_future(r) for r in requests]
-    try:
-        return await asyncio.gather(*tasks)
-    except BaseException:
-        for task in tasks:
-            task.cancel()
-        raise
 
 
 async def _completion_events(events: CompletionEvents, streams: list[AsyncIterator[StreamChunk]],

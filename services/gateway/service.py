@@ -35,7 +35,7 @@ import logging
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional, TypeVar
@@ -554,3 +554,14 @@ def _hold_back(text: str, stops: list[str]) -> str:
     if not stops:
         return text
     return text[: max(0, len(text) - (max(len(s) for s in stops) - 1))]
+
+
+async def gather_or_cancel(requests: Iterable[Awaitable[Any]]) -> list[Any]:
+    """Run one request's engine calls together; when one fails, the others are cancelled (and aborted)."""
+    tasks = [asyncio.ensure_future(r) for r in requests]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        raise
