@@ -56,6 +56,8 @@ BENCHMARKS = {
                "add_arguments", "run"),
     "default-model": ("default_model_bench", "the default model: gridserve serve to ready (cold, warm) and "
                       "served W per precision", "add_arguments", "run"),
+    "served-ab": ("served_ab", "served W from two source trees (each with its own .venv), alternating B A B A",
+                  "add_arguments", "run"),
     "agent-parsing": ("agent_parsing", "tool / reasoning parsers and forced-call grammar, ms per token", "add_arguments", "run"),
     "cpu-by-process": ("cpu_by_process", "CPU seconds of every process on the machine while a command runs",
                        "add_arguments", "run"),

@@ -29,6 +29,8 @@ from concurrent import futures
 from concurrent.futures import Future
 from typing import Any, Optional
 
+from gridserve.shared.kv_cache_spec import FULL, KVCacheConfig, LayerKVCacheSpec
+
 logger = logging.getLogger(__name__)
 
 CONFIGS = ("bare", "off", "metrics", "tracing", "metrics+tracing")
@@ -47,14 +49,18 @@ class _InstantWorker:
 
     max_concurrent_batches = 1
 
-    def __init__(self, kv_bytes: int, observer: Any = None) -> None:
+    def __init__(self, kv_bytes: int, bytes_per_token: int, observer: Any = None) -> None:
         self.kv_bytes = kv_bytes
+        self.bytes_per_token = bytes_per_token
         self.observer = observer
+
+    def get_kv_cache_spec(self) -> list[list[LayerKVCacheSpec]]:
+        return [[LayerKVCacheSpec("layers", FULL, 16, self.bytes_per_token)]]
 
     def determine_available_memory(self) -> int:
         return self.kv_bytes
 
-    def initialize_cache(self, num_blocks: int) -> None:
+    def initialize_cache(self, kv_cache_config: KVCacheConfig) -> None:
         pass
 
     def execute_model(self, plan, non_block: bool = False):
@@ -96,8 +102,9 @@ def _run_once(args: argparse.Namespace, name: str, endpoint: str) -> tuple[float
     config = _config(args)
     tracing = Tracing(f"bench-{name}", endpoint) if "tracing" in name else None
     worker_observer = WorkerObserver(None, Tracing("bench-worker", endpoint)) if tracing is not None else None
-    kv_bytes = 2 * args.batch * config.max_model_len * config.kv_bytes_per_token_per_rank()
-    core = EngineCore(config, executor=_InstantWorker(kv_bytes, worker_observer))
+    per_token = config.kv_bytes_per_token_per_rank()
+    kv_bytes = 2 * args.batch * config.max_model_len * per_token
+    core = EngineCore(config, executor=_InstantWorker(kv_bytes, per_token, worker_observer))
     observer: Optional[EngineObserver] = None
     if name != "bare":
         metrics = EngineMetrics(config, core.stats) if "metrics" in name else None

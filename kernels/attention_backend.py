@@ -43,6 +43,13 @@ class AttentionMetadata:
     block_table: torch.Tensor  # [num_seqs, max_blocks] int32
     slot_mapping: torch.Tensor  # [num_tokens] int64
     max_query_len: int
+    # KV cache groups 1.. of a model that mixes layer kinds (``gridserve.shared.kv_cache_spec``):
+    # the same batch with each group's block table and slot mapping; this one is group 0's.
+    other_groups: tuple[AttentionMetadata, ...] = ()
+
+    def group(self, index: int) -> AttentionMetadata:
+        """The metadata a layer of KV cache group ``index`` attends with."""
+        return self if index == 0 else self.other_groups[index - 1]
 
 
 class AttentionBackend(ABC):

@@ -26,6 +26,8 @@ class EngineLoad:
     num_generation_tokens: int = 0
     sleeping: bool = False
     state: str = "ready"  # the engine's Readiness state (gridserve.shared.readiness.State value)
+    # (group name, blocks it holds) per KV cache group ("full", "sliding_window_4096", ...)
+    kv_cache_groups: tuple[tuple[str, int], ...] = ()
 
     def routing_key(self) -> tuple[int, int, float]:
         """What routing looks at; a new report is worth sending (and publishing) when it changes."""

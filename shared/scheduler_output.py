@@ -16,6 +16,16 @@ from gridserve.shared.multimodal import ImageFeature
 from gridserve.shared.sampling_params import SamplingParams
 
 
+def per_group(block_ids) -> tuple[list[int], ...]:
+    """Block ids as one list per KV cache group; a flat list is the only group's."""
+    if isinstance(block_ids, tuple):
+        return block_ids
+    block_ids = list(block_ids)
+    if block_ids and isinstance(block_ids[0], (list, tuple)):
+        return tuple(list(ids) for ids in block_ids)
+    return (block_ids,)
+
+
 @dataclass
 class NewRequestData:
     """A request the worker has not seen (or must rebuild after preemption)."""
@@ -23,7 +33,9 @@ class NewRequestData:
     req_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
-    block_ids: list[int]
+    # The request's blocks per KV cache group (``block_ids[g]``, in token order; 0 where a window
+    # group freed one). A flat list is taken as the only group's.
+    block_ids: tuple[list[int], ...]
     num_computed_tokens: int
     # Non-empty when a preempted request resumes: its earlier output is recomputed as prompt.
     output_token_ids: list[int] = field(default_factory=list)
@@ -32,17 +44,23 @@ class NewRequestData:
     # The prompt's images: pixels for the vision encoder and the positions their embeddings fill.
     mm_features: list[ImageFeature] = field(default_factory=list)
 
+    def __post_init__(self) -> None:
+        self.block_ids = per_group(self.block_ids)
+
 
 @dataclass
 class CachedRequestData:
     """A request already held by the worker: only what changed since the last step."""
 
     req_id: str
-    new_block_ids: list[int]
+    new_block_ids: tuple[list[int], ...]  # blocks appended per KV cache group (a flat list: the only group's)
     num_computed_tokens: int
     # Tokens sampled since the worker last saw the request; sent only with pipeline parallelism
     # (the last stage samples, every stage needs them). Otherwise the worker appends its own samples.
     new_token_ids: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.new_block_ids = per_group(self.new_block_ids)
 
 
 @dataclass

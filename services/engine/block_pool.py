@@ -11,6 +11,10 @@ The model (the contract the KV-cache manager and the worker rely on):
 * A full block may carry a ``block_hash``. A freed block keeps its hash, so a later request can
   still hit it (``touch`` takes it back out of the free list) until ``get_new_blocks`` reuses it,
   which evicts the hash first.
+* Every KV cache group draws from this one pool, and the same tokens hash alike in every group
+  while their KV lives in different blocks, so the cache key names the group: the hash itself for
+  group 0 (a model of one layer kind has only that group, and pays nothing), ``(hash, group)``
+  for the others.
 """
 
 from __future__ import annotations
@@ -21,6 +25,11 @@ from collections.abc import Iterable, Sequence
 logger = logging.getLogger(__name__)
 
 
+def cache_key(block_hash: bytes, group: int) -> bytes | tuple[bytes, int]:
+    """The prefix-cache key of ``block_hash`` in KV cache group ``group``."""
+    return block_hash if group == 0 else (block_hash, group)
+
+
 class KVCacheBlock:
     """One physical block: its id, reference count, prefix-cache hash and free-list links."""
 
@@ -29,13 +38,14 @@ class KVCacheBlock:
     def __init__(self, block_id: int, is_null: bool = False) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
-        self.block_hash: bytes | None = None
+        self.block_hash: bytes | tuple[bytes, int] | None = None  # the cache key (``cache_key``)
         self.prev_free: KVCacheBlock | None = None
         self.next_free: KVCacheBlock | None = None
         self.is_null = is_null
 
     def __repr__(self) -> str:
-        h = self.block_hash.hex()[:8] if self.block_hash is not None else None
+        key = self.block_hash
+        h = None if key is None else key.hex()[:8] if isinstance(key, bytes) else f"{key[0].hex()[:8]}/g{key[1]}"
         return f"KVCacheBlock(id={self.block_id}, ref_cnt={self.ref_cnt}, hash={h})"
 
 
@@ -113,7 +123,7 @@ class BlockPool:
         self.free_block_queue = FreeBlockQueue(self.blocks[1:])
         # hash -> {block_id: block}; several blocks may hold the same content when two requests
         # computed the same prefix at the same time.
-        self.cached_block_hash_to_block: dict[bytes, dict[int, KVCacheBlock]] = {}
+        self.cached_block_hash_to_block: dict[bytes | tuple[bytes, int], dict[int, KVCacheBlock]] = {}
 
     @property
     def num_usable_blocks(self) -> int:
@@ -152,9 +162,12 @@ class BlockPool:
         block.block_hash = None
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
-        """Take a reference on prefix-hit blocks, pulling free ones out of the free list."""
+        """Take a reference on prefix-hit blocks, pulling free ones out of the free list (the null
+        block, a window group's placeholder, is nobody's)."""
         for block in blocks:
-            if block.ref_cnt == 0 and not block.is_null:
+            if block.is_null:
+                continue
+            if block.ref_cnt == 0:
                 self.free_block_queue.remove(block)
             block.ref_cnt += 1
 
@@ -178,11 +191,13 @@ class BlockPool:
         block_hashes: Sequence[bytes],
         num_cached_blocks: int,
         num_full_blocks: int,
+        group: int = 0,
     ) -> None:
-        """Record ``hash -> block`` for ``blocks[num_cached_blocks:num_full_blocks]``.
+        """Record ``hash -> block`` for ``blocks[num_cached_blocks:num_full_blocks]`` of KV cache
+        group ``group``.
 
         ``block_hashes[i]`` is the hash of ``blocks[i]``. Blocks that already carry a hash (prefix
-        hits) are left alone.
+        hits) and null blocks (a window group's freed head) are left alone.
         """
         if not self.enable_caching:
             return
@@ -190,12 +205,12 @@ class BlockPool:
             block = blocks[i]
             if block.block_hash is not None or block.is_null:
                 continue
-            block.block_hash = block_hashes[i]
+            block.block_hash = cache_key(block_hashes[i], group)
             self.cached_block_hash_to_block.setdefault(block.block_hash, {})[block.block_id] = block
 
-    def get_cached_block(self, block_hash: bytes) -> KVCacheBlock | None:
-        """A block holding the content with ``block_hash``, or None on a miss."""
-        holders = self.cached_block_hash_to_block.get(block_hash)
+    def get_cached_block(self, block_hash: bytes, group: int = 0) -> KVCacheBlock | None:
+        """A block of group ``group`` holding the content with ``block_hash``, or None on a miss."""
+        holders = self.cached_block_hash_to_block.get(cache_key(block_hash, group))
         if not holders:
             return None
         return next(iter(holders.values()))

@@ -1,7 +1,9 @@
 """EngineCore: the busy loop's body. One ``step()`` = schedule -> execute -> update.
 
 The core owns the scheduler and the KV-cache manager and drives the workers through an
-``Executor``. It sizes the KV cache from the memory the workers report. No torch here.
+``Executor``. It plans the KV cache from what the workers report: each layer's kind and bytes
+(``get_kv_cache_spec``) and the memory they have (``determine_available_memory``); the plan (the
+pool's size and the KV cache groups) goes back to every worker (``initialize_cache``). No torch here.
 """
 
 from __future__ import annotations
@@ -13,11 +15,12 @@ from concurrent.futures import Future
 from typing import Any, Optional
 
 from gridserve.services.engine.executor import Executor
-from gridserve.services.engine.kv_cache_manager import KVCacheManager, num_blocks_for_memory
+from gridserve.services.engine.kv_cache_manager import KVCacheManager
 from gridserve.services.engine.request import Request
 from gridserve.services.engine.scheduler import Scheduler
 from gridserve.shared.config import GridserveConfig
-from gridserve.shared.errors import ConfigError, FailedPreconditionError
+from gridserve.shared.errors import FailedPreconditionError
+from gridserve.shared.kv_cache_spec import KVCacheConfig, plan_kv_cache
 from gridserve.shared.load import EngineLoad
 from gridserve.shared.outputs import EngineCoreOutput
 from gridserve.shared.scheduler_output import SchedulerOutput
@@ -31,9 +34,10 @@ class EngineCore:
     def __init__(self, config: GridserveConfig, executor: Optional[Executor] = None) -> None:
         self.config = config
         self.executor = executor or Executor.get_class(config)(config)
-        num_blocks = self._initialize_kv_cache()
+        self.kv_cache_config = self._initialize_kv_cache()
         self.kv_cache_manager = KVCacheManager(
-            num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
+            self.kv_cache_config.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
+            self.kv_cache_config.groups,
         )
         self.scheduler = Scheduler(config, self.kv_cache_manager)
         # Batches submitted and not yet updated from, oldest first. At rest it holds up to
@@ -41,20 +45,17 @@ class EngineCore:
         self.max_concurrent_batches = self.executor.max_concurrent_batches
         self._batches: deque[tuple[SchedulerOutput, Future]] = deque()
 
-    def _initialize_kv_cache(self) -> int:
+    def _initialize_kv_cache(self) -> KVCacheConfig:
         cache = self.config.cache
+        specs = self.executor.get_kv_cache_spec()
         available = self.executor.determine_available_memory()
-        num_blocks = num_blocks_for_memory(available, self.config.kv_bytes_per_token_per_rank(), cache.block_size)
-        if (num_blocks - 1) * cache.block_size < self.config.max_model_len:
-            raise ConfigError(
-                "cache.kv_cache_memory_bytes",
-                f"the KV cache holds {(num_blocks - 1) * cache.block_size} tokens, fewer than "
-                f"max_model_len={self.config.max_model_len}; give it more memory or lower max_model_len",
-            )
-        self.executor.initialize_cache(num_blocks)
-        cache.num_blocks = num_blocks
-        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, cache.block_size, available / 2**20)
-        return num_blocks
+        plan = plan_kv_cache(specs, available, cache.block_size, self.config.max_model_len)
+        self.executor.initialize_cache(plan)
+        cache.num_blocks = plan.num_blocks
+        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB), %d group(s): %s", plan.num_blocks,
+                    cache.block_size, available / 2**20, len(plan.groups),
+                    ", ".join(f"{g.name} x{len(g.layer_names)} layers" for g in plan.groups))
+        return plan
 
     def add_request(self, request: Request) -> None:
         if self.executor.is_sleeping:
@@ -99,7 +100,7 @@ class EngineCore:
 
     def reinitialize_workers(self, timeout_s: float) -> None:
         """Rebuild the worker group (device, weights, a KV cache of the same number of blocks)."""
-        self.executor.reinitialize(self.config.cache.num_blocks, timeout_s)
+        self.executor.reinitialize(self.kv_cache_config, timeout_s)
 
     def execute_dummy_batch(self) -> None:
         """One empty step through the executor (an idle engine's part of an MoE wave)."""

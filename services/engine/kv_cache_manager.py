@@ -2,17 +2,27 @@
 
 The model (the contract the scheduler relies on):
 
-* Every request owns a list of blocks (``req_to_blocks``); block ``i`` holds the KV of tokens
-  ``[i * block_size, (i + 1) * block_size)``. The block ids go to the worker's block table.
+* The model's layers form KV cache groups (``gridserve.shared.kv_cache_spec``); all draw from one
+  ``BlockPool``. Every request owns a list of blocks per group (``req_to_blocks[id][g]``); block
+  ``i`` holds the KV of tokens ``[i * block_size, (i + 1) * block_size)`` for that group's layers.
+  The lists go to the worker's block tables (``block_ids[g]``). A model of one layer kind has one
+  group, and everything below reads as for a single list.
+* A sliding-window group frees the blocks its window no longer sees: before a step, every block
+  wholly before ``num_computed_tokens - window + 1`` goes back to the pool (keeping its hash) and
+  its place in the list becomes the null block. So a long request holds about ``window /
+  block_size + 1`` blocks there between steps; a prefill chunk still gets every block it writes.
 * ``get_computed_blocks(request)`` looks up the longest run of leading *full* blocks already in the
   cache. It never reports the whole request as computed: at least one token is left to compute so
-  the step produces logits.
+  the step produces logits. With several groups, a hit of ``n`` blocks must hold in every group: a
+  full group needs all ``n`` cached, a window group only the blocks the window of the next token
+  reaches (the ones before are null in its list, never touched); the longest ``n`` all agree on is
+  the hit (vLLM's rule).
 * ``allocate_slots(...)`` makes room for ``num_computed_tokens + num_new_computed_tokens +
   num_new_tokens`` tokens. It is all or nothing: on ``None`` nothing changed (the scheduler then
   preempts or waits). On success it also records the hash of every block that becomes full with
   tokens computed in this step, so later requests can hit it.
 * ``free(request)`` returns the request's blocks tail first, so the free list evicts a sequence's
-  tail before its head (the head is the more widely shared prefix).
+  tail before its head (the head is the more widely shared prefix); null entries are skipped.
 * Block hashes chain: ``hash(block i) = sha256(hash(block i-1), tokens of block i, extra keys)``;
   the request's ``cache_salt`` goes into the first block's extra keys, so it reaches every block;
   a block that covers image tokens has each such image's content hash (and where the block cuts
@@ -29,7 +39,14 @@ from collections.abc import Sequence
 
 from gridserve.services.engine.block_pool import BlockPool, KVCacheBlock
 from gridserve.services.engine.request import Request
-from gridserve.shared.errors import ConfigError
+from gridserve.shared.kv_cache_spec import (
+    FULL,
+    KVCacheGroup,
+    num_blocks_for_memory,
+    num_skipped_blocks,
+)
+
+__all__ = ["KVCacheManager", "hash_block_tokens", "num_blocks_for_memory"]
 
 logger = logging.getLogger(__name__)
 
@@ -63,35 +80,25 @@ def _extra_keys(request: Request, start: int, end: int) -> tuple | None:
     return tuple(keys) or None
 
 
-def num_blocks_for_memory(kv_cache_memory_bytes: int, bytes_per_token: int, block_size: int) -> int:
-    """How many blocks (the null block included) fit in ``kv_cache_memory_bytes``."""
-    if bytes_per_token < 1:
-        raise ValueError(f"bytes_per_token must be positive, got {bytes_per_token}")
-    if block_size < 1:
-        raise ConfigError("cache.block_size", f"must be a positive integer, got {block_size}")
-    bytes_per_block = bytes_per_token * block_size
-    num_blocks = kv_cache_memory_bytes // bytes_per_block
-    if num_blocks < 2:
-        raise ConfigError(
-            "cache.kv_cache_memory_bytes",
-            f"{kv_cache_memory_bytes} bytes hold {num_blocks} blocks of {bytes_per_block} bytes; "
-            f"at least 2 are needed (one is the null block), i.e. {2 * bytes_per_block} bytes",
-        )
-    return num_blocks
-
-
 class KVCacheManager:
-    """Allocates blocks to requests and serves prefix-cache hits, on top of a ``BlockPool``."""
+    """Allocates blocks to requests, per KV cache group, and serves prefix-cache hits, on top of one
+    ``BlockPool``. ``groups`` defaults to one full-attention group."""
 
-    def __init__(self, num_blocks: int, block_size: int = 16, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int = 16, enable_caching: bool = True,
+                 groups: Sequence[KVCacheGroup] | None = None) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.block_size = block_size
         self.enable_caching = enable_caching
+        self.groups: tuple[KVCacheGroup, ...] = tuple(groups) if groups else (KVCacheGroup(FULL, ()),)
+        self.windows = tuple(g.sliding_window for g in self.groups)  # 0: keeps every token
+        self.num_groups = len(self.groups)
         self.block_pool = BlockPool(num_blocks, enable_caching)
-        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
-        # How many leading blocks of each request already have their hash recorded in the pool.
-        self.num_cached_blocks: dict[str, int] = {}
+        self.null_block = self.block_pool.null_block
+        self.req_to_blocks: dict[str, tuple[list[KVCacheBlock], ...]] = {}
+        # How many leading blocks of each request, per group, already have their hash in the pool.
+        self.num_cached_blocks: dict[str, list[int]] = {}
+        self.blocks_in_use = [0] * self.num_groups  # distinct blocks each group holds
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
         # Lookups of requests resuming after preemption (they mostly hit their own blocks).
@@ -113,8 +120,16 @@ class KVCacheManager:
     def usage(self) -> float:
         return self.block_pool.usage
 
-    def get_block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
+    def group_usage(self) -> list[tuple[str, int]]:
+        """(group name, blocks it holds) per group: the pool's use split by group."""
+        return [(g.name, n) for g, n in zip(self.groups, self.blocks_in_use)]
+
+    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        """The request's block ids, one list per group (0 where a window group freed a block)."""
+        blocks = self.req_to_blocks.get(request_id)
+        if blocks is None:
+            return tuple([] for _ in self.groups)
+        return tuple([b.block_id for b in group] for group in blocks)
 
     # ---- hashing ---------------------------------------------------------------------------
 
@@ -131,63 +146,106 @@ class KVCacheManager:
 
     # ---- the scheduler's interface ---------------------------------------------------------
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
-        """The longest cached run of leading full blocks and the number of tokens it covers.
+    def get_computed_blocks(self, request: Request) -> tuple[tuple[list[KVCacheBlock], ...], int]:
+        """The longest cached prefix every group can serve: its blocks per group and the number of
+        tokens it covers (a window group's list starts with null blocks it does not need).
 
         The blocks are not referenced yet: pass them to ``allocate_slots`` in the same step.
         """
         if not self.enable_caching:
-            return [], 0
+            return tuple([] for _ in self.groups), 0
         self._update_block_hashes(request)
         # Leave at least one token to compute, so the step yields logits.
-        max_hit_blocks = (request.num_tokens - 1) // self.block_size
-        computed: list[KVCacheBlock] = []
-        for block_hash in request.block_hashes[:max_hit_blocks]:
-            block = self.block_pool.get_cached_block(block_hash)
-            if block is None:
+        num_hit = min((request.num_tokens - 1) // self.block_size, len(request.block_hashes))
+        hashes = request.block_hashes
+        while True:  # each group can only shorten the hit; stop when all agree
+            agreed = num_hit
+            for g, window in enumerate(self.windows):
+                num_hit = self._window_hit(hashes, g, window, num_hit) if window else self._full_hit(hashes, g, num_hit)
+            if num_hit == agreed:
                 break
-            computed.append(block)
-        return computed, len(computed) * self.block_size
+        computed = []
+        for g, window in enumerate(self.windows):
+            skipped = num_skipped_blocks(window, num_hit * self.block_size, self.block_size)
+            blocks = [self.null_block] * skipped
+            blocks += [self.block_pool.get_cached_block(h, g) for h in hashes[skipped:num_hit]]
+            computed.append(blocks)
+        return tuple(computed), num_hit * self.block_size
+
+    def _full_hit(self, hashes: list[bytes], group: int, limit: int) -> int:
+        """Leading blocks of ``hashes[:limit]`` cached in ``group``."""
+        for i in range(limit):
+            if self.block_pool.get_cached_block(hashes[i], group) is None:
+                return i
+        return limit
+
+    def _window_hit(self, hashes: list[bytes], group: int, window: int, limit: int) -> int:
+        """The longest hit of at most ``limit`` blocks for which ``group`` holds the blocks the next
+        token's window reaches (the ``ceil((window - 1) / block_size)`` blocks before the hit's end,
+        or every block from the first when the hit is shorter than that)."""
+        needed = -(-(window - 1) // self.block_size)
+        if needed == 0:
+            return limit
+        run = 0
+        for i in range(limit - 1, -1, -1):
+            if self.block_pool.get_cached_block(hashes[i], group) is None:
+                run = 0
+                continue
+            run += 1
+            if run == needed:
+                return i + needed
+        return run  # a run from block 0 on: the hit starts the sequence, no window before it
 
     def allocate_slots(
         self,
         request: Request,
         num_new_tokens: int,
-        new_computed_blocks: list[KVCacheBlock] | None = None,
+        new_computed_blocks: Sequence | None = None,
         num_new_computed_tokens: int = 0,
-    ) -> list[int] | None:
-        """Make room for this step's tokens; return the newly allocated block ids, or None.
+    ) -> tuple[list[int], ...] | None:
+        """Make room for this step's tokens; return the newly allocated block ids per group, or None.
 
         ``new_computed_blocks``/``num_new_computed_tokens`` are the prefix hits from
         ``get_computed_blocks`` (only for a request that holds no blocks yet); passing them, even
         empty, counts the lookup in the query / hit counters once it succeeds. On None nothing
-        changed. The returned ids exclude the prefix-hit blocks.
+        changed, except that window groups may have freed blocks their window no longer sees. The
+        returned ids exclude the prefix-hit blocks.
         """
         if num_new_tokens < 0 or num_new_computed_tokens < 0:
             raise ValueError(
                 f"token counts must be non-negative, got {num_new_tokens}, {num_new_computed_tokens}"
             )
         looked_up = new_computed_blocks is not None
-        new_computed_blocks = list(new_computed_blocks or [])
-        req_blocks = self.req_to_blocks.get(request.request_id, [])
-        if new_computed_blocks and req_blocks:
+        hits = self._per_group(new_computed_blocks)
+        req_blocks = self.req_to_blocks.get(request.request_id)
+        if req_blocks is not None and any(hits):
             raise ValueError(f"{request.request_id}: prefix hits given for a request that holds blocks")
+        if req_blocks is not None:
+            self._free_skipped(request, req_blocks)
 
         num_tokens_after = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
         num_required = -(-num_tokens_after // self.block_size)
-        num_new_blocks = max(0, num_required - len(req_blocks) - len(new_computed_blocks))
+        held = req_blocks or tuple([] for _ in self.groups)
+        num_new_blocks = [max(0, num_required - len(held[g]) - len(hits[g])) for g in range(self.num_groups)]
         # Touching a free prefix-hit block takes it out of the free list, too.
-        num_evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0 and not b.is_null)
-        if num_new_blocks > self.block_pool.get_num_free_blocks() - num_evictable_hits:
+        num_evictable_hits = sum(1 for group in hits for b in group if b.ref_cnt == 0 and not b.is_null)
+        if sum(num_new_blocks) > self.block_pool.get_num_free_blocks() - num_evictable_hits:
             return None
 
-        self.block_pool.touch(new_computed_blocks)
-        new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
-        req_blocks = self.req_to_blocks.setdefault(request.request_id, [])
-        num_cached = self.num_cached_blocks.get(request.request_id, 0) + len(new_computed_blocks)
-        req_blocks.extend(new_computed_blocks)
-        req_blocks.extend(new_blocks)
-        self.num_cached_blocks[request.request_id] = num_cached
+        if req_blocks is None:
+            req_blocks = self.req_to_blocks[request.request_id] = tuple([] for _ in self.groups)
+            self.num_cached_blocks[request.request_id] = [0] * self.num_groups
+        num_cached = self.num_cached_blocks[request.request_id]
+        new_ids = []
+        for g in range(self.num_groups):
+            free_before = self.block_pool.get_num_free_blocks()
+            self.block_pool.touch(hits[g])
+            new_blocks = self.block_pool.get_new_blocks(num_new_blocks[g])
+            self.blocks_in_use[g] += free_before - self.block_pool.get_num_free_blocks()
+            req_blocks[g].extend(hits[g])
+            req_blocks[g].extend(new_blocks)
+            num_cached[g] += len(hits[g])
+            new_ids.append([b.block_id for b in new_blocks])
 
         if self.enable_caching:
             if looked_up and request.num_preemptions:  # a resumed request: counted apart (vLLM)
@@ -198,18 +256,51 @@ class KVCacheManager:
                 self.prefix_cache_hits += num_new_computed_tokens
             self._update_block_hashes(request)
             # Blocks full of tokens computed up to the end of this step.
-            num_full = min(num_tokens_after // self.block_size, len(request.block_hashes), len(req_blocks))
-            if num_full > num_cached:
-                self.block_pool.cache_full_blocks(req_blocks, request.block_hashes, num_cached, num_full)
-                self.num_cached_blocks[request.request_id] = num_full
-        return [b.block_id for b in new_blocks]
+            full = min(num_tokens_after // self.block_size, len(request.block_hashes))
+            for g in range(self.num_groups):
+                num_full = min(full, len(req_blocks[g]))
+                if num_full > num_cached[g]:
+                    self.block_pool.cache_full_blocks(req_blocks[g], request.block_hashes, num_cached[g], num_full, g)
+                    num_cached[g] = num_full
+        return tuple(new_ids)
+
+    def _per_group(self, blocks: Sequence | None) -> tuple[list[KVCacheBlock], ...]:
+        """Prefix hits as one list per group (a flat list is the single group's)."""
+        if not blocks:
+            return tuple([] for _ in self.groups)
+        if isinstance(blocks[0], KVCacheBlock):
+            if self.num_groups != 1:
+                raise ValueError(f"prefix hits must be given per group ({self.num_groups} groups)")
+            return (list(blocks),)
+        if len(blocks) != self.num_groups:
+            raise ValueError(f"prefix hits for {len(blocks)} groups, the cache has {self.num_groups}")
+        return tuple(list(group) for group in blocks)
+
+    def _free_skipped(self, request: Request, req_blocks: tuple[list[KVCacheBlock], ...]) -> None:
+        """Window groups: return the blocks wholly outside the next token's window (tail first)."""
+        for g, window in enumerate(self.windows):
+            if not window:
+                continue
+            blocks = req_blocks[g]
+            skipped = min(num_skipped_blocks(window, request.num_computed_tokens, self.block_size), len(blocks))
+            done = [b for b in blocks[:skipped] if not b.is_null]
+            if not done:
+                continue
+            free_before = self.block_pool.get_num_free_blocks()
+            self.block_pool.free_blocks(reversed(done))
+            self.blocks_in_use[g] -= self.block_pool.get_num_free_blocks() - free_before
+            blocks[:skipped] = [self.null_block] * skipped
 
     def free(self, request: Request) -> None:
         """Return the request's blocks (tail first) and forget it. Freeing twice is a no-op."""
         blocks = self.req_to_blocks.pop(request.request_id, None)
         self.num_cached_blocks.pop(request.request_id, None)
-        if blocks:
-            self.block_pool.free_blocks(reversed(blocks))
+        if not blocks:
+            return
+        for g, group in enumerate(blocks):
+            free_before = self.block_pool.get_num_free_blocks()
+            self.block_pool.free_blocks(reversed(group))
+            self.blocks_in_use[g] -= self.block_pool.get_num_free_blocks() - free_before
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached hash; fails (False) while any block is in use."""

@@ -343,6 +343,7 @@ class Scheduler:
             kv_total_blocks=self.kv.num_total_blocks,
             num_prompt_tokens=self.num_prompt_tokens,
             num_generation_tokens=self.num_generation_tokens,
+            kv_cache_groups=tuple(self.kv.group_usage()),
         )
 
     def take_step_stats(self) -> StepStats:

@@ -18,6 +18,7 @@ from torch import nn
 
 from gridserve.kernels.attention_backend import AttentionMetadata, select_attention_backend
 from gridserve.kernels.reference import alibi_slopes, attend_positions, query_chunks, score_mods
+from gridserve.shared.kv_cache_spec import FULL, SLIDING_WINDOW, LayerKVCacheSpec
 
 __all__ = ["AttentionMetadata", "PagedAttention", "alibi_slopes"]
 
@@ -49,6 +50,7 @@ class PagedAttention(nn.Module):
         self.alibi_slopes = _slopes(alibi_slopes, num_heads)
         self._device_slopes: torch.Tensor | None = None
         self.kv_cache = torch.empty(0)
+        self.kv_cache_group = 0  # which block table this layer reads (set with ``kv_cache``)
         self.k_scale = 1.0
         self.v_scale = 1.0
         self.batch_invariant = False  # every row through one per-token kernel (``batch_invariant.enable``)
@@ -61,10 +63,25 @@ class PagedAttention(nn.Module):
         if self.kv_cache.numel() == 0:
             out = self._no_cache(q, k, v, meta, mods)
         else:
+            if self.kv_cache_group:
+                meta = meta.group(self.kv_cache_group)
             backend = select_attention_backend(q, self.batch_invariant)
             backend.write_kv(k, v, self.kv_cache, meta, self.k_scale, self.v_scale)
             out = backend.attend(q, self.kv_cache, meta, self.scale, self.k_scale, self.v_scale, **mods)
         return out.reshape(-1, self.num_heads * self.head_size)
+
+    def kv_cache_spec(self, layer_name: str, block_size: int, dtype_bytes: int) -> LayerKVCacheSpec:
+        """What this layer keeps per token on this rank: K and V of its KV heads, all of them or,
+        with a window, the window's (a layer with another cache layout overrides this and
+        ``kv_cache_shape``)."""
+        kind = SLIDING_WINDOW if self.sliding_window else FULL
+        return LayerKVCacheSpec(layer_name, kind, block_size, 2 * self.num_kv_heads * self.head_size * dtype_bytes,
+                                sliding_window=self.sliding_window or 0, num_kv_heads=self.num_kv_heads,
+                                head_size=self.head_size)
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        """This layer's KV tensor (only the KV heads this rank holds)."""
+        return (2, num_blocks, block_size, self.num_kv_heads, self.head_size)
 
     def _mods(self, device: torch.device) -> dict:
         """The backends' keywords: ``sliding_window`` / ``soft_cap`` (0 = off) and the slopes on ``device``."""

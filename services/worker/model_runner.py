@@ -18,7 +18,7 @@ import torch
 
 from gridserve.kernels.dispatch import one_thread
 from gridserve.services.worker import batch_invariant, cpu_packed_linear
-from gridserve.services.worker.attention import AttentionMetadata
+from gridserve.services.worker.attention import AttentionMetadata, PagedAttention
 from gridserve.services.worker.encoder_cache import EncoderCache, ImageRows
 from gridserve.services.worker.loader import KV_CACHE_TORCH_DTYPES, TORCH_DTYPES, load_model
 from gridserve.services.worker.parallel_state import get_parallel_state
@@ -33,7 +33,8 @@ from gridserve.services.worker.sampler import (
 )
 from gridserve.services.worker.structured_output import StructuredOutputManager
 from gridserve.shared.config import GridserveConfig
-from gridserve.shared.errors import InvalidArgumentError
+from gridserve.shared.errors import ConfigError, InvalidArgumentError
+from gridserve.shared.kv_cache_spec import KVCacheConfig, LayerKVCacheSpec, num_skipped_blocks
 from gridserve.shared.multimodal import ImageFeature
 from gridserve.shared.sampling_params import SamplingParams
 from gridserve.shared.scheduler_output import ModelRunnerOutput, SchedulerOutput
@@ -49,7 +50,7 @@ class RequestState:
     token_ids: list[int]
     num_prompt_tokens: int
     params: SamplingParams
-    block_ids: list[int]
+    block_ids: list[list[int]]  # per KV cache group
     num_computed_tokens: int
     stop_ids: list[int] = field(default_factory=list)
     images: list[ImageFeature] = field(default_factory=list)
@@ -86,6 +87,8 @@ class ModelRunner:
         self.sampler = Sampler()
         self.model: Optional[torch.nn.Module] = None
         self.kv_caches: list[torch.Tensor] = []
+        self.kv_cache_config: Optional[KVCacheConfig] = None
+        self.windows: tuple[int, ...] = (0,)  # each KV cache group's window (0: none)
         self.structured_output: Optional[StructuredOutputManager] = None  # built on first use
         self.encoder_cache: Optional[EncoderCache] = None  # a vision-language model's image embeddings
         self.failures = RequestFailures()
@@ -106,20 +109,42 @@ class ModelRunner:
         if hasattr(self.model, "encode_images"):
             self.encoder_cache = EncoderCache(self.model, self.device)
 
-    def kv_cache_shape(self, num_blocks: int, layer) -> tuple[int, ...]:
-        """One layer's KV tensor: only the KV heads this rank holds."""
-        return (2, num_blocks, self.block_size, layer.num_kv_heads, layer.head_size)
+    def _named_attention_layers(self) -> list[tuple[str, PagedAttention]]:
+        """This rank's attention layers in model order, with their module names (global layer
+        numbers, so the same on every rank that holds the layer)."""
+        names = {id(module): name for name, module in self.model.named_modules()}
+        return [(names[id(layer)], layer) for layer in self.model.attention_layers()]
 
-    def initialize_cache(self, num_blocks: int) -> None:
-        """Allocate one KV tensor per layer of this stage and bind it to that layer's attention."""
-        layers = self.model.attention_layers()
-        self.kv_caches = [
-            torch.zeros(self.kv_cache_shape(num_blocks, layer), dtype=self.kv_cache_dtype,
-                        device=self.device)
-            for layer in layers
-        ]
-        for layer, cache in zip(layers, self.kv_caches):
-            layer.kv_cache = cache
+    def get_kv_cache_spec(self) -> list[LayerKVCacheSpec]:
+        """What each of this rank's layers keeps in the KV cache (the engine plans from it)."""
+        dtype_bytes = torch.empty(0, dtype=self.kv_cache_dtype).element_size()
+        return [layer.kv_cache_spec(name, self.block_size, dtype_bytes) for name, layer in self._named_attention_layers()]
+
+    def initialize_cache(self, plan: KVCacheConfig) -> None:
+        """Allocate the planned KV cache and bind each layer to its tensor and group. One group: a
+        tensor per layer. Several: one tensor per slot, shared by layer ``i`` of every group (a block
+        id belongs to one group at a time, so they never write the same block)."""
+        single = len(plan.groups) == 1
+        slots: dict[int, torch.Tensor] = {}
+        self.kv_caches = []
+        for name, layer in self._named_attention_layers():
+            if single:
+                group, tensor = 0, None
+            elif name in plan.slots:
+                group, slot = plan.slots[name]
+                tensor = slots.get(slot)
+            else:
+                raise ConfigError("model", f"the engine's KV cache plan has no group for layer {name}")
+            if tensor is None:
+                tensor = torch.zeros(layer.kv_cache_shape(plan.num_blocks, self.block_size),
+                                     dtype=self.kv_cache_dtype, device=self.device)
+                self.kv_caches.append(tensor)
+                if not single:
+                    slots[slot] = tensor
+            layer.kv_cache = tensor
+            layer.kv_cache_group = group
+        self.kv_cache_config = plan
+        self.windows = plan.windows
 
     def release_cache(self) -> None:
         for layer in self.model.attention_layers():
@@ -251,7 +276,7 @@ class ModelRunner:
                 token_ids=[*new.prompt_token_ids, *new.output_token_ids],
                 num_prompt_tokens=len(new.prompt_token_ids),
                 params=params,
-                block_ids=list(new.block_ids),
+                block_ids=[list(ids) for ids in new.block_ids] + [[] for _ in self.windows[len(new.block_ids):]],
                 num_computed_tokens=new.num_computed_tokens,
                 stop_ids=stop_ids,
                 images=list(new.mm_features),
@@ -271,7 +296,8 @@ class ModelRunner:
             if cached.req_id in self.failures.rejected:
                 continue
             state = self.requests[cached.req_id]
-            state.block_ids.extend(cached.new_block_ids)
+            for ids, new_ids in zip(state.block_ids, cached.new_block_ids):
+                ids.extend(new_ids)
             state.num_computed_tokens = cached.num_computed_tokens
             state.token_ids.extend(cached.new_token_ids)
 
@@ -291,24 +317,32 @@ class ModelRunner:
             if start + n >= len(state.token_ids):
                 sampling.append(req_id)
                 last_rows.append(total - 1)
-        max_blocks = max(len(t) for t in tables)
-        table = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int32)
         q_lens_t = torch.tensor(q_lens, dtype=torch.int64)
         starts_t = torch.tensor(starts, dtype=torch.int64)
         query_start_loc = torch.zeros(len(req_ids) + 1, dtype=torch.int64)
         torch.cumsum(q_lens_t, 0, out=query_start_loc[1:])
         row_of_token = torch.repeat_interleave(torch.arange(len(req_ids)), q_lens_t)
         positions = torch.arange(total) + torch.repeat_interleave(starts_t - query_start_loc[:-1], q_lens_t)
-        slot_mapping = table[row_of_token, positions // self.block_size].long() * self.block_size + (
-            positions % self.block_size
-        )
-        meta = AttentionMetadata(
-            query_start_loc=query_start_loc.to(torch.int32).to(self.device),
-            seq_lens=(starts_t + q_lens_t).to(torch.int32).to(self.device),
-            block_table=table.to(self.device),
-            slot_mapping=slot_mapping.to(self.device),
-            max_query_len=max(q_lens),
-        )
+        block_index, offset = positions // self.block_size, positions % self.block_size
+        metas = []
+        for g, window in enumerate(self.windows):
+            group_tables = [t[g] for t in tables]
+            if window:  # blocks the engine freed are the null block here too
+                for ids, start in zip(group_tables, starts):
+                    skipped = min(num_skipped_blocks(window, start, self.block_size), len(ids))
+                    ids[:skipped] = [0] * skipped
+            max_blocks = max(len(t) for t in group_tables)
+            table = torch.tensor([t + [0] * (max_blocks - len(t)) for t in group_tables], dtype=torch.int32)
+            slot_mapping = table[row_of_token, block_index].long() * self.block_size + offset
+            metas.append(AttentionMetadata(
+                query_start_loc=query_start_loc.to(torch.int32).to(self.device),
+                seq_lens=(starts_t + q_lens_t).to(torch.int32).to(self.device),
+                block_table=table.to(self.device),
+                slot_mapping=slot_mapping.to(self.device),
+                max_query_len=max(q_lens),
+            ))
+        meta = metas[0]
+        meta.other_groups = tuple(metas[1:])
         return StepInputs(
             input_ids=torch.tensor(token_ids, dtype=torch.int64, device=self.device),
             positions=positions.to(self.device),

@@ -28,6 +28,8 @@ from gridserve.shared.errors import FailedPreconditionError
 from gridserve.shared.rpc.values import decode, encode
 from gridserve.shared.rpc.worker_convert import (
     config_from_pb,
+    kv_cache_config_from_pb,
+    kv_cache_spec_to_pb,
     runner_output_to_pb,
     scheduler_output_from_pb,
 )
@@ -117,8 +119,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             response.available_memory_bytes = worker.determine_available_memory()
         elif method == "load_model":
             worker.load_model()
+        elif method == "get_kv_cache_spec":
+            response.kv_cache_spec.CopyFrom(kv_cache_spec_to_pb(worker.get_kv_cache_spec()))
         elif method == "initialize_cache":
-            worker.initialize_cache(args.num_blocks)
+            worker.initialize_cache(kv_cache_config_from_pb(args, worker.config.cache.block_size))
             self._loaded = True
             self.on_ready(True)
         elif method == "check_health":

@@ -28,6 +28,7 @@ from gridserve.services.worker.parallel_state import (
 from gridserve.shared import envs
 from gridserve.shared.config import GridserveConfig
 from gridserve.shared.errors import ConfigError, PermissionDeniedError
+from gridserve.shared.kv_cache_spec import KVCacheConfig, LayerKVCacheSpec
 from gridserve.shared.parallel import RankLayout
 from gridserve.shared.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
@@ -80,7 +81,7 @@ class Worker:
         self.distributed_init_address = distributed_init_address
         self.device: Optional[torch.device] = None
         self.runner: Optional[ModelRunner] = None
-        self.num_blocks = 0
+        self.kv_cache_config: Optional[KVCacheConfig] = None  # the engine's plan, kept for wake-up
         self._sleeping_weights: Optional[dict[str, torch.Tensor]] = None
 
     def init_device(self) -> None:
@@ -145,9 +146,13 @@ class Worker:
                     total / 2**30, peak / 2**30, available / 2**30)
         return max(available, 0)
 
-    def initialize_cache(self, num_blocks: int) -> None:
-        self.num_blocks = num_blocks
-        self.runner.initialize_cache(num_blocks)
+    def get_kv_cache_spec(self) -> list[LayerKVCacheSpec]:
+        """What each of this worker's layers keeps in the KV cache."""
+        return self.runner.get_kv_cache_spec()
+
+    def initialize_cache(self, kv_cache_config: KVCacheConfig) -> None:
+        self.kv_cache_config = kv_cache_config
+        self.runner.initialize_cache(kv_cache_config)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> Optional[ModelRunnerOutput]:
         """The step's samples on the output rank; ``None`` (an empty ack) on every other rank."""
@@ -194,7 +199,7 @@ class Worker:
             else:
                 self.runner.load_model()
         if "kv_cache" in tags and not self.runner.kv_caches:
-            self.runner.initialize_cache(self.num_blocks)
+            self.runner.initialize_cache(self.kv_cache_config)
         report = before.report(MemoryUsage.now(self.device))
         logger.info("wake up %s: %s", ",".join(tags), report)
         return report

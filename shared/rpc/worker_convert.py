@@ -10,6 +10,7 @@ import json
 from gridserve.api.common.v1 import common_pb2
 from gridserve.api.worker.v1 import worker_pb2
 from gridserve.shared import config as cfg
+from gridserve.shared.kv_cache_spec import FULL, KVCacheConfig, KVCacheGroup, LayerKVCacheSpec
 from gridserve.shared.rpc.convert import (
     image_features_from_pb,
     image_features_to_pb,
@@ -77,6 +78,30 @@ def _has_presence(msg, field_name: str) -> bool:
     return msg.DESCRIPTOR.fields_by_name[field_name].has_presence
 
 
+# ---- KV cache spec and plan ---------------------------------------------------------------------
+def kv_cache_spec_to_pb(specs: list[LayerKVCacheSpec]) -> worker_pb2.KVCacheSpec:
+    return worker_pb2.KVCacheSpec(layers=[worker_pb2.LayerKVCacheSpec(**dataclasses.asdict(s)) for s in specs])
+
+
+def kv_cache_spec_from_pb(msg: worker_pb2.KVCacheSpec) -> list[LayerKVCacheSpec]:
+    names = [f.name for f in dataclasses.fields(LayerKVCacheSpec)]
+    return [LayerKVCacheSpec(**{n: getattr(layer, n) for n in names}) for layer in msg.layers]
+
+
+def kv_cache_config_to_pb(config: KVCacheConfig) -> worker_pb2.InitializeCacheArgs:
+    return worker_pb2.InitializeCacheArgs(
+        num_blocks=config.num_blocks,
+        groups=[worker_pb2.KVCacheGroup(kind=g.kind, sliding_window=g.sliding_window, layer_names=g.layer_names)
+                for g in config.groups],
+    )
+
+
+def kv_cache_config_from_pb(msg: worker_pb2.InitializeCacheArgs, block_size: int) -> KVCacheConfig:
+    """The plan; without groups (an older engine), every layer in one full-attention group."""
+    groups = tuple(KVCacheGroup(g.kind, tuple(g.layer_names), g.sliding_window) for g in msg.groups)
+    return KVCacheConfig(msg.num_blocks, block_size, groups or (KVCacheGroup(FULL, ()),))
+
+
 # ---- scheduler output ---------------------------------------------------------------------------
 def scheduler_output_to_pb(out: SchedulerOutput) -> worker_pb2.SchedulerOutput:
     return worker_pb2.SchedulerOutput(
@@ -85,18 +110,20 @@ def scheduler_output_to_pb(out: SchedulerOutput) -> worker_pb2.SchedulerOutput:
                 req_id=r.req_id,
                 prompt_token_ids=r.prompt_token_ids,
                 sampling_params=sampling_params_to_pb(r.sampling_params),
-                block_ids=r.block_ids,
+                block_ids=r.block_ids[0],
                 num_computed_tokens=r.num_computed_tokens,
                 output_token_ids=r.output_token_ids,
                 traceparent=r.traceparent,
                 mm_features=image_features_to_pb(r.mm_features),
+                more_group_block_ids=[worker_pb2.BlockIds(ids=ids) for ids in r.block_ids[1:]],
             )
             for r in out.scheduled_new_reqs
         ],
         scheduled_cached_reqs=[
             worker_pb2.CachedRequestData(
-                req_id=r.req_id, new_block_ids=r.new_block_ids, num_computed_tokens=r.num_computed_tokens,
+                req_id=r.req_id, new_block_ids=r.new_block_ids[0], num_computed_tokens=r.num_computed_tokens,
                 new_token_ids=r.new_token_ids,
+                more_group_new_block_ids=[worker_pb2.BlockIds(ids=ids) for ids in r.new_block_ids[1:]],
             )
             for r in out.scheduled_cached_reqs
         ],
@@ -113,7 +140,7 @@ def scheduler_output_from_pb(msg: worker_pb2.SchedulerOutput) -> SchedulerOutput
                 req_id=r.req_id,
                 prompt_token_ids=list(r.prompt_token_ids),
                 sampling_params=sampling_params_from_pb(r.sampling_params),
-                block_ids=list(r.block_ids),
+                block_ids=(list(r.block_ids), *(list(g.ids) for g in r.more_group_block_ids)),
                 num_computed_tokens=r.num_computed_tokens,
                 output_token_ids=list(r.output_token_ids),
                 traceparent=r.traceparent,
@@ -122,7 +149,8 @@ def scheduler_output_from_pb(msg: worker_pb2.SchedulerOutput) -> SchedulerOutput
             for r in msg.scheduled_new_reqs
         ],
         scheduled_cached_reqs=[
-            CachedRequestData(r.req_id, list(r.new_block_ids), r.num_computed_tokens, list(r.new_token_ids))
+            CachedRequestData(r.req_id, (list(r.new_block_ids), *(list(g.ids) for g in r.more_group_new_block_ids)),
+                              r.num_computed_tokens, list(r.new_token_ids))
             for r in msg.scheduled_cached_reqs
         ],
         num_scheduled_tokens=_in_plan_order(msg),

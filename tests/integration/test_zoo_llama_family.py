@@ -149,10 +149,10 @@ def test_window_models_match_hf_with_chunked_prefill_and_a_cached_prefix_past_th
     _assert_no_leak(llm)
 
 
-def test_window_models_warn_at_start_that_the_kv_cache_keeps_every_token(caplog):
-    with caplog.at_level("WARNING", logger="gridserve.services.worker.models.windows"):
+def test_window_models_say_at_start_that_the_kv_cache_keeps_only_the_window(caplog):
+    with caplog.at_level("INFO", logger="gridserve.services.worker.models.windows"):
         LLM(model=checkpoint("mistral"), kv_cache_memory_bytes=KV_BYTES)
-    assert any("sliding window" in r.message and "keeps every token" in r.message for r in caplog.records)
+    assert any("sliding window" in r.message and "keeps only the window" in r.message for r in caplog.records)
 
 
 def test_a_window_no_sequence_can_outgrow_is_full_attention():

@@ -1,6 +1,6 @@
 """Sliding windows across both decoder families (``services/worker/models/windows.py``): a window
 that is not a positive integer is refused at start naming ``model.hf_config.sliding_window``; a
-window model says at start that its KV cache keeps every token (one helper for Llama-family and
+window model says at start that its KV cache keeps only the window (one helper for Llama-family and
 LayerNorm-family models); the registry's ``kv_kind`` says ``sliding`` for every architecture whose
 config can turn windows on. Models are built on the meta device from a config.json alone."""
 
@@ -48,19 +48,19 @@ def test_a_window_that_is_not_a_positive_integer_is_refused_naming_the_field(arc
 
 
 @pytest.mark.parametrize("architecture", ["Starcoder2ForCausalLM", "MistralForCausalLM"])
-def test_a_window_model_warns_at_start_that_the_kv_cache_keeps_every_token(architecture, tmp_path, caplog):
-    with caplog.at_level("WARNING", logger=WINDOWS_LOGGER):
+def test_a_window_model_says_at_start_that_its_kv_cache_keeps_only_the_window(architecture, tmp_path, caplog):
+    with caplog.at_level("INFO", logger=WINDOWS_LOGGER):
         model = _build(tmp_path, architecture, sliding_window=32)
     warnings = [r.getMessage() for r in caplog.records if r.name == WINDOWS_LOGGER]
     assert len(warnings) == 1
     assert warnings[0].startswith(f"{architecture}: 2 of 2 layers use a sliding window (32 tokens)")
-    assert "keeps every token" in warnings[0]
+    assert "keeps only the window" in warnings[0]
     assert [a.sliding_window for a in model.attention_layers()] == [32, 32]
 
 
 @pytest.mark.parametrize("architecture", ["Starcoder2ForCausalLM", "MistralForCausalLM"])
-def test_a_window_no_sequence_can_outgrow_is_full_attention_without_a_warning(architecture, tmp_path, caplog):
-    with caplog.at_level("WARNING", logger=WINDOWS_LOGGER):
+def test_a_window_no_sequence_can_outgrow_is_full_attention_without_a_word(architecture, tmp_path, caplog):
+    with caplog.at_level("INFO", logger=WINDOWS_LOGGER):
         model = _build(tmp_path, architecture, sliding_window=512)  # = max_model_len
     assert not [r for r in caplog.records if r.name == WINDOWS_LOGGER]
     assert [a.sliding_window for a in model.attention_layers()] == [None, None]

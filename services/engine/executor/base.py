@@ -22,6 +22,7 @@ from gridserve.shared.errors import (
     InvalidArgumentError,
     PermissionDeniedError,
 )
+from gridserve.shared.kv_cache_spec import KVCacheConfig, LayerKVCacheSpec
 from gridserve.shared.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
 # The fixed allow-list of worker methods an executor may call.
@@ -29,6 +30,7 @@ WORKER_METHODS = frozenset(
     {
         "init_device",
         "load_model",
+        "get_kv_cache_spec",
         "determine_available_memory",
         "initialize_cache",
         "execute_model",
@@ -122,8 +124,13 @@ class Executor(ABC):
     def determine_available_memory(self) -> int:
         return min(self.collective_rpc("determine_available_memory"))
 
-    def initialize_cache(self, num_blocks: int) -> None:
-        self.collective_rpc("initialize_cache", args=(num_blocks,))
+    def get_kv_cache_spec(self) -> list[list[LayerKVCacheSpec]]:
+        """Each worker's layers: what each keeps in the KV cache (rank order)."""
+        return self.collective_rpc("get_kv_cache_spec")
+
+    def initialize_cache(self, kv_cache_config: KVCacheConfig) -> None:
+        """Allocate the planned KV cache on every worker."""
+        self.collective_rpc("initialize_cache", args=(kv_cache_config,))
 
     def check_health(self) -> None:
         self.collective_rpc("check_health", timeout=10.0)
@@ -137,8 +144,8 @@ class Executor(ABC):
         """No worker failure is known since the group was (re)built."""
         return True
 
-    def reinitialize(self, num_blocks: int, timeout_s: float) -> None:
-        """Rebuild the worker group after a failure (device, weights, a KV cache of ``num_blocks``),
+    def reinitialize(self, kv_cache_config: KVCacheConfig, timeout_s: float) -> None:
+        """Rebuild the worker group after a failure (device, weights, the same KV cache plan),
         waiting up to ``timeout_s`` for its workers to be back; ``EngineDeadError`` when it cannot."""
         raise EngineDeadError(f"the {type(self).__name__} cannot rebuild its workers")
 

@@ -41,12 +41,17 @@ from gridserve.services.engine.executor.base import (
 from gridserve.services.engine.executor.worker_stream import WorkerStream
 from gridserve.shared import envs
 from gridserve.shared.errors import ConfigError, EngineDeadError, InvalidArgumentError
+from gridserve.shared.kv_cache_spec import KVCacheConfig
 from gridserve.shared.parallel import output_rank
 from gridserve.shared.ports import free_port
 from gridserve.shared.rpc.client import aio_channel
 from gridserve.shared.rpc.loop_thread import LoopThread
 from gridserve.shared.rpc.values import encode
-from gridserve.shared.rpc.worker_convert import config_to_pb, scheduler_output_to_pb
+from gridserve.shared.rpc.worker_convert import (
+    config_to_pb,
+    kv_cache_config_to_pb,
+    scheduler_output_to_pb,
+)
 from gridserve.shared.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -101,10 +106,10 @@ class GrpcExecutor(Executor):
         """No worker of the current generation has failed."""
         return not self._group_failed.is_set()
 
-    def reinitialize(self, num_blocks: int, timeout_s: float) -> None:
+    def reinitialize(self, kv_cache_config: KVCacheConfig, timeout_s: float) -> None:
         """Rebuild the group after a failure: wait for every worker to be back (a rank of a parallel
         group must be a fresh process), open new streams, and run ``init_device``, ``load_model`` and
-        ``initialize_cache(num_blocks)`` on them. Retries until ``timeout_s``, then raises
+        ``initialize_cache(kv_cache_config)`` on them. Retries until ``timeout_s``, then raises
         ``EngineDeadError``. Called from the engine loop's recovery (never from the executor's loop).
         """
         deadline = time.monotonic() + timeout_s
@@ -121,7 +126,7 @@ class GrpcExecutor(Executor):
                 self._connect_all(deadline)
                 self.collective_rpc("init_device", timeout=max(deadline - time.monotonic(), 1.0))
                 self.collective_rpc("load_model", timeout=max(deadline - time.monotonic(), 1.0))
-                self.initialize_cache(num_blocks)
+                self.initialize_cache(kv_cache_config)
                 if self.healthy:
                     self.sleeping_tags = set()  # a rebuilt group is awake
                     return
@@ -230,7 +235,7 @@ class GrpcExecutor(Executor):
         if method == "execute_model":
             return worker_pb2.ExecuteModelArgs(scheduler_output=scheduler_output_to_pb(args[0]))
         if method == "initialize_cache":
-            return worker_pb2.InitializeCacheArgs(num_blocks=kwargs.get("num_blocks", args[0] if args else 0))
+            return kv_cache_config_to_pb(kwargs.get("kv_cache_config", args[0] if args else None))
         if method == "sleep":
             return worker_pb2.SleepArgs(level=kwargs.get("level", args[0] if args else 1))
         if method == "wake_up":
@@ -307,6 +312,7 @@ async def _wait_back(address: str, fresh: bool, deadline: float) -> None:
 _EMPTY_ARGS = {
     "load_model": worker_pb2.LoadModelArgs,
     "determine_available_memory": worker_pb2.DetermineAvailableMemoryArgs,
+    "get_kv_cache_spec": worker_pb2.GetKVCacheSpecArgs,
     "check_health": worker_pb2.CheckHealthArgs,
     "shutdown": worker_pb2.ShutdownArgs,
 }

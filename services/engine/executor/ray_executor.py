@@ -24,6 +24,7 @@ from typing import Any
 from gridserve.services.engine.executor.grpc_executor import GrpcExecutor
 from gridserve.shared import envs
 from gridserve.shared.errors import ConfigError
+from gridserve.shared.kv_cache_spec import KVCacheConfig
 from gridserve.shared.ports import free_port
 from gridserve.shared.rpc.server import insecure_internal_allowed, insecure_internal_env
 
@@ -83,16 +84,16 @@ class RayExecutor(GrpcExecutor):
             self._release()
             raise
 
-    def reinitialize(self, num_blocks: int, timeout_s: float) -> None:
+    def reinitialize(self, kv_cache_config: KVCacheConfig, timeout_s: float) -> None:
         """Ray does not bring a killed actor back at its address: the group gets new actors (a new
         placement group, new worker addresses and rendezvous), then is rebuilt as any worker group
-        (device, weights, a KV cache of ``num_blocks``) within ``timeout_s``."""
+        (device, weights, the same KV cache plan) within ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
         self._release()
         if self._own_rendezvous:
             self.config.parallel.distributed_init_address = None
         self._place_and_start()
-        super().reinitialize(num_blocks, max(deadline - time.monotonic(), 1.0))
+        super().reinitialize(kv_cache_config, max(deadline - time.monotonic(), 1.0))
 
     def _place_and_start(self) -> None:
         """Reserve the placement group, start one worker-hosting actor per bundle, record the

@@ -29,7 +29,7 @@ from gridserve.shared.errors import (
 )
 from gridserve.shared.rpc.client import aio_channel
 from gridserve.shared.rpc.values import decode
-from gridserve.shared.rpc.worker_convert import runner_output_from_pb
+from gridserve.shared.rpc.worker_convert import kv_cache_spec_from_pb, runner_output_from_pb
 
 logger = logging.getLogger(__name__)
 
@@ -140,6 +140,8 @@ def _resolve(address: str, method: str, response: worker_pb2.CollectiveRPCRespon
         future.set_result(runner_output_from_pb(response.model_runner_output))
     elif response.HasField("available_memory_bytes"):
         future.set_result(response.available_memory_bytes)
+    elif response.HasField("kv_cache_spec"):
+        future.set_result(kv_cache_spec_from_pb(response.kv_cache_spec))
     elif response.HasField("value"):
         future.set_result(decode(response.value))
     else:

@@ -36,7 +36,7 @@ from gridserve.services.worker.checkpoint import CheckpointTensor
 from gridserve.services.worker.layers import RotaryEmbedding, rope_parameters, rotary_dim
 from gridserve.services.worker.models.hf_config import hf_config_of
 from gridserve.services.worker.models.llama import StageMissingLayer
-from gridserve.services.worker.models.windows import effective_windows, warn_full_kv
+from gridserve.services.worker.models.windows import announce_windows, effective_windows
 from gridserve.services.worker.parallel_layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -367,7 +367,7 @@ class LayerNormCausalLM(nn.Module):
         super().__init__()
         hf = hf_config_of(config)
         spec = _effective_window(self.decoder_spec(hf), config.model.max_model_len)
-        warn_full_kv(type(self).__name__, (spec.attention.sliding_window,) * spec.num_layers)
+        announce_windows(type(self).__name__, (spec.attention.sliding_window,) * spec.num_layers)
         if spec.tie_word_embeddings and spec.head_bias:
             raise ConfigError("model.hf_config.tie_word_embeddings",
                               "true is not supported: this architecture's LM head has a bias of its own")

@@ -37,7 +37,11 @@ from gridserve.services.worker.layers import (
     rotary_dim,
 )
 from gridserve.services.worker.models.hf_config import hf_config_of
-from gridserve.services.worker.models.windows import checked_window, effective_windows, warn_full_kv
+from gridserve.services.worker.models.windows import (
+    announce_windows,
+    checked_window,
+    effective_windows,
+)
 from gridserve.services.worker.parallel_layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -436,7 +440,7 @@ class LlamaForCausalLM(nn.Module):
         self.vocab_size = hf.vocab_size
         spec = self.decoder_spec(hf)
         self.spec = replace(spec, windows=effective_windows(spec.windows, config.model.max_model_len))
-        warn_full_kv(type(self).__name__, self.spec.windows)
+        announce_windows(type(self).__name__, self.spec.windows)
         self.model = LlamaModel(hf, self.spec, self.state, self.layer_class, add_prefix(prefix, "model"))
         self.tie_word_embeddings = bool(getattr(hf, "tie_word_embeddings", False))
         layout = self.state.layout

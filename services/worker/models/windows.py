@@ -1,9 +1,10 @@
 """Sliding windows as every decoder family reads them: checked, dropped where no sequence can
 outgrow them, and announced at start.
 
-A window layer is masked to its window in every attention path, but the KV cache still keeps
-every token of every layer (freeing what a window no longer sees needs a per-layer KV-cache spec,
-which the cache manager does not have yet); ``warn_full_kv`` says so once per model.
+A window layer is masked to its window in every attention path, and reports a ``sliding_window``
+KV cache spec: the engine puts it in a window group, whose blocks go back to the pool once the
+window has passed them (``gridserve.shared.kv_cache_spec``). ``announce_windows`` says so once per
+model.
 """
 
 from __future__ import annotations
@@ -35,12 +36,11 @@ def effective_windows(windows: Sequence[Optional[int]], max_model_len: int) -> t
     return tuple(w if w is not None and w < max_model_len else None for w in windows)
 
 
-def warn_full_kv(architecture: str, windows: Sequence[Optional[int]]) -> None:
-    """Say at start that window layers keep every token's K/V (no per-layer KV-cache spec yet)."""
+def announce_windows(architecture: str, windows: Sequence[Optional[int]]) -> None:
+    """Say at start which layers use a window (their KV cache keeps only the window)."""
     sliding = [w for w in windows if w is not None]
     if sliding:
-        logger.warning(
-            "%s: %d of %d layers use a sliding window (%s tokens); they are masked to it but the KV cache "
-            "keeps every token of every layer (no per-layer KV-cache spec yet)",
+        logger.info(
+            "%s: %d of %d layers use a sliding window (%s tokens); their KV cache group keeps only the window",
             architecture, len(sliding), len(windows), ", ".join(str(w) for w in sorted(set(sliding))),
         )

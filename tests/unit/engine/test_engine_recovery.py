@@ -21,6 +21,7 @@ from gridserve.services.engine.loop import END, MAX_RECOVERIES_IN_ROW, EngineLoo
 from gridserve.services.engine.request import Request
 from gridserve.shared.config import GridserveConfig, ModelConfig
 from gridserve.shared.errors import EngineDeadError
+from gridserve.shared.kv_cache_spec import FULL, KVCacheConfig, LayerKVCacheSpec
 from gridserve.shared.outputs import FinishReason
 from gridserve.shared.readiness import Readiness, State
 from gridserve.shared.sampling_params import SamplingParams
@@ -45,7 +46,8 @@ class FakeGroup(Executor):
 
     def collective_rpc(self, method: str, timeout: Optional[float] = None, args: tuple = (),
                        kwargs: Optional[dict[str, Any]] = None, non_block: bool = False):
-        result = {"determine_available_memory": NUM_BLOCKS * 16 * 64}.get(method)
+        result = {"determine_available_memory": NUM_BLOCKS * 16 * 64,
+                  "get_kv_cache_spec": [LayerKVCacheSpec("layer", FULL, 16, 64)]}.get(method)
         if method == "execute_model":
             result = self._step(args[0])
         future: Future = Future()
@@ -76,8 +78,8 @@ class FakeGroup(Executor):
                 out.logprobs.append(None)
         return out
 
-    def reinitialize(self, num_blocks: int, timeout_s: float) -> None:
-        self.rebuilds.append(num_blocks)
+    def reinitialize(self, kv_cache_config: KVCacheConfig, timeout_s: float) -> None:
+        self.rebuilds.append(kv_cache_config.num_blocks)
         if self.rebuild_error is not None:
             raise self.rebuild_error
         self.tokens = {}

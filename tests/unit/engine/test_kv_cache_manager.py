@@ -30,15 +30,16 @@ def schedule(mgr: KVCacheManager, req: Request) -> list[int] | None:
     if new is None:
         return None
     req.num_computed_tokens = req.num_tokens
-    return mgr.get_block_ids(req.request_id)
+    return mgr.get_block_ids(req.request_id)[0]  # the only KV cache group's
 
 
 def decode_one(mgr: KVCacheManager, req: Request, token: int) -> list[int] | None:
     req.append_output_token_ids(token)
     new = mgr.allocate_slots(req, 1)
-    if new is not None:
-        req.num_computed_tokens += 1
-    return new
+    if new is None:
+        return None
+    req.num_computed_tokens += 1
+    return new[0]
 
 
 # ---- hashing ---------------------------------------------------------------------------------
@@ -79,12 +80,12 @@ def test_request_block_hashes_cover_only_full_blocks_and_grow_with_output():
 def test_allocate_returns_enough_new_blocks_and_never_the_null_block():
     mgr = KVCacheManager(num_blocks=10, block_size=BS, enable_caching=False)
     req = make_request("a", list(range(9)))
-    new = mgr.allocate_slots(req, 9)
-    assert new is not None and len(new) == 3 and 0 not in new
-    assert mgr.get_block_ids("a") == new
+    (new,) = mgr.allocate_slots(req, 9)
+    assert len(new) == 3 and 0 not in new
+    assert mgr.get_block_ids("a") == (new,)
     req.num_computed_tokens = 9
-    assert mgr.allocate_slots(req, 3) == []  # still fits in block 3
-    assert len(mgr.allocate_slots(req, 4)) == 1  # 9 + 4 = 13 tokens -> 4 blocks
+    assert mgr.allocate_slots(req, 3) == ([],)  # still fits in block 3
+    assert len(mgr.allocate_slots(req, 4)[0]) == 1  # 9 + 4 = 13 tokens -> 4 blocks
 
 
 def test_allocate_out_of_blocks_returns_none_and_changes_nothing():
@@ -99,11 +100,11 @@ def test_allocate_out_of_blocks_returns_none_and_changes_nothing():
     hits, num_hit = mgr.get_computed_blocks(c)
     assert num_hit == 8
     free_before = mgr.num_free_blocks
-    ref_before = [blk.ref_cnt for blk in hits]
+    ref_before = [blk.ref_cnt for blk in hits[0]]
     assert mgr.allocate_slots(c, c.num_tokens - num_hit, hits, num_hit) is None
     assert mgr.num_free_blocks == free_before
-    assert [blk.ref_cnt for blk in hits] == ref_before
-    assert mgr.get_block_ids("c") == []
+    assert [blk.ref_cnt for blk in hits[0]] == ref_before
+    assert mgr.get_block_ids("c") == ([],)
     assert "c" not in mgr.req_to_blocks
 
 
@@ -127,11 +128,11 @@ def test_requests_sharing_a_three_block_prefix_share_physical_blocks():
     b = make_request("b", prefix + [200])
     ids_a = schedule(mgr, a)
     hits, num_hit = mgr.get_computed_blocks(b)
-    assert num_hit == 12 and [blk.block_id for blk in hits] == ids_a[:3]
+    assert num_hit == 12 and [blk.block_id for blk in hits[0]] == ids_a[:3]
     new_b = mgr.allocate_slots(b, b.num_tokens - num_hit, hits, num_hit)
-    ids_b = mgr.get_block_ids("b")
+    (ids_b,) = mgr.get_block_ids("b")
     assert ids_b[:3] == ids_a[:3]
-    assert new_b == ids_b[3:] and ids_b[3] != ids_a[3]
+    assert new_b == (ids_b[3:],) and ids_b[3] != ids_a[3]
     assert [mgr.block_pool.blocks[i].ref_cnt for i in ids_a[:3]] == [2, 2, 2]
     mgr.free(a)
     assert [mgr.block_pool.blocks[i].ref_cnt for i in ids_a[:3]] == [1, 1, 1]
@@ -179,7 +180,7 @@ def test_whole_prompt_cached_still_leaves_one_token_to_compute():
     schedule(mgr, make_request("a", list(range(12))))
     b = make_request("b", list(range(12)))
     hits, num_hit = mgr.get_computed_blocks(b)
-    assert num_hit == 8 and len(hits) == 2  # the last full block is dropped
+    assert num_hit == 8 and len(hits[0]) == 2  # the last full block is dropped
     assert num_hit < b.num_tokens
     c = make_request("c", list(range(13)))  # one token past the cached blocks: all 3 hit
     assert mgr.get_computed_blocks(c)[1] == 12
@@ -228,7 +229,7 @@ def test_lru_evicts_earlier_freed_requests_first_and_tails_before_heads():
     order = [blk.block_id for blk in mgr.block_pool.free_block_queue.get_all_free_blocks()]
     assert order == ids_a[::-1] + ids_b[::-1]
     # Taking one block evicts a's tail block: a's first two blocks still hit, b fully hits.
-    assert mgr.allocate_slots(make_request("x", [7]), 1) == [ids_a[2]]
+    assert mgr.allocate_slots(make_request("x", [7]), 1) == ([ids_a[2]],)
     assert mgr.get_computed_blocks(make_request("a2", list(range(0, 13))))[1] == 8
     assert mgr.get_computed_blocks(make_request("b2", list(range(100, 113))))[1] == 12
 
@@ -245,7 +246,7 @@ def test_free_is_idempotent_and_unknown_requests_are_a_noop():
     mgr.free(a)
     mgr.free(make_request("never-seen", [1]))
     assert mgr.num_free_blocks == free_after == mgr.num_total_blocks
-    assert mgr.get_block_ids("a") == []
+    assert mgr.get_block_ids("a") == ([],)
 
 
 def test_no_blocks_leak_after_all_requests_are_freed():
@@ -286,7 +287,7 @@ def test_hit_and_query_counters_count_tokens():
 def test_caching_disabled_never_hits():
     mgr = KVCacheManager(num_blocks=20, block_size=BS, enable_caching=False)
     schedule(mgr, make_request("a", list(range(12))))
-    assert mgr.get_computed_blocks(make_request("b", list(range(13)))) == ([], 0)
+    assert mgr.get_computed_blocks(make_request("b", list(range(13)))) == (([],), 0)
     assert mgr.prefix_cache_queries == 0
 
 

@@ -14,6 +14,7 @@ from gridserve.services.engine.request import Request
 from gridserve.services.engine.scheduler import Scheduler
 from gridserve.shared.config import GridserveConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from gridserve.shared.errors import ConfigError
+from gridserve.shared.kv_cache_spec import FULL, LayerKVCacheSpec
 from gridserve.shared.parallel import (
     RankLayout,
     Shard,
@@ -132,6 +133,8 @@ class _FakeExecutor(Executor):
         self.futures: list[Future] = []
 
     def collective_rpc(self, method, timeout=None, args=(), kwargs=None, non_block=False):
+        if method == "get_kv_cache_spec":
+            return [[LayerKVCacheSpec("layer", FULL, 16, self.config.kv_bytes_per_token_per_rank())]]
         return [1 << 30] if method == "determine_available_memory" else [None]
 
     def execute_model(self, scheduler_output, non_block=False):

@@ -17,6 +17,7 @@ from gridserve.services.worker.model_runner import ModelRunner
 from gridserve.services.worker.parallel_state import ParallelState, set_parallel_state
 from gridserve.shared.config import GridserveConfig
 from gridserve.shared.errors import ConfigError
+from gridserve.shared.kv_cache_spec import single_group
 
 BLOCK = 16
 BLOCKS_PER_SEQ = 8  # 128 positions per sequence copy
@@ -28,7 +29,7 @@ def _runner(model_path, batch_invariant: bool) -> ModelRunner:
                                          batch_invariant=batch_invariant).finalize()
     runner = ModelRunner(config, torch.device("cpu"))
     runner.load_model()
-    runner.initialize_cache(64 * BLOCKS_PER_SEQ)
+    runner.initialize_cache(single_group(64 * BLOCKS_PER_SEQ, config.cache.block_size))
     return runner
 
 
