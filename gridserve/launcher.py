@@ -59,6 +59,7 @@ LIVENESS_PERIOD_S = 5.0  # how often supervise() asks each role's liveness (a de
 # Checks in a row a role that once answered may miss before it counts as hung (SIGSTOPped, deadlocked)
 # and is killed and restarted: Kubernetes' liveness failureThreshold (3 x 5 s).
 LIVENESS_FAILURE_THRESHOLD = 3
+KV_CACHE_INFO_TIMEOUT_S = 2.0  # each engine's GetInfo for the table's KV cache lines
 
 
 @dataclass
@@ -144,6 +145,7 @@ class Launcher:
         self._lock = threading.Lock()  # a restart and stop() never interleave
         self._next_liveness_check = 0.0
         self.exit_codes: dict[str, int] = {}  # "role-pid" -> exit status, filled by stop()
+        self.kv_cache_lines: list[str] = []  # one per engine that answered GetInfo, filled by start()
 
     # ---- start ------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -185,6 +187,7 @@ class Launcher:
         except BaseException:
             self.stop()
             raise
+        self._fetch_kv_cache_lines()
 
     def start_workers(self) -> list[str]:
         """Start only the workers (the offline ``LLM`` runs the engine itself); return their addresses."""
@@ -310,6 +313,21 @@ class Launcher:
         logger.info("started edge (envoy, pid %d) on %s", process.pid, proc.address)
         return proc
 
+    def _fetch_kv_cache_lines(self) -> None:
+        """Ask each engine once for its KV cache plan (``GetInfo``) for ``table()``; an engine that does
+        not answer only leaves its line out (the deployment is up: nothing here may fail it)."""
+        self.kv_cache_lines = []
+        for index, proc in enumerate(p for p in self.processes if p.role == "engine"):
+            try:
+                from gridserve.api.engine.v1 import engine_pb2, engine_pb2_grpc
+
+                with make_channel(proc.address, self.admin_tls) as channel:
+                    info = engine_pb2_grpc.EngineCoreStub(channel).GetInfo(
+                        engine_pb2.GetInfoRequest(), timeout=KV_CACHE_INFO_TIMEOUT_S)
+                self.kv_cache_lines.append(kv_cache_line(index, info))
+            except Exception as exc:  # noqa: BLE001 - a missing table line must never stop serve
+                logger.info("no KV cache line for engine %d (%s): %s", index, proc.address, exc)
+
     def _check_alive(self, proc: RoleProcess) -> None:
         if proc.process.poll() is not None:
             raise RuntimeError(f"the {proc.role} (pid {proc.pid}) exited with {proc.process.returncode} "
@@ -399,6 +417,7 @@ class Launcher:
                      f"{' + 1' if coordinator else ''} = {a + dp + n + coordinator}{edge}")
         lines.append(f"workers: N = DP x PP x TP = {dp} x {self.pipeline_parallel_size} x "
                      f"{self.tensor_parallel_size} = {n}")
+        lines += self.kv_cache_lines
         return "\n".join(lines)
 
     def supervise(self, poll_s: float = 0.2) -> Optional[RoleProcess]:
@@ -517,6 +536,17 @@ class Launcher:
         if self.ca is not None:
             self.ca.cleanup()
             self.ca, self.certificates = None, {}
+
+
+def kv_cache_line(index: int, info) -> str:
+    """``kv cache (engine 0): 2 groups: full x13 layers, sliding_window_16 x13 layers; 4,095 blocks of
+    16 tokens`` from an engine's ``GetInfoResponse``."""
+    groups = list(info.kv_cache_groups)
+    described = ""
+    if groups:
+        described = (f"{len(groups)} group{'s' if len(groups) != 1 else ''}: "
+                     + ", ".join(f"{g.name} x{g.num_layers} layers" for g in groups) + "; ")
+    return f"kv cache (engine {index}): {described}{info.num_kv_blocks:,} blocks of {info.block_size} tokens"
 
 
 def _popen(argv: list[str], log: Optional[IO], env: Optional[dict[str, str]]) -> subprocess.Popen:

@@ -107,6 +107,10 @@ ENGINE_OPTIONS: list[EngineOption] = [
                    "(0: a worker failure kills the engine)", config=None),
     _engine_option("--no-prefix-caching", bool, False, "disable prefix caching",
                    config="enable_prefix_caching", helm="engine.enablePrefixCaching", invert=True),
+    _engine_option("--disable-hybrid-kv-cache-manager", bool, False,
+                   "plan every layer's KV cache as full attention: sliding-window layers stay masked to their "
+                   "window but keep every token (one KV cache group; to compare or rule the hybrid allocator out)",
+                   config="disable_hybrid_kv_cache_manager", helm=None),
     _engine_option("--batch-invariant", bool, False,
                    "batch-invariant numerics: every token's logits bitwise independent of the batch and of "
                    "prefill vs decode (CPU; slower)"),

@@ -259,6 +259,9 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     # Set by the engine once the workers report the memory they can give the cache.
     num_blocks: Optional[int] = None
+    # Plan every layer as full attention (one KV cache group), even window layers: they stay masked
+    # to their window but keep every token (to compare, or to rule the hybrid allocator out).
+    disable_hybrid_kv_cache_manager: bool = False
 
     def __post_init__(self) -> None:
         _positive("cache", "block_size", self.block_size, allow_none=False)

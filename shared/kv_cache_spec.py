@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from gridserve.shared.errors import ConfigError
 
@@ -115,6 +115,11 @@ def single_group(num_blocks: int, block_size: int, layer_names: Sequence[str] = 
     return KVCacheConfig(num_blocks, block_size, (KVCacheGroup(FULL, tuple(layer_names)),))
 
 
+def as_full(spec: LayerKVCacheSpec) -> LayerKVCacheSpec:
+    """A window layer's spec as full attention (every token kept); other kinds unchanged."""
+    return replace(spec, kind=FULL, sliding_window=0) if spec.kind == SLIDING_WINDOW else spec
+
+
 def merge_rank_specs(rank_specs: Sequence[Sequence[LayerKVCacheSpec]]) -> list[LayerKVCacheSpec]:
     """Every layer once, in rank order (pipeline stages in order give the model's layer order); a
     layer several ranks report (tensor parallelism) must agree on its kind and window."""
@@ -167,11 +172,14 @@ def rank_bytes_per_block(specs: Sequence[LayerKVCacheSpec], groups: Sequence[KVC
 
 
 def plan_kv_cache(rank_specs: Sequence[Sequence[LayerKVCacheSpec]], available_bytes: int, block_size: int,
-                  max_model_len: int) -> KVCacheConfig:
+                  max_model_len: int, hybrid: bool = True) -> KVCacheConfig:
     """The groups and the pool that fits ``available_bytes`` (the least any rank has) on every rank;
-    refused when one request of ``max_model_len`` tokens could not fit in every group."""
+    refused when one request of ``max_model_len`` tokens could not fit in every group. Without
+    ``hybrid``, window layers are planned as full attention (they keep every token)."""
     if block_size < 1:
         raise ConfigError("cache.block_size", f"must be a positive integer, got {block_size}")
+    if not hybrid:
+        rank_specs = [[as_full(s) for s in specs] for specs in rank_specs]
     groups = group_layers(merge_rank_specs(rank_specs))
     bytes_per_block = max(rank_bytes_per_block(specs, groups) for specs in rank_specs)
     if bytes_per_block < 1:

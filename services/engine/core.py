@@ -49,7 +49,8 @@ class EngineCore:
         cache = self.config.cache
         specs = self.executor.get_kv_cache_spec()
         available = self.executor.determine_available_memory()
-        plan = plan_kv_cache(specs, available, cache.block_size, self.config.max_model_len)
+        plan = plan_kv_cache(specs, available, cache.block_size, self.config.max_model_len,
+                             hybrid=not cache.disable_hybrid_kv_cache_manager)
         self.executor.initialize_cache(plan)
         cache.num_blocks = plan.num_blocks
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB), %d group(s): %s", plan.num_blocks,

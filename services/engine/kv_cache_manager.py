@@ -236,15 +236,18 @@ class KVCacheManager:
             req_blocks = self.req_to_blocks[request.request_id] = tuple([] for _ in self.groups)
             self.num_cached_blocks[request.request_id] = [0] * self.num_groups
         num_cached = self.num_cached_blocks[request.request_id]
-        new_ids = []
+        # Every group's hits first: a new block of one group must never be another's free hit.
         for g in range(self.num_groups):
             free_before = self.block_pool.get_num_free_blocks()
             self.block_pool.touch(hits[g])
-            new_blocks = self.block_pool.get_new_blocks(num_new_blocks[g])
             self.blocks_in_use[g] += free_before - self.block_pool.get_num_free_blocks()
             req_blocks[g].extend(hits[g])
-            req_blocks[g].extend(new_blocks)
             num_cached[g] += len(hits[g])
+        new_ids = []
+        for g in range(self.num_groups):
+            new_blocks = self.block_pool.get_new_blocks(num_new_blocks[g])
+            self.blocks_in_use[g] += len(new_blocks)
+            req_blocks[g].extend(new_blocks)
             new_ids.append([b.block_id for b in new_blocks])
 
         if self.enable_caching:

@@ -4,8 +4,10 @@ Gauges and counters are read at scrape time from one ``EngineLoad`` snapshot (th
 ``GetLoad`` load report is built from), so the busy loop pays nothing for them. Histograms get
 their observations once per step from the step's ``StepStats``: one observation per scheduled step
 (``vllm:iteration_tokens_total``) and a few per finished request (queue, prefill, decode, token
-counts). ``gridserve:engine_state`` is 1 for the engine's readiness state and 0 for the others
-(read from its ``Readiness``, so a dead or sleeping engine says so). TTFT, inter-token latency and end-to-end latency are the gateway's: it sees them as the
+counts). ``gridserve:kv_cache_group_usage_perc`` is each KV cache group's share of the pool (labels
+``kv_cache_group``: its index, ``kv_cache_group_name``: ``full``, ``sliding_window_4096``, ...; names
+repeat when a kind is split into several groups). ``gridserve:engine_state`` is 1 for the engine's
+readiness state and 0 for the others (read from its ``Readiness``, so a dead or sleeping engine says so). TTFT, inter-token latency and end-to-end latency are the gateway's: it sees them as the
 client does.
 """
 
@@ -65,6 +67,17 @@ class _SnapshotCollector:
         ):
             family = GaugeMetricFamily(name, doc, labels=names)
             family.add_metric(values, value)
+            yield family
+        if stats.kv_cache_groups:
+            family = GaugeMetricFamily(
+                "gridserve:kv_cache_group_usage_perc",
+                "Blocks one KV cache group holds / the pool's usable blocks (every group draws from one pool; "
+                "vllm:kv_cache_usage_perc is the pool's total). kv_cache_group: the group's index (its block "
+                "table); kv_cache_group_name: full, mla or sliding_window_<window>, shared by the groups a "
+                "kind is split into.", labels=[*names, "kv_cache_group", "kv_cache_group_name"])
+            total = stats.kv_total_blocks
+            for index, (group, blocks) in enumerate(stats.kv_cache_groups):
+                family.add_metric([*values, str(index), group], blocks / total if total else 0.0)
             yield family
         for name, doc, value in (
             ("vllm:prompt_tokens", "Number of prefill tokens processed.", stats.num_prompt_tokens),

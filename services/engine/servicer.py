@@ -138,7 +138,17 @@ class EngineServicer(engine_pb2_grpc.EngineCoreServicer):
             max_logprobs=model.max_logprobs,
             metrics_port=self.metrics_port,
             default_sampling_params=common_pb2.SamplingParams(**model.default_sampling_params),
+            kv_cache_groups=self._kv_cache_groups(),
         )
+
+    def _kv_cache_groups(self) -> list[engine_pb2.KVCacheGroupInfo]:
+        """The planned groups; none while the engine starts (no core yet: GetInfo answers anyway)."""
+        core = self._loop.core if self._loop is not None else None
+        plan = getattr(core, "kv_cache_config", None)
+        if plan is None:
+            return []
+        return [engine_pb2.KVCacheGroupInfo(name=g.name, kind=g.kind, sliding_window=g.sliding_window,
+                                            num_layers=len(g.layer_names)) for g in plan.groups]
 
     async def GetLoad(self, request: engine_pb2.GetLoadRequest, context: grpc.aio.ServicerContext):
         load = await _done(self.loop.load())
@@ -146,6 +156,9 @@ class EngineServicer(engine_pb2_grpc.EngineCoreServicer):
             num_waiting=load.num_waiting, num_running=load.num_running, kv_cache_usage=load.kv_cache_usage,
             kv_free_blocks=load.kv_free_blocks, kv_total_blocks=load.kv_total_blocks,
             num_preemptions=load.num_preemptions, sleeping=load.sleeping, state=load.state,
+            kv_cache_groups=[engine_pb2.KVCacheGroupLoad(
+                name=name, num_blocks=blocks, usage=blocks / load.kv_total_blocks if load.kv_total_blocks else 0.0)
+                for name, blocks in load.kv_cache_groups],
         )
 
     async def Sleep(self, request: engine_pb2.SleepRequest, context: grpc.aio.ServicerContext):

@@ -22,7 +22,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import grpc
@@ -60,6 +60,9 @@ class EngineState:
     generation_tokens_per_second: float = 0.0
     num_workers: int = 0
     sleeping: bool = False
+    # One dict per KV cache group, in group index order: name (full, sliding_window_<window>, ...;
+    # not unique), num_blocks (blocks it holds now), usage (num_blocks / the pool's blocks).
+    kv_cache_groups: list[dict] = field(default_factory=list)
 
 
 @dataclass
@@ -151,6 +154,8 @@ class StatusCollector:
         if load is not None:
             engine.num_waiting, engine.num_running = load.num_waiting, load.num_running
             engine.kv_cache_usage, engine.sleeping = load.kv_cache_usage, load.sleeping
+            engine.kv_cache_groups = [{"name": g.name, "num_blocks": g.num_blocks, "usage": g.usage}
+                                      for g in load.kv_cache_groups]
         detail = _detail(health)
         if status is None:
             alive = False
@@ -218,3 +223,4 @@ def snapshot_to_pb(snapshot: Snapshot) -> gateway_pb2.GetStatusResponse:
         engines=[gateway_pb2.EngineStatus(**vars(e)) for e in snapshot.engines],
         time=snapshot.time,
     )
+

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import time
 from pathlib import Path
 
 import grpc
@@ -255,12 +256,20 @@ def test_wave_calls_with_another_engine_s_rank_are_refused():
 
 
 # ---- the engine: a gateway's output stream is its own ------------------------------------------------
+class _SteadyGroup(FakeGroup):
+    """A fake worker at a steady 2 ms per step: a 240-token request outlives a few RPCs on any CPU."""
+
+    def _step(self, sched):
+        time.sleep(0.002)
+        return super()._step(sched)
+
+
 def _engine() -> tuple[EngineServicer, EngineLoop]:
     config = GridserveConfig(model=ModelConfig(max_model_len=256, num_layers=1, num_kv_heads=1, head_dim=8,
                                                vocab_size=2000))
     readiness = Readiness("engine")
     readiness.set(State.READY)
-    loop = EngineLoop(EngineCore(config, FakeGroup(config)), readiness)
+    loop = EngineLoop(EngineCore(config, _SteadyGroup(config)), readiness)
     servicer = EngineServicer(config)
     servicer.loop = loop
     return servicer, loop

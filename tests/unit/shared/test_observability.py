@@ -82,6 +82,25 @@ def test_engine_gauges_and_counters_come_from_one_scheduler_snapshot_with_vllm_n
     assert not any(name.endswith("_created") for name in samples)
 
 
+def test_each_kv_cache_group_has_its_share_of_the_pool_beside_the_pools_total():
+    config = GridserveConfig()
+    config.model.model = "m"
+    groups = (("full", 30), ("sliding_window_16", 10))
+    metrics = EngineMetrics(config, lambda: _stats(kv_total_blocks=100, kv_cache_groups=groups))
+    samples = _samples(metrics.registry)
+    (total,) = samples["vllm:kv_cache_usage_perc"]  # unchanged: the pool, no group label
+    assert total.value == 0.25 and total.labels == {"model_name": "m", "engine": "0"}
+    by_group = {s.labels["kv_cache_group"]: (s.labels["kv_cache_group_name"], s.value)
+                for s in samples["gridserve:kv_cache_group_usage_perc"]}
+    assert by_group == {"0": ("full", 0.3), "1": ("sliding_window_16", 0.1)}
+    # A kind split into several groups: the names repeat, the index tells them apart.
+    split = EngineMetrics(config, lambda: _stats(kv_total_blocks=0, kv_cache_groups=(("full", 0), ("full", 0))))
+    assert [(s.labels["kv_cache_group"], s.labels["kv_cache_group_name"], s.value)
+            for s in _samples(split.registry)["gridserve:kv_cache_group_usage_perc"]] == [
+        ("0", "full", 0.0), ("1", "full", 0.0)]
+    assert "gridserve:kv_cache_group_usage_perc" not in _samples(EngineMetrics(config, _stats).registry)
+
+
 def test_engine_without_a_snapshot_still_answers_a_scrape():
     metrics = EngineMetrics(GridserveConfig(), lambda: None)
     samples = _samples(metrics.registry)
