@@ -147,8 +147,9 @@ def supported_models_page() -> str:
              "([quantization](quantization.md)).",
              "- **multimodal**: images in the prompt ([images](images.md)).",
              "- **KV cache**: what each attention layer keeps per token: `full` (K and V of every token), "
-             "`sliding` (some or all layers see only a window of recent tokens), `mla` (a compressed "
-             "latent).", "",
+             "`sliding` (some or all layers see only a window of recent tokens: their own KV cache group, "
+             "which gives blocks back once the window has passed them; `--disable-hybrid-kv-cache-manager` "
+             "keeps every token instead), `mla` (a compressed latent).", "",
              markdown_table(model_rows(plugins=False), source=False).rstrip(), "",
              "## Out-of-tree models", "",
              "A plugin registers its own class for an architecture, by `module:Class` string "
