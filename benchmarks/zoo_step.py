@@ -1,10 +1,11 @@
 """``gridserve bench zoo-step``: one decode step of every built-in architecture, per FLOP, against Llama's.
 
 Every text architecture of ``shared/model_registry.py``'s ``ARCHITECTURES`` (Llava, the one
-multimodal entry, left out; Mixtral in, counted by its active experts) is built as a tiny random
+multimodal entry, left out; the MoEs in, counted by their active experts) is built as a tiny random
 checkpoint of **one shape family**: hidden 256, 4 layers, 4 heads of 64 (MHA), vocab 4096, 1024
 positions, and an MLP of about the same weights whatever its form (intermediate 688 for a gated
-MLP's three matrices, 1024 = 4 x hidden for a plain MLP's two; Mixtral: 4 experts of 344, top 2).
+MLP's three matrices, 1024 = 4 x hidden for a plain MLP's two; Mixtral and Qwen3-MoE: 4 experts of
+344, top 2; Qwen2-MoE: 4 experts of 172, top 2, and a shared expert of 344).
 Each architecture keeps its other knobs at transformers' defaults (tied or untied LM head, partial
 rotary, parallel residual, ALiBi, soft caps, Q/K norms...). Checkpoints are built with
 transformers' own config class and ``AutoModelForCausalLM.from_config`` plus the recipe's
@@ -79,6 +80,12 @@ ZOO: dict[str, ZooArch] = {
     "MixtralForCausalLM": ZooArch("MixtralConfig", {**_LLAMA_NAMES, "intermediate_size": GATED_MLP // 2,
                                                     "num_local_experts": 4, "num_experts_per_tok": 2}),
     "Qwen2ForCausalLM": ZooArch("Qwen2Config", _LLAMA_NAMES),
+    "Qwen2MoeForCausalLM": ZooArch("Qwen2MoeConfig", {**_LLAMA_NAMES, "moe_intermediate_size": GATED_MLP // 4,
+                                                      "shared_expert_intermediate_size": GATED_MLP // 2,
+                                                      "num_experts": 4, "num_experts_per_tok": 2}),
+    "Qwen3MoeForCausalLM": ZooArch("Qwen3MoeConfig", {**_LLAMA_NAMES, "moe_intermediate_size": GATED_MLP // 2,
+                                                      "num_experts": 4, "num_experts_per_tok": 2,
+                                                      "norm_topk_prob": True}),
     "OPTForCausalLM": ZooArch("OPTConfig", {"hidden_size": HIDDEN, "ffn_dim": PLAIN_MLP, "num_hidden_layers": LAYERS,
                                             "num_attention_heads": HEADS, "word_embed_proj_dim": HIDDEN,
                                             "max_position_embeddings": POSITIONS, **_STATED_WIDTH}),
@@ -156,12 +163,13 @@ def _build(out: Path, architecture: str, arch: ZooArch, tokenizer: Path) -> None
 def matmul_weights(model: Any) -> int:
     """Weights one token multiplies in a forward: every 2-D parameter but the embedding tables it
     looks up (tokens, learned positions), plus the LM head (tied or not); a MoE's expert weights
-    (parameters under an ``experts`` module) scaled by ``num_experts_per_tok / num_local_experts``."""
+    (parameters under an ``experts`` module) scaled by ``num_experts_per_tok / num_local_experts``
+    (``num_experts``: Qwen2-MoE)."""
     import torch
 
     looked_up = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
     config = model.config.get_text_config()
-    experts = getattr(config, "num_local_experts", None)
+    experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
     active = getattr(config, "num_experts_per_tok", 1) / experts if experts else 1.0
     seen: set[int] = set()
     total = 0.0

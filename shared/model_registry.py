@@ -56,6 +56,12 @@ ARCHITECTURES: dict[str, ArchitectureInfo] = {a.name: a for a in (
     _arch("MixtralForCausalLM", "mixtral:MixtralForCausalLM", "mistralai/Mixtral-8x7B-Instruct-v0.1",
           kv_kind="sliding"),
     _arch("Qwen2ForCausalLM", "llama:Qwen2ForCausalLM", "Qwen/Qwen2.5-0.5B-Instruct", kv_kind="sliding"),
+    # mixture of experts (issue 32): the routed experts stay unquantized (``--quantization`` quantizes
+    # attention, dense MLPs and the shared expert only), hence quantization=False
+    _arch("Qwen2MoeForCausalLM", "qwen_moe:Qwen2MoeForCausalLM", "Qwen/Qwen1.5-MoE-A2.7B", quantization=False,
+          kv_kind="sliding"),
+    _arch("Qwen3MoeForCausalLM", "qwen_moe:Qwen3MoeForCausalLM", "Qwen/Qwen3-30B-A3B", quantization=False,
+          kv_kind="sliding"),
     _arch("OPTForCausalLM", "opt:OPTForCausalLM", "facebook/opt-125m", pipeline_parallel=False),
     # the dense zoo (issue 30): each helper-owned entry's features are set by the model's author
     _arch("Qwen3ForCausalLM", "qwen3:Qwen3ForCausalLM", "Qwen/Qwen3-0.6B", kv_kind="sliding"),

@@ -29,8 +29,10 @@ from tests.zoo import zoo_checkpoint
 
 from .test_zoo_gpt_family import CHECKPOINTS as GPT_FAMILY
 from .test_zoo_llama_family import checkpoint as llama_family
+from .test_zoo_moe import checkpoint as moe_family
 
-# architecture -> its zoo checkpoint (test_zoo_llama_family's ZOO or test_zoo_gpt_family's CHECKPOINTS)
+# architecture -> its zoo checkpoint (test_zoo_llama_family's ZOO, test_zoo_gpt_family's CHECKPOINTS or
+# test_zoo_moe's ZOO)
 CASES = {
     "MistralForCausalLM": ("llama", "mistral"), "Qwen3ForCausalLM": ("llama", "qwen3"),
     "SmolLM3ForCausalLM": ("llama", "smollm3"), "Olmo2ForCausalLM": ("llama", "olmo2"),
@@ -42,6 +44,7 @@ CASES = {
     "PhiForCausalLM": ("gpt", "phi"), "StableLmForCausalLM": ("gpt", "stablelm"),
     "Starcoder2ForCausalLM": ("gpt", "starcoder2"), "FalconForCausalLM": ("gpt", "falcon-new"),
     "BloomForCausalLM": ("gpt", "bloom"),
+    "Qwen2MoeForCausalLM": ("moe", "qwen2_moe"), "Qwen3MoeForCausalLM": ("moe", "qwen3_moe"),
 }
 # split end to end, token-exact, by their own tests (test_parallel, test_mixtral, test_llava_matches_hf)
 ELSEWHERE = {"LlamaForCausalLM", "Qwen2ForCausalLM", "OPTForCausalLM", "MixtralForCausalLM",
@@ -53,6 +56,8 @@ def _path(architecture: str) -> str:
     family, name = CASES[architecture]
     if family == "llama":
         return llama_family(name)
+    if family == "moe":
+        return moe_family(name)
     config_class, config = GPT_FAMILY[name]
     return str(zoo_checkpoint(f"gpt-family-{name}", config_class, **config))
 

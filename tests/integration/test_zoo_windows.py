@@ -73,6 +73,8 @@ _WINDOWED = {
     "MixtralForCausalLM": ("MixtralConfig", {"num_local_experts": 2, "num_experts_per_tok": 1}),
     "Qwen2ForCausalLM": ("Qwen2Config", {"use_sliding_window": True, "max_window_layers": 1}),
     "Qwen3ForCausalLM": ("Qwen3Config", {"use_sliding_window": True, "max_window_layers": 1}),
+    "Qwen2MoeForCausalLM": ("Qwen2MoeConfig", {"use_sliding_window": True, "max_window_layers": 1}),
+    "Qwen3MoeForCausalLM": ("Qwen3MoeConfig", {"use_sliding_window": True}),
     "SmolLM3ForCausalLM": ("SmolLM3Config", {"use_sliding_window": True, "no_rope_layer_interval": 2}),
     "Phi3ForCausalLM": ("Phi3Config", {}),
     "Gemma2ForCausalLM": ("Gemma2Config", {}),

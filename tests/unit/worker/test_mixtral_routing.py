@@ -1,4 +1,4 @@
-"""Mixtral's router and grouped experts against direct per-token torch computations."""
+"""Mixtral's router and its experts (the fused MoE layer) against direct per-token torch computations."""
 
 from __future__ import annotations
 
@@ -10,15 +10,16 @@ torch = pytest.importorskip("torch")
 
 import torch.nn.functional as F  # noqa: E402
 
-from gridserve.services.worker.models.mixtral import MixtralExperts, route  # noqa: E402
+from gridserve.services.worker.fused_moe import FusedMoE  # noqa: E402
+from gridserve.services.worker.models.mixtral import route  # noqa: E402
 from gridserve.services.worker.parallel_state import ParallelState  # noqa: E402
 from gridserve.shared.parallel import RankLayout  # noqa: E402
 
 HF = SimpleNamespace(hidden_size=16, intermediate_size=24, num_local_experts=5, num_experts_per_tok=2)
 
 
-def _experts(rank: int = 0, tp: int = 1) -> MixtralExperts:
-    return MixtralExperts(HF, ParallelState(RankLayout(rank, tp, 1)))
+def _experts(rank: int = 0, tp: int = 1) -> FusedMoE:
+    return FusedMoE(HF.num_local_experts, HF.hidden_size, HF.intermediate_size, ParallelState(RankLayout(rank, tp, 1)))
 
 
 def _full_weights(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -28,7 +29,7 @@ def _full_weights(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     return w1, w3, torch.randn(e, h, i, generator=g) / i**0.5
 
 
-def _fill(experts: MixtralExperts, w1, w3, w2) -> MixtralExperts:
+def _fill(experts: FusedMoE, w1, w3, w2) -> FusedMoE:
     s = experts.shard
     experts.gate_up_proj.data.copy_(torch.cat([w1[:, s.start : s.end], w3[:, s.start : s.end]], dim=1))
     experts.down_proj.data.copy_(w2[:, :, s.start : s.end])

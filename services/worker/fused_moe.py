@@ -1,0 +1,190 @@
+"""The fused mixture-of-experts layer: every MoE model's experts (Mixtral, Qwen2-MoE, Qwen3-MoE).
+
+Contract: ``FusedMoE`` holds every expert's SwiGLU stacked, ``gate_up_proj`` [E, 2I, H] (each
+expert's gate rows, then its up rows) and ``down_proj`` [E, H, I], where ``I`` is this rank's shard
+of the expert intermediate size under tensor parallelism. ``forward(x, weights, expert_ids)`` takes
+the router's choice (``[T, k]`` routing weights and expert ids) and returns this rank's partial sum
+``sum_k weights[t, k] * expert[expert_ids[t, k]](x[t])`` [T, H]; the MoE block all-reduces it
+(once, with whatever else it adds). ``route`` is the softmax top-k router the models share.
+
+How it runs: the ``T * k`` (token, expert) assignments are sorted by expert (a stable argsort), the
+tokens' rows gathered once in that order, and each projection is a grouped GEMM: one ``torch.mm``
+per expert that has tokens, over its contiguous slice of the gathered rows, written into its slice of
+one output. SiLU-and-mul then runs once over every row, the down projection is the second grouped
+GEMM, each row is scaled by its routing weight and added back to its token (``index_add_``).
+
+Grouped-GEMM options, measured with ``gridserve bench fused-moe --strategies --repeats 41`` on this
+project's 2-core AVX-512 CPU (shared, busy), one torch thread, E = 128 experts, top 8, H = 512,
+I = 256 (Qwen3-30B-A3B scaled down), ms per layer, medians of interleaved samples::
+
+    dtype  batch  per-expert loop  mm on slices  torch._grouped_mm  padded bmm  oneDNN-packed experts
+    fp32     1         2.29            1.66            2.10            6.63          1.55
+    fp32    16        21.6            15.0            14.4            51.8          11.6
+    fp32    64        42.1            30.5            29.8           106.8          19.1
+    bf16     1         2.32            1.40            1.74            3.17            -
+    bf16    16        19.5            12.8            12.1            35.7            -
+    bf16    64        43.4            20.5            19.1            65.6            -
+
+The layer is bound by reading the active experts' weights. ``mm`` on slices is used: fastest at
+batch 1 (by 20-25%), within 2-7% of ``torch._grouped_mm`` (a private op, a loop of GEMMs on the
+CPU) at 16 and 64 (runs on this machine vary by more), no private API, any dtype and device;
+``bmm`` pays for padding every group and gathering the weights. Holding each expert's fp32
+weights in oneDNN's blocked layout, as ``cpu_packed_linear`` holds the dense layers', would be
+~1.5x faster at 16 and 64; not done yet (it needs the packed layout's load / sleep / weight-sync
+handling for stacked experts). On CUDA the same torch code runs (correct, not fast): a Triton
+grouped GEMM is not written yet.
+
+Hooks for later models: ``bias=True`` adds per-expert biases (``gate_up_bias`` [E, 2I] inside
+the GEMM, ``down_bias`` [E, H] on TP rank 0 only, so the all-reduce counts it once: gpt-oss), and
+``activation`` replaces SiLU-and-mul over the ``[rows, 2I]`` gate/up output.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Optional
+
+import torch
+from torch import nn
+
+from gridserve.kernels import silu_and_mul
+from gridserve.services.worker.checkpoint import CheckpointTensor
+from gridserve.services.worker.parallel_state import ParallelState
+from gridserve.shared.parallel import even_shard
+
+# A checkpoint's expert tensors: one expert's projection (``...experts.3.w1.weight``) or a stacked
+# tensor (``...experts.gate_up_proj`` [E, 2I, H], ``...experts.down_proj`` [E, H, I]).
+_EXPERT_TENSOR = re.compile(
+    r"^(?P<module>.+\.experts)\."
+    r"(?:(?P<expert>\d+)\.(?P<proj>\w+)\.weight|(?P<stacked>gate_up_proj|down_proj)(?P<bias>_bias)?)$"
+)
+
+
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(weights, expert_ids)``, each ``[tokens, top_k]``: softmax in fp32, top-k, and (``renormalize``)
+    the kept probabilities scaled to sum to one. The weights stay fp32."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, expert_ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, expert_ids
+
+
+class FusedMoE(nn.Module):
+    """Every expert's gated MLP, stacked, run as two grouped GEMMs over tokens sorted by expert.
+
+    ``field`` names the config field of ``intermediate_size`` in the error when it does not split
+    evenly across the TP ranks.
+    """
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, state: ParallelState, *,
+                 field: str = "moe_intermediate_size", bias: bool = False,
+                 activation: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.shard = even_shard(intermediate_size, state.tp_size, state.tp_rank, field)
+        self.adds_down_bias = state.tp_rank == 0  # a replicated bias: one rank adds it before the all-reduce
+        self.activation = activation
+        inter = self.shard.size
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, inter))
+        self.gate_up_bias = nn.Parameter(torch.empty(num_experts, 2 * inter)) if bias else None
+        self.down_bias = nn.Parameter(torch.empty(num_experts, hidden_size)) if bias else None
+
+    @torch.no_grad()  # inference only: the GEMMs write into slices of one output (``out=``)
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+        """``sum_k weights[t, k] * expert[expert_ids[t, k]](x[t])`` for every token ``t`` (this rank's part)."""
+        out = torch.zeros_like(x)
+        if x.shape[0] == 0:
+            return out
+        flat = expert_ids.flatten()
+        order = torch.argsort(flat, stable=True)  # assignments grouped by expert, ascending
+        tokens = order // expert_ids.shape[1]
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        rows = x[tokens]
+        h = self.activation(_grouped_mm(rows, self.gate_up_proj, self.gate_up_bias, counts))
+        down_bias = self.down_bias if self.adds_down_bias else None
+        y = _grouped_mm(h, self.down_proj, down_bias, counts)
+        # fp32 routing weights promote a half-precision product, rounded once (as transformers does)
+        return out.index_add_(0, tokens, (y * weights.flatten()[order].unsqueeze(-1)).to(x.dtype))
+
+    # ---- loading: this rank's slice of each checkpoint tensor
+    def load_expert(self, expert: int, part: str, tensor: CheckpointTensor) -> str:
+        """This rank's slice of one expert's ``gate``, ``up`` or ``down`` matrix; returns the parameter's name."""
+        s = self.shard
+        if part == "down":
+            self.down_proj.data[expert].copy_(tensor.cols(s.start, s.end))
+            return "down_proj"
+        offset = 0 if part == "gate" else s.size
+        self.gate_up_proj.data[expert, offset : offset + s.size].copy_(tensor.rows(s.start, s.end))
+        return "gate_up_proj"
+
+    def load_stacked(self, name: str, tensor: CheckpointTensor) -> str:
+        """This rank's slice of a stacked ``gate_up_proj`` / ``down_proj`` (or its ``_bias``); returns
+        the name of the parameter it went into."""
+        s = self.shard
+        if name == "down_proj":
+            self.down_proj.data.copy_(tensor.narrow(2, s.start, s.end))
+            return name
+        if name == "down_proj_bias":
+            self.down_bias.data.copy_(tensor.full())
+            return "down_bias"
+        param = "gate_up_proj" if name == "gate_up_proj" else "gate_up_bias"
+        target = getattr(self, param).data
+        target[:, : s.size].copy_(tensor.narrow(1, s.start, s.end))
+        target[:, s.size :].copy_(tensor.narrow(1, s.total + s.start, s.total + s.end))
+        return param
+
+
+def _grouped_mm(a: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                counts: list[int]) -> torch.Tensor:
+    """Rows of ``a`` grouped by expert (``counts[e]`` rows each, in order) times their expert's
+    ``weight[e].T`` (plus ``bias[e]``): one GEMM per expert with rows, into one output."""
+    out = a.new_empty(a.shape[0], weight.shape[1])
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        end = start + count
+        if bias is None:
+            torch.mm(a[start:end], weight[expert].t(), out=out[start:end])
+        else:
+            torch.addmm(bias[expert], a[start:end], weight[expert].t(), out=out[start:end])
+        start = end
+    return out
+
+
+class ExpertTensors:
+    """Takes a checkpoint's expert tensors out of its stream into the model's ``FusedMoE`` layers.
+
+    ``parts`` names one expert's matrices by their checkpoint names (Mixtral: ``{"w1": "gate", "w3":
+    "up", "w2": "down"}``); the stacked layout (transformers 5's in-memory one) loads too. ``place``
+    is the model's ``_target``: None for a tensor of another pipeline stage (left unread).
+    ``loaded`` holds the parameters filled once ``others`` has been consumed.
+    """
+
+    def __init__(self, model: nn.Module, parts: Mapping[str, str],
+                 place: Callable[[str], Optional[str]]) -> None:
+        self.model = model
+        self.parts = parts
+        self.place = place
+        self.loaded: set[str] = set()
+
+    def others(self, weights: Iterable[tuple[str, CheckpointTensor]]) -> Iterator[tuple[str, CheckpointTensor]]:
+        """Every tensor that is not an expert's, in order; the experts' are loaded on the way."""
+        for name, tensor in weights:
+            match = _EXPERT_TENSOR.match(name)
+            if match is None or (match["proj"] is not None and match["proj"] not in self.parts):
+                yield name, tensor
+            elif self.place(name) is not None:
+                self.loaded.add(self._load(match, tensor))
+
+    def _load(self, match: re.Match, tensor: CheckpointTensor) -> str:
+        module = match["module"]
+        experts: FusedMoE = self.model.get_submodule(module)
+        if match["stacked"]:
+            param = experts.load_stacked(match["stacked"] + (match["bias"] or ""), tensor)
+        else:
+            param = experts.load_expert(int(match["expert"]), self.parts[match["proj"]], tensor)
+        return f"{module}.{param}"
