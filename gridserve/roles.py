@@ -107,6 +107,10 @@ ENGINE_OPTIONS: list[EngineOption] = [
                    "(0: a worker failure kills the engine)", config=None),
     _engine_option("--no-prefix-caching", bool, False, "disable prefix caching",
                    config="enable_prefix_caching", helm="engine.enablePrefixCaching", invert=True),
+    _engine_option("--speculative-config", str, None,
+                   "speculative decoding as JSON, vLLM's keys: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+                   "\"prompt_lookup_min\": 2, \"prompt_lookup_max\": 4, \"disable_by_batch_size\": 8}' (outputs "
+                   "unchanged; n-gram drafts from the sequence itself)", helm="engine.speculativeConfig"),
     _engine_option("--disable-hybrid-kv-cache-manager", bool, False,
                    "plan every layer's KV cache as full attention: sliding-window layers stay masked to their "
                    "window but keep every token (one KV cache group; to compare or rule the hybrid allocator out)",

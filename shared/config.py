@@ -278,6 +278,49 @@ class CacheConfig:
             )
 
 
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's ``speculative_config``): n-gram prompt lookup proposes up to
+    ``num_speculative_tokens`` tokens that the target model verifies in one step.
+
+    ``prompt_lookup_max`` .. ``prompt_lookup_min``: the n-gram lengths tried, longest first, when
+    looking for the sequence's last n tokens earlier in it. ``disable_by_batch_size``: no drafts
+    while this many requests or more run (verifying costs compute a large batch has no room for).
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+    disable_by_batch_size: int = 8
+
+    @classmethod
+    def from_dict(cls, values: dict) -> SpeculativeConfig:
+        if not isinstance(values, dict):
+            raise ConfigError("speculative_config", f"must be an object, got {type(values).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)} | {"model"}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ConfigError(f"speculative_config.{unknown[0]}", f"unknown; known: {sorted(known)}")
+        if "model" in values:
+            raise ConfigError("speculative_config.model",
+                              "draft-model speculation is not supported yet: use {\"method\": \"ngram\"}")
+        config = cls(**values)
+        if config.method != "ngram":
+            raise ConfigError("speculative_config.method", f"must be \"ngram\", got {config.method!r}")
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size"):
+            value = getattr(config, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"speculative_config.{name}", f"must be a positive integer, got {value!r}")
+        if config.num_speculative_tokens > 16:
+            raise ConfigError("speculative_config.num_speculative_tokens",
+                              f"must be at most 16, got {config.num_speculative_tokens}")
+        if config.prompt_lookup_max < config.prompt_lookup_min:
+            raise ConfigError("speculative_config.prompt_lookup_max",
+                              f"must be >= prompt_lookup_min ({config.prompt_lookup_min}), got {config.prompt_lookup_max}")
+        return config
+
+
 @dataclass
 class SchedulerConfig:
     """Token budget and sequence cap of one scheduling step."""
@@ -287,11 +330,27 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     # Admission control: new requests beyond this many waiting are refused (None: ``waiting_limit``).
     max_waiting_requests: Optional[int] = None
+    # Speculative decoding, vLLM's dict (``SpeculativeConfig``; empty: off). A JSON string is parsed.
+    speculative_config: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         _positive("scheduler", "max_num_seqs", self.max_num_seqs, allow_none=False)
         _positive("scheduler", "max_waiting_requests", self.max_waiting_requests)
         _positive("scheduler", "max_num_batched_tokens", self.max_num_batched_tokens)
+        if isinstance(self.speculative_config, str):
+            try:
+                self.speculative_config = json.loads(self.speculative_config) if self.speculative_config else {}
+            except ValueError as exc:
+                raise ConfigError("speculative_config", f"is not JSON: {exc}") from None
+        if self.speculative_config is None:
+            self.speculative_config = {}
+        if self.speculative_config:  # checked now: a bad dict fails at start, naming the field
+            SpeculativeConfig.from_dict(self.speculative_config)
+
+    @property
+    def speculative(self) -> Optional[SpeculativeConfig]:
+        """The checked speculative-decoding settings, or None when off."""
+        return SpeculativeConfig.from_dict(self.speculative_config) if self.speculative_config else None
 
     @property
     def waiting_limit(self) -> int:
@@ -411,6 +470,9 @@ class GridserveConfig:
         ModelRegistry.check_architecture(self.model.architecture)
         self.parallel.check_model(self.model.architecture, self.model.text_config)
         self.scheduler.finalize(self.max_model_len)
+        if self.scheduler.speculative_config and self.parallel.pipeline_parallel_size > 1:
+            raise ConfigError("speculative_config", "speculative decoding with pipeline parallelism (-pp > 1) "
+                                                    "is not supported")
         return self
 
     def kv_bytes_per_token_per_rank(self) -> int:

@@ -28,6 +28,11 @@ class EngineLoad:
     state: str = "ready"  # the engine's Readiness state (gridserve.shared.readiness.State value)
     # (group name, blocks it holds) per KV cache group ("full", "sliding_window_4096", ...)
     kv_cache_groups: tuple[tuple[str, int], ...] = ()
+    # Speculative decoding's counters (empty per-position counts: speculation off)
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: tuple[int, ...] = ()
 
     def routing_key(self) -> tuple[int, int, float]:
         """What routing looks at; a new report is worth sending (and publishing) when it changes."""

@@ -73,6 +73,9 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int = 0
     # Requests finished, aborted or preempted since the last step: the worker drops their state.
     finished_req_ids: set[str] = field(default_factory=set)
+    # Speculative decoding: draft tokens to verify after a request's next token (they count in
+    # ``num_scheduled_tokens``: 1 + len(drafts)).
+    scheduled_spec_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -103,3 +106,9 @@ class ModelRunnerOutput:
     # Requests that failed on their own in the worker (request id -> error): the engine ends each
     # one with finish reason ``error``; the rest of the batch is unaffected.
     failed: dict[str, str] = field(default_factory=dict)
+    # Speculative decoding: the tokens a request got after its first one this step (the accepted
+    # drafts' run, each the target's own sample), with their logprobs when asked...
+    extra_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    extra_logprobs: dict[str, list[Optional[TokenLogprobs]]] = field(default_factory=dict)
+    # ... and the drafts proposed for the request's next step.
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)

@@ -80,14 +80,16 @@ class EngineCore:
         sample to return before it is scheduled again. Returns nothing while the queue fills.
         """
         submitted_work = False
-        if self.scheduler.has_unfinished_requests() and len(self._batches) <= self.max_concurrent_batches:
+        # A step that may verify drafts runs alone: the next one's drafts come with its result.
+        max_in_flight = 0 if self.scheduler.speculating else self.max_concurrent_batches
+        if self.scheduler.has_unfinished_requests() and len(self._batches) <= max_in_flight:
             scheduler_output = self.scheduler.schedule()
             # An empty plan still goes out when it carries ids the workers must forget.
             if not scheduler_output.is_empty or scheduler_output.finished_req_ids or not self._batches:
                 future = self.executor.execute_model(scheduler_output, non_block=True)
                 self._batches.append((scheduler_output, future))
                 submitted_work = not scheduler_output.is_empty
-        if not self._batches or (submitted_work and len(self._batches) <= self.max_concurrent_batches):
+        if not self._batches or (submitted_work and len(self._batches) <= max_in_flight):
             return []
         scheduler_output, future = self._batches.popleft()
         return self.scheduler.update_from_output(scheduler_output, future.result())

@@ -294,6 +294,23 @@ class KVCacheManager:
             self.blocks_in_use[g] -= self.block_pool.get_num_free_blocks() - free_before
             blocks[:skipped] = [self.null_block] * skipped
 
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Give back the blocks past the first ``ceil(num_tokens / block_size)`` of every group
+        (speculative decoding's rejected drafts: slots reserved for tokens that did not come)."""
+        blocks = self.req_to_blocks.get(request.request_id)
+        if blocks is None:
+            return
+        keep = -(-num_tokens // self.block_size)
+        for g, group in enumerate(blocks):
+            tail = [b for b in group[keep:] if not b.is_null]
+            del group[keep:]
+            if tail:
+                free_before = self.block_pool.get_num_free_blocks()
+                self.block_pool.free_blocks(reversed(tail))
+                self.blocks_in_use[g] -= self.block_pool.get_num_free_blocks() - free_before
+            cached = self.num_cached_blocks[request.request_id]
+            cached[g] = min(cached[g], len(group))
+
     def free(self, request: Request) -> None:
         """Return the request's blocks (tail first) and forget it. Freeing twice is a no-op."""
         blocks = self.req_to_blocks.pop(request.request_id, None)

@@ -91,6 +91,26 @@ class _SnapshotCollector:
             family = CounterMetricFamily(name, doc, labels=names)
             family.add_metric(values, value)
             yield family
+        if stats.spec_accepted_per_pos:  # speculative decoding is on
+            yield from _spec_decode_families(stats, names, values)
+
+
+def _spec_decode_families(stats: EngineLoad, names: list[str], values: list[str]):
+    """vLLM's ``vllm:spec_decode_*`` counters: drafts verified (one per request and step), draft
+    tokens, accepted tokens, and accepted tokens per draft position (``position`` label)."""
+    for name, doc, value in (
+        ("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", stats.spec_num_drafts),
+        ("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", stats.spec_num_draft_tokens),
+        ("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", stats.spec_num_accepted_tokens),
+    ):
+        family = CounterMetricFamily(name, doc, labels=names)
+        family.add_metric(values, value)
+        yield family
+    family = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                 "Accepted tokens per draft position.", labels=[*names, "position"])
+    for position, value in enumerate(stats.spec_accepted_per_pos):
+        family.add_metric([*values, str(position)], value)
+    yield family
 
 
 class EngineMetrics:

@@ -84,6 +84,8 @@ class Request:
         self.stop_reason: Union[int, str, None] = None
         self.error: Optional[str] = None  # why it failed (status FINISHED_ERROR)
         self.block_hashes: list[bytes] = []
+        # Speculative decoding: the drafts the worker proposed after this request's last token.
+        self.spec_token_ids: list[int] = []
         # Timeline (time.monotonic()) for metrics, logs and traces; None until it happens.
         self.scheduled_time: Optional[float] = None  # first admitted to the running batch
         self.first_token_time: Optional[float] = None

@@ -7,6 +7,13 @@ prompt is therefore prefilled in chunks, interleaved with other requests' decode
 requests go first (in arrival order), then waiting ones (FCFS). When the KV cache runs out of
 blocks, the most recently admitted running request is preempted: its blocks are freed and it
 rejoins the front of the queue, to be recomputed later (its prefix may still hit the cache).
+
+Speculative decoding (``speculative_config``): a decoding request whose worker proposed drafts
+runs its next token and the drafts in one step (``scheduled_spec_tokens``, within the token
+budget, ``max_tokens`` and ``max_model_len``); the worker answers with the target's own samples up
+to the first that differs from a draft. ``update_from_output`` appends them one by one (a stop
+ends the run there), rolls ``num_computed_tokens`` back by the rejected drafts and gives their
+blocks back. No drafts while ``disable_by_batch_size`` requests or more run.
 """
 
 from __future__ import annotations
@@ -31,6 +38,27 @@ from gridserve.shared.scheduler_output import (
 )
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SpecDecodeStats:
+    """Speculative decoding's counters since start (vLLM's ``vllm:spec_decode_*``)."""
+
+    num_speculative_tokens: int
+    num_drafts: int = 0  # steps that verified drafts, per request
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)  # accepted at draft position i
+
+    def __post_init__(self) -> None:
+        self.accepted_per_pos = [0] * self.num_speculative_tokens
+
+    def record(self, num_drafts: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += num_accepted
+        for i in range(num_accepted):
+            self.accepted_per_pos[i] += 1
 
 
 @dataclass
@@ -66,6 +94,8 @@ class Scheduler:
         # every stage the tokens it has not seen (request id -> tokens the workers hold).
         self.pipelined = config.parallel.pipeline_parallel_size > 1
         self._worker_tokens: dict[str, int] = {}
+        self.spec = config.scheduler.speculative
+        self.spec_stats = SpecDecodeStats(self.spec.num_speculative_tokens if self.spec else 0)
 
     # ---- admission and removal ------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -105,10 +135,17 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 
+    @property
+    def speculating(self) -> bool:
+        """Whether the next step may verify drafts: the engine then runs it alone (no step in
+        flight beside it), since its tokens are known only once it returns."""
+        return self.spec is not None and 0 < len(self.running) < self.spec.disable_by_batch_size
+
     # ---- one step -------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
         out = SchedulerOutput()
+        self._speculate = self.speculating
         preempted = self._schedule_running(out, budget)
         budget -= out.total_num_scheduled_tokens
         if not preempted:
@@ -133,6 +170,8 @@ class Scheduler:
             if n <= 0:  # its last token is still being sampled by the step in flight
                 i += 1
                 continue
+            drafts = self._drafts(request, n, budget)
+            n += len(drafts)
             new_blocks = self.kv.allocate_slots(request, n)
             while new_blocks is None:
                 victim = self.running.pop()
@@ -147,6 +186,8 @@ class Scheduler:
                 CachedRequestData(request.request_id, new_blocks, request.num_computed_tokens,
                                   self._unsent_tokens(request))
             )
+            if drafts:
+                out.scheduled_spec_tokens[request.request_id] = drafts
             self._record(out, request, n)
             budget -= n
             i += 1
@@ -191,6 +232,19 @@ class Scheduler:
             )
             self._record(out, request, n)
             budget -= n
+
+    def _drafts(self, request: Request, n: int, budget: int) -> list[int]:
+        """The drafts to verify with a decoding request's next token this step (none while
+        speculation is off, mid-prefill, or past the budget, ``max_tokens`` or ``max_model_len``).
+        A request's drafts are used once."""
+        drafts, request.spec_token_ids = request.spec_token_ids, []
+        if not drafts or not self._speculate or n != 1 or request.num_output_placeholders:
+            return []
+        room = min(budget - n, self.max_model_len - request.num_tokens - 1)
+        max_tokens = request.sampling_params.max_tokens
+        if max_tokens is not None:
+            room = min(room, max_tokens - request.num_output_tokens - 1)
+        return drafts[:max(room, 0)]
 
     def _tokens_to_schedule(self, request: Request) -> int:
         """Tokens whose KV is not computed yet, counting the in-flight step's sample.
@@ -259,26 +313,43 @@ class Scheduler:
             if request is None or request.is_finished:
                 continue  # finished or aborted while the step ran: its sample is discarded
             request.num_output_placeholders = max(request.num_output_placeholders - 1, 0)
-            request.append_output_token_ids(token)
+            tokens = [token, *result.extra_token_ids.get(request_id, ())]
+            token_logprobs = [logprobs, *result.extra_logprobs.get(request_id, ())]
+            token_logprobs += [None] * (len(tokens) - len(token_logprobs))
+            drafts = sched.scheduled_spec_tokens.get(request_id)
+            if drafts:  # the KV of rejected drafts is not the sequence's: recomputed from there
+                self.spec_stats.record(len(drafts), len(tokens) - 1)
+                request.num_computed_tokens -= len(drafts) - (len(tokens) - 1)
             if request.first_token_time is None:
                 request.first_token_time = now
                 self.num_prompt_tokens += request.num_prompt_tokens
-            status = self._stop_status(request, token)
-            if status is not None:
-                self._remove_from_queue(request)
-                self._finish(request, status)
+            new_tokens, new_logprobs = [], []
+            for token, logprobs in zip(tokens, token_logprobs):
+                request.append_output_token_ids(token)
+                new_tokens.append(token)
+                if logprobs is not None:
+                    new_logprobs.append(logprobs)
+                status = self._stop_status(request, token)
+                if status is not None:  # a stop inside an accepted run ends it there
+                    self._remove_from_queue(request)
+                    self._finish(request, status)
+                    break
+            else:
+                if drafts:
+                    self.kv.trim(request, request.num_tokens)
+                request.spec_token_ids = result.draft_token_ids.get(request_id, [])
+            self.num_generation_tokens += len(new_tokens)
             outputs.append(
                 EngineCoreOutput(
                     request_id=request_id,
-                    new_token_ids=[token],
-                    new_logprobs=[logprobs] if logprobs is not None else [],
+                    new_token_ids=new_tokens,
+                    new_logprobs=new_logprobs,
                     new_prompt_logprobs=prompt_logprobs.pop(request_id, []),
                     finish_reason=request.status.finish_reason,
                     stop_reason=request.stop_reason,
                     num_cached_tokens=max(request.num_cached_tokens, 0),
                 )
             )
-        self.num_generation_tokens += len(outputs)
         outputs += self._fail_requests(result.failed)
         for request_id, entries in prompt_logprobs.items():  # prefill chunks that sampled nothing
             if request_id in self.requests:
@@ -344,6 +415,10 @@ class Scheduler:
             num_prompt_tokens=self.num_prompt_tokens,
             num_generation_tokens=self.num_generation_tokens,
             kv_cache_groups=tuple(self.kv.group_usage()),
+            spec_num_drafts=self.spec_stats.num_drafts,
+            spec_num_draft_tokens=self.spec_stats.num_draft_tokens,
+            spec_num_accepted_tokens=self.spec_stats.num_accepted_tokens,
+            spec_accepted_per_pos=tuple(self.spec_stats.accepted_per_pos),
         )
 
     def take_step_stats(self) -> StepStats:

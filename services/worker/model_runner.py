@@ -31,6 +31,7 @@ from gridserve.services.worker.sampler import (
     gather_logprobs,
     trim_logprobs,
 )
+from gridserve.services.worker.spec_decode import accepted_run, ngram_propose
 from gridserve.services.worker.structured_output import StructuredOutputManager
 from gridserve.shared.config import GridserveConfig
 from gridserve.shared.errors import ConfigError, InvalidArgumentError
@@ -66,11 +67,15 @@ class StepInputs:
     positions: torch.Tensor
     meta: AttentionMetadata
     logits_indices: torch.Tensor  # rows of the hidden states to sample from
-    sampling_req_ids: list[str]
+    sampling_req_ids: list[str]  # the request of each sampled row (1 + its drafts' rows with drafts)
     req_ids: list[str]  # every scheduled request, in packed order
     starts: list[int]  # first position computed this step, per request
     row_starts: list[int]  # first packed row, per request
     images: Optional[ImageRows] = None  # image-token rows and their embeddings (VLM prefill)
+    # Speculative decoding: each sampled row's position in its request's run (0 without drafts)...
+    row_offsets: list[int] = field(default_factory=list)
+    # ... and the drafts verified this step, by request.
+    drafts: dict[str, list[int]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -98,6 +103,7 @@ class ModelRunner:
         # With one stage every rank keeps its own samples (TP ranks get the driver's by broadcast);
         # with several, the last stage samples and the engine sends the tokens to every stage.
         self.keeps_own_samples = self.parallel.pp_size == 1
+        self.spec = config.scheduler.speculative  # n-gram speculative decoding, or None
 
     # ---- setup -------------------------------------------------------------------------
     def load_model(self) -> None:
@@ -183,26 +189,33 @@ class ModelRunner:
         # milliseconds for a descheduled thread when other roles shared the cores
         logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
         if logits is None:  # a TP rank other than the first: the driver samples
-            self._receive_samples(inputs.sampling_req_ids)
+            self._receive_samples(inputs)
             return None
         if self.structured_output is not None and self.structured_output.has_requests:
             self.structured_output.apply_bitmask(logits, inputs.sampling_req_ids)
         with one_thread():
-            meta = self._sampling_metadata(inputs.sampling_req_ids, logits.shape[-1])
+            meta = self._sampling_metadata(inputs.sampling_req_ids, logits.shape[-1], inputs.row_offsets)
         sampled, logprobs = self.sampler(logits, meta)
-        tokens = self._keep_samples(inputs.sampling_req_ids, sampled)
+        tokens = self._keep_samples(inputs, sampled)
         if self.structured_output is not None and self.structured_output.has_requests:
             broken = self.structured_output.accept_tokens(inputs.sampling_req_ids, tokens)
             for req_id, error in broken.items():
                 self.failures.fail(req_id, f"structured outputs: {error}")
         logprobs = logprobs or [None] * len(tokens)
-        rows = [i for i, r in enumerate(inputs.sampling_req_ids) if r not in self.failures]
-        return ModelRunnerOutput(
-            req_ids=[inputs.sampling_req_ids[i] for i in rows],
-            sampled_token_ids=[tokens[i] for i in rows],
-            logprobs=[logprobs[i] for i in rows],
-            prompt_logprobs=prompt_logprobs,
-        )
+        out = ModelRunnerOutput(prompt_logprobs=prompt_logprobs)
+        for req_id, (row, run) in self._runs(inputs, tokens).items():
+            if req_id in self.failures:
+                continue
+            out.req_ids.append(req_id)
+            out.sampled_token_ids.append(run[0])
+            out.logprobs.append(logprobs[row])
+            if len(run) > 1:
+                out.extra_token_ids[req_id] = run[1:]
+                if logprobs[row] is not None:
+                    out.extra_logprobs[req_id] = logprobs[row + 1:row + len(run)]
+        if self.spec is not None and len(out.req_ids) < self.spec.disable_by_batch_size:
+            out.draft_token_ids = self._propose(out.req_ids)
+        return out
 
     def _forward(self, inputs: StepInputs) -> Optional[torch.Tensor]:
         """Run this stage's layers: activations in from the previous stage, out to the next one."""
@@ -222,25 +235,64 @@ class ModelRunner:
         self.parallel.send_to_next_stage(list(out))
         return None
 
-    def _keep_samples(self, req_ids: list[str], sampled: torch.Tensor) -> list[int]:
-        """Append the driver's samples to its requests (and share them with the other TP ranks)."""
+    def _keep_samples(self, inputs: StepInputs, sampled: torch.Tensor) -> list[int]:
+        """Append the driver's samples to its requests (and share them with the other TP ranks);
+        every sampled row's token."""
         if self.keeps_own_samples and self.parallel.tp_size > 1:
             self.parallel.broadcast_from_first(sampled.to(torch.int64))
         tokens = sampled.tolist()
         if self.keeps_own_samples:
-            self._append_samples(req_ids, tokens)
+            self._append_samples(inputs, tokens)
         return tokens
 
-    def _receive_samples(self, req_ids: list[str]) -> None:
+    def _receive_samples(self, inputs: StepInputs) -> None:
         """On a TP rank other than the driver: the driver's samples, by broadcast (one stage only)."""
         if not self.keeps_own_samples:
             return  # several stages: the engine sends the tokens with the next step
-        tokens = torch.empty(len(req_ids), dtype=torch.int64, device=self.device)
-        self._append_samples(req_ids, self.parallel.broadcast_from_first(tokens).tolist())
+        tokens = torch.empty(len(inputs.sampling_req_ids), dtype=torch.int64, device=self.device)
+        self._append_samples(inputs, self.parallel.broadcast_from_first(tokens).tolist())
 
-    def _append_samples(self, req_ids: list[str], tokens: list[int]) -> None:
-        for req_id, token in zip(req_ids, tokens):
-            self.requests[req_id].token_ids.append(token)
+    def _runs(self, inputs: StepInputs, tokens: list[int]) -> dict[str, tuple[int, list[int]]]:
+        """Per request: its first sampled row and the tokens it gets this step (one, or the run
+        its drafts' verification accepts). Every rank computes the same from the same samples."""
+        runs: dict[str, tuple[int, list[int]]] = {}
+        row = 0
+        while row < len(tokens):
+            req_id = inputs.sampling_req_ids[row]
+            drafts = inputs.drafts.get(req_id)
+            if drafts:
+                runs[req_id] = (row, accepted_run(tokens[row:row + len(drafts) + 1], drafts))
+                row += len(drafts) + 1
+            else:
+                runs[req_id] = (row, [tokens[row]])
+                row += 1
+        return runs
+
+    def _append_samples(self, inputs: StepInputs, tokens: list[int]) -> None:
+        for req_id, (_, run) in self._runs(inputs, tokens).items():
+            state = self.requests[req_id]
+            state.token_ids.extend(run)
+            if req_id in inputs.drafts:  # the engine gives back the rejected drafts' blocks: so do we
+                keep = -(-len(state.token_ids) // self.block_size)
+                for ids in state.block_ids:
+                    del ids[keep:]
+
+    def _propose(self, req_ids: list[str]) -> dict[str, list[int]]:
+        """n-gram drafts for the requests that can take them: no penalties, grammar or bad words,
+        whose effect at a draft position would depend on the drafts before it (``min_tokens`` is
+        applied per position)."""
+        spec = self.spec
+        drafts = {}
+        for req_id in req_ids:
+            params = self.requests[req_id].params
+            if params.has_penalties or params.structured_outputs is not None or params.bad_words_token_ids:
+                continue
+            state = self.requests[req_id]
+            proposal = ngram_propose(state.token_ids, spec.num_speculative_tokens, spec.prompt_lookup_min,
+                                     spec.prompt_lookup_max)
+            if proposal:
+                drafts[req_id] = proposal
+        return drafts
 
     def _structured_output_manager(self) -> StructuredOutputManager:
         """The grammar-mask manager, built (with the tokenizer) when the first structured request arrives."""
@@ -303,20 +355,32 @@ class ModelRunner:
 
     def _prepare_inputs(self, sched: SchedulerOutput) -> StepInputs:
         req_ids = [r for r in sched.num_scheduled_tokens if r not in self.failures.rejected]
-        q_lens, starts, token_ids, tables, sampling, last_rows = [], [], [], [], [], []
+        q_lens, starts, token_ids, tables, sampling, last_rows, offsets = [], [], [], [], [], [], []
+        drafts_of: dict[str, list[int]] = {}
         total = 0
         for req_id in req_ids:
             state = self.requests[req_id]
             n = sched.num_scheduled_tokens[req_id]
             start = state.num_computed_tokens
-            token_ids.extend(state.token_ids[start : start + n])
+            drafts = sched.scheduled_spec_tokens.get(req_id)
+            if drafts:  # the last token, then the drafts: every position sampled
+                token_ids.extend(state.token_ids[start : start + n - len(drafts)])
+                token_ids.extend(drafts)
+                drafts_of[req_id] = drafts
+            else:
+                token_ids.extend(state.token_ids[start : start + n])
             q_lens.append(n)
             starts.append(start)
             tables.append(state.block_ids)
             total += n
-            if start + n >= len(state.token_ids):
+            if drafts:
+                sampling.extend([req_id] * (len(drafts) + 1))
+                last_rows.extend(range(total - len(drafts) - 1, total))
+                offsets.extend(range(len(drafts) + 1))
+            elif start + n >= len(state.token_ids):
                 sampling.append(req_id)
                 last_rows.append(total - 1)
+                offsets.append(0)
         q_lens_t = torch.tensor(q_lens, dtype=torch.int64)
         starts_t = torch.tensor(starts, dtype=torch.int64)
         query_start_loc = torch.zeros(len(req_ids) + 1, dtype=torch.int64)
@@ -353,6 +417,8 @@ class ModelRunner:
             starts=starts,
             row_starts=query_start_loc[:-1].tolist(),
             images=self._image_rows(req_ids, starts, q_lens, query_start_loc[:-1].tolist()),
+            row_offsets=offsets,
+            drafts=drafts_of,
         )
 
     def _image_rows(self, req_ids: list[str], starts: list[int], q_lens: list[int],
@@ -363,8 +429,12 @@ class ModelRunner:
                      for r, s, n, row in zip(req_ids, starts, q_lens, rows) if self.requests[r].images]
         return self.encoder_cache.step_rows(scheduled) if scheduled else None
 
-    def _sampling_metadata(self, req_ids: list[str], vocab_size: int) -> SamplingMetadata:
+    def _sampling_metadata(self, req_ids: list[str], vocab_size: int,
+                           offsets: Optional[list[int]] = None) -> SamplingMetadata:
+        """Per sampled row; ``offsets``: each row's position after its request's output so far
+        (draft rows of speculative decoding; 0 otherwise)."""
         states = [self.requests[r] for r in req_ids]
+        offsets = offsets or [0] * len(states)
         params = [s.params for s in states]
         temperature = [0.0 if p.greedy else p.temperature for p in params]
         top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
@@ -379,8 +449,8 @@ class ModelRunner:
             all_greedy=not random_rows,
             need_top_k_top_p=any(params[i].top_p < 1.0 or top_k[i] < vocab_size for i in random_rows),
             need_min_p=any(params[i].min_p > 0 for i in random_rows),
-            uniforms=self._uniforms(states) if random_rows else None,
-            banned_token_ids=_banned_token_ids(states),
+            uniforms=self._uniforms(states, offsets) if random_rows else None,
+            banned_token_ids=_banned_token_ids(states, offsets),
             max_num_logprobs=max(requested) if requested else None,
             num_logprobs=num_logprobs,
             allowed_token_ids={i: p.allowed_token_ids for i, p in enumerate(params) if p.allowed_token_ids},
@@ -390,13 +460,15 @@ class ModelRunner:
             penalties=self._penalties(states, vocab_size),
         )
 
-    def _uniforms(self, states: list[RequestState]) -> torch.Tensor:
+    def _uniforms(self, states: list[RequestState], offsets: list[int]) -> torch.Tensor:
         """Each row's draw for this step: a function of (seed, output index) for seeded requests,
-        torch's global generator for the others (greedy rows draw too; their value is unused)."""
+        torch's global generator for the others (greedy rows draw too; their value is unused). A
+        draft row's output index is ``offset`` past the request's output so far: the draw it would
+        have had without speculation."""
         draws = torch.rand(len(states), dtype=torch.float64).clamp_(min=2.0**-53)
-        for i, s in enumerate(states):
+        for i, (s, offset) in enumerate(zip(states, offsets)):
             if s.params.seed is not None:
-                draws[i] = counter_uniform(s.params.seed, s.num_output_tokens)
+                draws[i] = counter_uniform(s.params.seed, s.num_output_tokens + offset)
         return draws.to(self.device)
 
     def _penalties(self, states: list[RequestState], vocab_size: int) -> Optional[Penalties]:
@@ -441,11 +513,12 @@ class ModelRunner:
         return result
 
 
-def _banned_token_ids(states: list[RequestState]) -> dict[int, list[int]]:
-    """Per row, the ids this step must not produce: stop ids before min_tokens, and bad words."""
+def _banned_token_ids(states: list[RequestState], offsets: list[int]) -> dict[int, list[int]]:
+    """Per row, the ids this step must not produce: stop ids before min_tokens (a draft row counts
+    the output before it), and bad words."""
     banned: dict[int, list[int]] = {}
-    for i, s in enumerate(states):
-        ids = list(s.stop_ids) if s.stop_ids and s.num_output_tokens < s.params.min_tokens else []
+    for i, (s, offset) in enumerate(zip(states, offsets)):
+        ids = list(s.stop_ids) if s.stop_ids and s.num_output_tokens + offset < s.params.min_tokens else []
         output = s.token_ids[s.num_prompt_tokens :]
         for word in s.params.bad_words_token_ids:
             prefix = word[:-1]

@@ -130,6 +130,7 @@ def scheduler_output_to_pb(out: SchedulerOutput) -> worker_pb2.SchedulerOutput:
         num_scheduled_tokens=out.num_scheduled_tokens,
         total_num_scheduled_tokens=out.total_num_scheduled_tokens,
         finished_req_ids=sorted(out.finished_req_ids),
+        scheduled_spec_tokens={r: worker_pb2.TokenIds(ids=ids) for r, ids in out.scheduled_spec_tokens.items()},
     )
 
 
@@ -156,6 +157,7 @@ def scheduler_output_from_pb(msg: worker_pb2.SchedulerOutput) -> SchedulerOutput
         num_scheduled_tokens=_in_plan_order(msg),
         total_num_scheduled_tokens=msg.total_num_scheduled_tokens,
         finished_req_ids=set(msg.finished_req_ids),
+        scheduled_spec_tokens={r: list(t.ids) for r, t in msg.scheduled_spec_tokens.items()},
     )
 
 
@@ -182,6 +184,12 @@ def runner_output_to_pb(out: ModelRunnerOutput) -> worker_pb2.ModelRunnerOutput:
     for req_id, rows in out.prompt_logprobs.items():
         msg.prompt_logprobs[req_id].CopyFrom(logprobs_to_pb(rows))
     msg.failed.update(out.failed)
+    for req_id, ids in out.extra_token_ids.items():
+        msg.extra_token_ids[req_id].ids.extend(ids)
+    for req_id, rows in out.extra_logprobs.items():
+        msg.extra_logprobs[req_id].CopyFrom(logprobs_to_pb(rows))
+    for req_id, ids in out.draft_token_ids.items():
+        msg.draft_token_ids[req_id].ids.extend(ids)
     return msg
 
 
@@ -195,4 +203,7 @@ def runner_output_from_pb(msg: worker_pb2.ModelRunnerOutput) -> ModelRunnerOutpu
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
         failed=dict(msg.failed),
+        extra_token_ids={r: list(t.ids) for r, t in msg.extra_token_ids.items()},
+        extra_logprobs={r: logprobs_from_pb(rows) for r, rows in msg.extra_logprobs.items()},
+        draft_token_ids={r: list(t.ids) for r, t in msg.draft_token_ids.items()},
     )
