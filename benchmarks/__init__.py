@@ -48,6 +48,8 @@ BENCHMARKS = {
                   "add_arguments", "run"),
     "int8-gemm": ("int8_gemm_bench", "int8-weight CPU GEMM (int16 / group-32 / oneDNN) vs fp32 F.linear",
                   "add_arguments", "run"),
+    "spec-decode": ("spec_decode_bench", "n-gram speculative decoding vs plain, one request at a time and a batch",
+                    "add_arguments", "run"),
     "fused-moe": ("fused_moe_bench", "the fused MoE layer vs the per-expert loop it replaced (batch 1 / 16 / 64)",
                   "add_arguments", "run"),
     "batch-invariant": ("batch_invariant_bench", "decode step and prefill with batch-invariant mode vs without",
