@@ -108,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
     from gridserve.default_model import default_model_file
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
+    logging.getLogger("httpx2").setLevel(logging.WARNING)  # not a line per request
     trees = {"before": Path(args.before).resolve(), "after": Path(args.after).resolve()}
     for tree in trees.values():
         _python(tree)
