@@ -62,6 +62,11 @@ ARCHITECTURES: dict[str, ArchitectureInfo] = {a.name: a for a in (
           kv_kind="sliding"),
     _arch("Qwen3MoeForCausalLM", "qwen_moe:Qwen3MoeForCausalLM", "Qwen/Qwen3-30B-A3B", quantization=False,
           kv_kind="sliding"),
+    # multi-head latent attention (issue 32): the cache holds one latent per token; experts unquantized
+    _arch("DeepseekV2ForCausalLM", "deepseek:DeepseekV2ForCausalLM", "deepseek-ai/DeepSeek-V2-Lite-Chat",
+          quantization=False, kv_kind="mla"),
+    _arch("DeepseekV3ForCausalLM", "deepseek:DeepseekV3ForCausalLM", "deepseek-ai/DeepSeek-V3",
+          quantization=False, kv_kind="mla"),
     _arch("OPTForCausalLM", "opt:OPTForCausalLM", "facebook/opt-125m", pipeline_parallel=False),
     # the dense zoo (issue 30): each helper-owned entry's features are set by the model's author
     _arch("Qwen3ForCausalLM", "qwen3:Qwen3ForCausalLM", "Qwen/Qwen3-0.6B", kv_kind="sliding"),

@@ -162,7 +162,7 @@ class KVCacheManager:
             agreed = num_hit
             for g, window in enumerate(self.windows):
                 num_hit = self._window_hit(hashes, g, window, num_hit) if window else self._full_hit(hashes, g, num_hit)
-            if num_hit == agreed:
+            if num_hit == agreed or self.num_groups == 1:
                 break
         computed = []
         for g, window in enumerate(self.windows):

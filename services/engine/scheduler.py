@@ -137,9 +137,11 @@ class Scheduler:
 
     @property
     def speculating(self) -> bool:
-        """Whether the next step may verify drafts: the engine then runs it alone (no step in
-        flight beside it), since its tokens are known only once it returns."""
-        return self.spec is not None and 0 < len(self.running) < self.spec.disable_by_batch_size
+        """Whether the next step may verify drafts (a running request has some, and fewer than
+        ``disable_by_batch_size`` run): the engine then runs it alone, no step in flight beside it,
+        since its tokens are known only once it returns. Without drafts, steps overlap as usual."""
+        return (self.spec is not None and 0 < len(self.running) < self.spec.disable_by_batch_size
+                and any(r.spec_token_ids for r in self.running))
 
     # ---- one step -------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:

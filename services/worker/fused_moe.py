@@ -5,7 +5,8 @@ expert's gate rows, then its up rows) and ``down_proj`` [E, H, I], where ``I`` i
 of the expert intermediate size under tensor parallelism. ``forward(x, weights, expert_ids)`` takes
 the router's choice (``[T, k]`` routing weights and expert ids) and returns this rank's partial sum
 ``sum_k weights[t, k] * expert[expert_ids[t, k]](x[t])`` [T, H]; the MoE block all-reduces it
-(once, with whatever else it adds). ``route`` is the softmax top-k router the models share.
+(once, with whatever else it adds). ``route`` is the softmax top-k router the models share;
+``grouped_topk`` DeepSeek's (softmax or sigmoid scores, expert groups, a correction bias).
 
 How it runs: the ``T * k`` (token, expert) assignments are sorted by expert (a stable argsort), the
 tokens' rows gathered once in that order, and each projection is a grouped GEMM: one ``torch.mm``
@@ -188,3 +189,43 @@ class ExpertTensors:
         else:
             param = experts.load_expert(int(match["expert"]), self.parts[match["proj"]], tensor)
         return f"{module}.{param}"
+
+
+def grouped_topk(router_logits: torch.Tensor, top_k: int, *, scoring: str = "softmax", n_group: int = 1,
+                 topk_group: int = 1, group_score: str = "max",
+                 correction_bias: Optional[torch.Tensor] = None, renormalize: bool = False,
+                 scaling_factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek's router: ``(weights, expert_ids)``, each ``[tokens, top_k]``, weights in fp32.
+
+    ``scoring`` turns the logits into scores: ``softmax`` (V2) or ``sigmoid`` (V3). The experts are
+    chosen on the scores plus ``correction_bias`` (V3's ``e_score_correction_bias``; None: none),
+    first among groups: the ``n_group`` equal groups of consecutive experts are ranked by
+    ``group_score`` (``max``: the best expert, V2's ``group_limited_greedy``; ``top2_sum``: the two
+    best, V3's ``noaux_tc``) and only the best ``topk_group`` groups' experts may be chosen
+    (``n_group=1``: plain top-k, V2's ``greedy``). The weights are the chosen experts' scores
+    *without* the bias, scaled to sum to one when ``renormalize`` (``+1e-20``, as transformers), then
+    times ``scaling_factor`` (``routed_scaling_factor``). Ties go to the lower group / expert index.
+    """
+    scores = torch.softmax(router_logits.float(), dim=-1) if scoring == "softmax" else router_logits.float().sigmoid()
+    choice = scores if correction_bias is None else scores + correction_bias.float()
+    if n_group > 1:
+        grouped = choice.view(choice.shape[0], n_group, -1)
+        if group_score == "max":
+            per_group = grouped.max(dim=-1).values
+        else:
+            per_group = _topk(grouped, 2)[0].sum(dim=-1)
+        groups = _topk(per_group, topk_group)[1]
+        keep = torch.zeros_like(per_group, dtype=torch.bool).scatter_(1, groups, True)
+        keep = keep.unsqueeze(-1).expand_as(grouped).reshape_as(choice)
+        choice = choice.masked_fill(~keep, float("-inf"))
+    expert_ids = _topk(choice, top_k)[1]
+    weights = scores.gather(1, expert_ids)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scaling_factor, expert_ids
+
+
+def _topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` largest along the last dimension and their indices, ties to the lower index."""
+    values, indices = torch.sort(x, dim=-1, descending=True, stable=True)
+    return values[..., :k], indices[..., :k]
