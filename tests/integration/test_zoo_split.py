@@ -46,9 +46,10 @@ CASES = {
     "BloomForCausalLM": ("gpt", "bloom"),
     "Qwen2MoeForCausalLM": ("moe", "qwen2_moe"), "Qwen3MoeForCausalLM": ("moe", "qwen3_moe"),
 }
-# split end to end, token-exact, by their own tests (test_parallel, test_mixtral, test_llava_matches_hf)
+# split by their own tests (test_parallel, test_mixtral, test_llava_matches_hf end to end; test_zoo_deepseek's
+# TP=2 / PP=2 logits in process)
 ELSEWHERE = {"LlamaForCausalLM", "Qwen2ForCausalLM", "OPTForCausalLM", "MixtralForCausalLM",
-             "LlavaForConditionalGeneration"}
+             "LlavaForConditionalGeneration", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"}
 PROMPTS = [list(range(100, 140)), [7, 300, 301, 302, 4000, 9, 11]]  # 40 tokens: past every window (24, 32)
 
 
