@@ -92,7 +92,9 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.groups: tuple[KVCacheGroup, ...] = tuple(groups) if groups else (KVCacheGroup(FULL, ()),)
         self.windows = tuple(g.sliding_window for g in self.groups)  # 0: keeps every token
+        self.has_windows = any(self.windows)
         self.num_groups = len(self.groups)
+        self._no_hits: tuple[list[KVCacheBlock], ...] = tuple([] for _ in self.groups)  # never mutated
         self.block_pool = BlockPool(num_blocks, enable_caching)
         self.null_block = self.block_pool.null_block
         self.req_to_blocks: dict[str, tuple[list[KVCacheBlock], ...]] = {}
@@ -216,16 +218,17 @@ class KVCacheManager:
                 f"token counts must be non-negative, got {num_new_tokens}, {num_new_computed_tokens}"
             )
         looked_up = new_computed_blocks is not None
-        hits = self._per_group(new_computed_blocks)
+        hits = self._per_group(new_computed_blocks) if new_computed_blocks else self._no_hits
         req_blocks = self.req_to_blocks.get(request.request_id)
-        if req_blocks is not None and any(hits):
-            raise ValueError(f"{request.request_id}: prefix hits given for a request that holds blocks")
         if req_blocks is not None:
-            self._free_skipped(request, req_blocks)
+            if hits is not self._no_hits and any(hits):
+                raise ValueError(f"{request.request_id}: prefix hits given for a request that holds blocks")
+            if self.has_windows:
+                self._free_skipped(request, req_blocks)
 
         num_tokens_after = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
         num_required = -(-num_tokens_after // self.block_size)
-        held = req_blocks or tuple([] for _ in self.groups)
+        held = req_blocks or self._no_hits
         num_new_blocks = [max(0, num_required - len(held[g]) - len(hits[g])) for g in range(self.num_groups)]
         # Touching a free prefix-hit block takes it out of the free list, too.
         num_evictable_hits = sum(1 for group in hits for b in group if b.ref_cnt == 0 and not b.is_null)
@@ -237,14 +240,18 @@ class KVCacheManager:
             self.num_cached_blocks[request.request_id] = [0] * self.num_groups
         num_cached = self.num_cached_blocks[request.request_id]
         # Every group's hits first: a new block of one group must never be another's free hit.
-        for g in range(self.num_groups):
-            free_before = self.block_pool.get_num_free_blocks()
-            self.block_pool.touch(hits[g])
-            self.blocks_in_use[g] += free_before - self.block_pool.get_num_free_blocks()
-            req_blocks[g].extend(hits[g])
-            num_cached[g] += len(hits[g])
+        if hits is not self._no_hits:
+            for g in range(self.num_groups):
+                free_before = self.block_pool.get_num_free_blocks()
+                self.block_pool.touch(hits[g])
+                self.blocks_in_use[g] += free_before - self.block_pool.get_num_free_blocks()
+                req_blocks[g].extend(hits[g])
+                num_cached[g] += len(hits[g])
         new_ids = []
         for g in range(self.num_groups):
+            if not num_new_blocks[g]:
+                new_ids.append([])
+                continue
             new_blocks = self.block_pool.get_new_blocks(num_new_blocks[g])
             self.blocks_in_use[g] += len(new_blocks)
             req_blocks[g].extend(new_blocks)

@@ -310,15 +310,18 @@ class Scheduler:
         outputs = []
         prompt_logprobs = dict(result.prompt_logprobs)
         now = time.monotonic()
+        speculated = bool(sched.scheduled_spec_tokens or result.extra_token_ids)
         for request_id, token, logprobs in zip(result.req_ids, result.sampled_token_ids, result.logprobs):
             request = self.requests.get(request_id)
             if request is None or request.is_finished:
                 continue  # finished or aborted while the step ran: its sample is discarded
             request.num_output_placeholders = max(request.num_output_placeholders - 1, 0)
-            tokens = [token, *result.extra_token_ids.get(request_id, ())]
-            token_logprobs = [logprobs, *result.extra_logprobs.get(request_id, ())]
-            token_logprobs += [None] * (len(tokens) - len(token_logprobs))
-            drafts = sched.scheduled_spec_tokens.get(request_id)
+            tokens, token_logprobs, drafts = [token], [logprobs], None
+            if speculated:  # a run of tokens: the accepted drafts' and the one after
+                tokens += result.extra_token_ids.get(request_id, ())
+                token_logprobs += result.extra_logprobs.get(request_id, ())
+                token_logprobs += [None] * (len(tokens) - len(token_logprobs))
+                drafts = sched.scheduled_spec_tokens.get(request_id)
             if drafts:  # the KV of rejected drafts is not the sequence's: recomputed from there
                 self.spec_stats.record(len(drafts), len(tokens) - 1)
                 request.num_computed_tokens -= len(drafts) - (len(tokens) - 1)
@@ -339,7 +342,8 @@ class Scheduler:
             else:
                 if drafts:
                     self.kv.trim(request, request.num_tokens)
-                request.spec_token_ids = result.draft_token_ids.get(request_id, [])
+                if result.draft_token_ids:
+                    request.spec_token_ids = result.draft_token_ids.get(request_id, [])
             self.num_generation_tokens += len(new_tokens)
             outputs.append(
                 EngineCoreOutput(
