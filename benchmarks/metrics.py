@@ -184,6 +184,12 @@ def format_report(summary: dict[str, Any], title: str = "Serving Benchmark Resul
                 summary[f"{stat}_probe_ttft_ms"])
         for error, count in summary.get("probe_errors", {}).items():
             rows.append(f"probe failed x{count}: {error}")
+    spec = summary.get("spec_decode")
+    if spec is not None:
+        rows.append(" Speculative decoding ".center(width, "-"))
+        row("Drafts / draft tokens / accepted:", f"{spec['drafts']} / {spec['draft_tokens']} / {spec['accepted_tokens']}")
+        row("Acceptance rate:", "-" if spec["acceptance_rate"] is None else spec["acceptance_rate"])
+        row("Accepted per draft position:", " ".join(f"{v:.2f}" for v in spec["accepted_per_position"]) or "-")
     rows.append("=" * width)
     return "\n".join(rows)
 

@@ -406,6 +406,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     out.add_argument("--save-detailed", action="store_true", help="per-request times in the JSON too")
     out.add_argument("--plot", default=None, metavar="PNG", help="plot throughput and latency vs concurrency")
     out.add_argument("--label", default=None, help="this server's name in tables and plots")
+    out.add_argument("--engine-metrics-url", default=None, metavar="URL",
+                     help="an engine's Prometheus /metrics (the process table's metrics column): its "
+                          "speculative-decoding counters over each run are reported (drafts, acceptance)")
     out.add_argument("--disable-tqdm", action="store_true")
 
 
@@ -431,8 +434,11 @@ def run(args: argparse.Namespace) -> int:
                         progress=not args.disable_tqdm,
                         probe=latency_probe(args.probe_rate, vocabulary, args.probe_input_len,
                                             args.probe_output_len, args.seed + i, as_text))
+        before = spec_decode_counters(args.engine_metrics_url) if args.engine_metrics_url else None
         runs.append(measure_run(endpoint, _head(requests, args.prompts_per_concurrency, concurrency), load,
                                 args.save_detailed))
+        if before is not None:
+            runs[-1]["spec_decode"] = spec_decode_delta(before, spec_decode_counters(args.engine_metrics_url))
         print(format_report(runs[-1], f"max concurrency {concurrency or 'unlimited'}"))
     label = args.label or f"{model} @ {args.base_url}"
     if len(runs) > 1:
@@ -449,6 +455,44 @@ def run(args: argparse.Namespace) -> int:
         plot_reports([report], args.plot)
         logger.info("wrote %s", args.plot)
     return 0 if all(r["completed"] for r in runs) else 1
+
+
+_SPEC_COUNTERS = {"vllm:spec_decode_num_drafts_total": "drafts",
+                  "vllm:spec_decode_num_draft_tokens_total": "draft_tokens",
+                  "vllm:spec_decode_num_accepted_tokens_total": "accepted_tokens"}
+
+
+def spec_decode_counters(url: str) -> dict[str, Any]:
+    """The speculative-decoding counters of the engine whose Prometheus ``/metrics`` is ``url``."""
+    import httpx2
+
+    return parse_spec_decode_counters(httpx2.get(url, timeout=10.0).text)
+
+
+def parse_spec_decode_counters(text: str) -> dict[str, Any]:
+    """Speculative-decoding counters from Prometheus text (zeros when there are none: speculation
+    off), summed over the engines it may hold."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    counters: dict[str, Any] = {"drafts": 0.0, "draft_tokens": 0.0, "accepted_tokens": 0.0, "per_position": {}}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in _SPEC_COUNTERS:
+                counters[_SPEC_COUNTERS[sample.name]] += sample.value
+            elif sample.name == "vllm:spec_decode_num_accepted_tokens_per_pos_total":
+                position = int(sample.labels["position"])
+                counters["per_position"][position] = counters["per_position"].get(position, 0.0) + sample.value
+    return counters
+
+
+def spec_decode_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """One run's drafts, draft tokens, accepted tokens, acceptance rate and accepted per position."""
+    delta = {k: int(after[k] - before[k]) for k in ("drafts", "draft_tokens", "accepted_tokens")}
+    delta["acceptance_rate"] = round(delta["accepted_tokens"] / delta["draft_tokens"], 3) if delta["draft_tokens"] else None
+    delta["accepted_per_position"] = [
+        round((after["per_position"][i] - before["per_position"].get(i, 0.0)) / delta["drafts"], 3)
+        if delta["drafts"] else 0.0 for i in sorted(after["per_position"])]
+    return delta
 
 
 def _concurrencies(args: argparse.Namespace) -> list[Optional[int]]:

@@ -101,6 +101,22 @@ def test_each_kv_cache_group_has_its_share_of_the_pool_beside_the_pools_total():
     assert "gridserve:kv_cache_group_usage_perc" not in _samples(EngineMetrics(config, _stats).registry)
 
 
+def test_speculative_decoding_counters_are_vllm_s_and_bench_serve_reads_them_back():
+    from gridserve.benchmarks.serve import parse_spec_decode_counters, spec_decode_delta
+
+    config = GridserveConfig()
+    stats = {"spec_num_drafts": 10, "spec_num_draft_tokens": 40, "spec_num_accepted_tokens": 25,
+             "spec_accepted_per_pos": (9, 7, 5, 4)}
+    text = generate_latest(EngineMetrics(config, lambda: _stats(**stats)).registry).decode()
+    after = parse_spec_decode_counters(text)
+    assert (after["drafts"], after["draft_tokens"], after["accepted_tokens"]) == (10, 40, 25)
+    assert after["per_position"] == {0: 9, 1: 7, 2: 5, 3: 4}
+    before = parse_spec_decode_counters(generate_latest(EngineMetrics(config, _stats).registry).decode())
+    assert before["draft_tokens"] == 0 and before["per_position"] == {}  # speculation off: no families
+    delta = spec_decode_delta(before, after)
+    assert delta["acceptance_rate"] == 0.625 and delta["accepted_per_position"] == [0.9, 0.7, 0.5, 0.4]
+
+
 def test_engine_without_a_snapshot_still_answers_a_scrape():
     metrics = EngineMetrics(GridserveConfig(), lambda: None)
     samples = _samples(metrics.registry)
