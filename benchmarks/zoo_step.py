@@ -4,8 +4,8 @@ Every text architecture of ``shared/model_registry.py``'s ``ARCHITECTURES`` (Lla
 multimodal entry, left out; the MoEs in, counted by their active experts) is built as a tiny random
 checkpoint of **one shape family**: hidden 256, 4 layers, 4 heads of 64 (MHA), vocab 4096, 1024
 positions, and an MLP of about the same weights whatever its form (intermediate 688 for a gated
-MLP's three matrices, 1024 = 4 x hidden for a plain MLP's two; Mixtral and Qwen3-MoE: 4 experts of
-344, top 2; Qwen2-MoE: 4 experts of 172, top 2, and a shared expert of 344).
+MLP's three matrices, 1024 = 4 x hidden for a plain MLP's two; Mixtral, Qwen3-MoE and gpt-oss: 4
+experts of 344, top 2; Qwen2-MoE: 4 experts of 172, top 2, and a shared expert of 344).
 Each architecture keeps its other knobs at transformers' defaults (tied or untied LM head, partial
 rotary, parallel residual, ALiBi, soft caps, Q/K norms...). Checkpoints are built with
 transformers' own config class and ``AutoModelForCausalLM.from_config`` plus the recipe's
@@ -86,6 +86,24 @@ ZOO: dict[str, ZooArch] = {
     "Qwen3MoeForCausalLM": ZooArch("Qwen3MoeConfig", {**_LLAMA_NAMES, "moe_intermediate_size": GATED_MLP // 2,
                                                       "num_experts": 4, "num_experts_per_tok": 2,
                                                       "norm_topk_prob": True}),
+    # windows as long as the positions (every window here is longer than the contexts)
+    "GptOssForCausalLM": ZooArch("GptOssConfig", {**_LLAMA_NAMES, "intermediate_size": GATED_MLP // 2,
+                                                  "num_local_experts": 4, "num_experts_per_tok": 2,
+                                                  "sliding_window": POSITIONS}),
+    # MLA (no q LoRA in V2, a q LoRA in V3), the first layer dense, one shared expert
+    "DeepseekV2ForCausalLM": ZooArch("DeepseekV2Config", {**_LLAMA_NAMES, "moe_intermediate_size": GATED_MLP // 2,
+                                                          "n_routed_experts": 4, "num_experts_per_tok": 2,
+                                                          "n_shared_experts": 1, "first_k_dense_replace": 1,
+                                                          "kv_lora_rank": 64, "q_lora_rank": None,
+                                                          "qk_nope_head_dim": 32, "qk_rope_head_dim": 32,
+                                                          "v_head_dim": 64, "topk_method": "greedy",
+                                                          "n_group": 1, "topk_group": 1}),
+    "DeepseekV3ForCausalLM": ZooArch("DeepseekV3Config", {**_LLAMA_NAMES, "moe_intermediate_size": GATED_MLP // 2,
+                                                          "n_routed_experts": 4, "num_experts_per_tok": 2,
+                                                          "n_shared_experts": 1, "first_k_dense_replace": 1,
+                                                          "kv_lora_rank": 64, "q_lora_rank": 128,
+                                                          "qk_nope_head_dim": 32, "qk_rope_head_dim": 32,
+                                                          "v_head_dim": 64, "n_group": 1, "topk_group": 1}),
     "OPTForCausalLM": ZooArch("OPTConfig", {"hidden_size": HIDDEN, "ffn_dim": PLAIN_MLP, "num_hidden_layers": LAYERS,
                                             "num_attention_heads": HEADS, "word_embed_proj_dim": HIDDEN,
                                             "max_position_embeddings": POSITIONS, **_STATED_WIDTH}),
@@ -164,12 +182,13 @@ def matmul_weights(model: Any) -> int:
     """Weights one token multiplies in a forward: every 2-D parameter but the embedding tables it
     looks up (tokens, learned positions), plus the LM head (tied or not); a MoE's expert weights
     (parameters under an ``experts`` module) scaled by ``num_experts_per_tok / num_local_experts``
-    (``num_experts``: Qwen2-MoE)."""
+    (``num_experts``: Qwen2-MoE; ``n_routed_experts``: DeepSeek)."""
     import torch
 
     looked_up = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
     config = model.config.get_text_config()
-    experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
+    experts = (getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
+               or getattr(config, "n_routed_experts", None))
     active = getattr(config, "num_experts_per_tok", 1) / experts if experts else 1.0
     seen: set[int] = set()
     total = 0.0

@@ -88,6 +88,9 @@ ARCHITECTURES: dict[str, ArchitectureInfo] = {a.name: a for a in (
     _arch("PhiForCausalLM", "phi:PhiForCausalLM", "microsoft/phi-2"),
     _arch("FalconForCausalLM", "falcon:FalconForCausalLM", "tiiuae/falcon-7b-instruct"),
     _arch("BloomForCausalLM", "bloom:BloomForCausalLM", "bigscience/bloomz-560m"),
+    # attention sinks, window / full layers, a biased MoE (issue 32); bf16 checkpoints only (no MXFP4)
+    _arch("GptOssForCausalLM", "gpt_oss:GptOssForCausalLM", "openai/gpt-oss-20b", quantization=False,
+          kv_kind="sliding"),
     _arch("LlavaForConditionalGeneration", "llava:LlavaForConditionalGeneration", "llava-hf/llava-1.5-7b-hf",
           pipeline_parallel=False, multimodal=True),
 )}

@@ -37,7 +37,9 @@ grouped GEMM is not written yet.
 
 Hooks for later models: ``bias=True`` adds per-expert biases (``gate_up_bias`` [E, 2I] inside
 the GEMM, ``down_bias`` [E, H] on TP rank 0 only, so the all-reduce counts it once: gpt-oss), and
-``activation`` replaces SiLU-and-mul over the ``[rows, 2I]`` gate/up output.
+``activation`` replaces SiLU-and-mul over the ``[rows, 2I]`` gate/up output (gpt-oss's clamped
+SwiGLU); gpt-oss's interleaved, transposed checkpoint layout loads with ``load_interleaved`` and its
+router is ``topk_softmax`` (top-k logits, then their softmax).
 """
 
 from __future__ import annotations
@@ -137,6 +139,29 @@ class FusedMoE(nn.Module):
         target[:, s.size :].copy_(tensor.narrow(1, s.total + s.start, s.total + s.end))
         return param
 
+    def load_interleaved(self, name: str, tensor: CheckpointTensor) -> str:
+        """This rank's slice of gpt-oss's stacked experts, stored for ``x @ W``: ``gate_up_proj``
+        [E, H, 2I] whose columns alternate gate and up (``[..., ::2]`` / ``[..., 1::2]``), its
+        ``_bias`` [E, 2I] likewise, ``down_proj`` [E, I, H] and ``down_proj_bias`` [E, H]; returns
+        the name of the parameter it went into."""
+        s = self.shard
+        if name == "down_proj":
+            self.down_proj.data.copy_(tensor.narrow(1, s.start, s.end).transpose(1, 2))
+            return name
+        if name == "down_proj_bias":
+            self.down_bias.data.copy_(tensor.full())
+            return "down_bias"
+        if name == "gate_up_proj":
+            pairs = tensor.narrow(2, 2 * s.start, 2 * s.end).transpose(1, 2)  # [E, 2 x shard, H]
+            param = "gate_up_proj"
+        else:
+            pairs = tensor.narrow(1, 2 * s.start, 2 * s.end)  # [E, 2 x shard]
+            param = "gate_up_bias"
+        target = getattr(self, param).data
+        target[:, : s.size].copy_(pairs[:, 0::2])
+        target[:, s.size :].copy_(pairs[:, 1::2])
+        return param
+
 
 def _grouped_mm(a: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                 counts: list[int]) -> torch.Tensor:
@@ -189,6 +214,25 @@ class ExpertTensors:
         else:
             param = experts.load_expert(int(match["expert"]), self.parts[match["proj"]], tensor)
         return f"{module}.{param}"
+
+
+class InterleavedExpertTensors(ExpertTensors):
+    """``ExpertTensors`` for gpt-oss's stacked layout (``FusedMoE.load_interleaved``)."""
+
+    def __init__(self, model: nn.Module, place: Callable[[str], Optional[str]]) -> None:
+        super().__init__(model, {}, place)
+
+    def _load(self, match: re.Match, tensor: CheckpointTensor) -> str:
+        module = match["module"]
+        experts: FusedMoE = self.model.get_submodule(module)
+        return f"{module}.{experts.load_interleaved(match['stacked'] + (match['bias'] or ''), tensor)}"
+
+
+def topk_softmax(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """gpt-oss's router: ``(weights, expert_ids)``, each ``[tokens, top_k]``: the top-k logits, then
+    the softmax over those k only (in the logits' dtype, as transformers' ``GptOssTopKRouter``)."""
+    values, expert_ids = torch.topk(router_logits, top_k, dim=-1)
+    return torch.softmax(values, dim=-1), expert_ids
 
 
 def grouped_topk(router_logits: torch.Tensor, top_k: int, *, scoring: str = "softmax", n_group: int = 1,

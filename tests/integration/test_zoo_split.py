@@ -47,9 +47,10 @@ CASES = {
     "Qwen2MoeForCausalLM": ("moe", "qwen2_moe"), "Qwen3MoeForCausalLM": ("moe", "qwen3_moe"),
 }
 # split by their own tests (test_parallel, test_mixtral, test_llava_matches_hf end to end; test_zoo_deepseek's
-# TP=2 / PP=2 logits in process)
+# and test_zoo_gpt_oss's TP=2 / PP=2 logits in process)
 ELSEWHERE = {"LlamaForCausalLM", "Qwen2ForCausalLM", "OPTForCausalLM", "MixtralForCausalLM",
-             "LlavaForConditionalGeneration", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"}
+             "LlavaForConditionalGeneration", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
+             "GptOssForCausalLM"}
 PROMPTS = [list(range(100, 140)), [7, 300, 301, 302, 4000, 9, 11]]  # 40 tokens: past every window (24, 32)
 
 
