@@ -80,6 +80,7 @@ _WINDOWED = {
     "Gemma2ForCausalLM": ("Gemma2Config", {}),
     "Gemma3ForCausalLM": ("Gemma3TextConfig", {}),
     "Starcoder2ForCausalLM": ("Starcoder2Config", {}),
+    "GptOssForCausalLM": ("GptOssConfig", {"num_local_experts": 2, "num_experts_per_tok": 1}),
 }
 
 
