@@ -24,17 +24,16 @@ import pytest
 import torch
 
 from gridserve import LLM
-from gridserve.services.worker.loader import load_model
 from gridserve.services.worker.mla_attention import MLAAttention
 from gridserve.services.worker.models.deepseek import DeepseekMoE, DeepseekV3MoE
 from gridserve.services.worker.models.llama import LlamaMLP
-from gridserve.services.worker.parallel_state import ParallelState, set_parallel_state
-from gridserve.shared.config import GridserveConfig
+from gridserve.services.worker.parallel_state import ParallelState
 from gridserve.shared.parallel import RankLayout
 from tests.zoo import zoo_checkpoint
 
 from .test_llm_matches_hf import _assert_no_leak, _prompts
 from .test_zoo_llama_family import _assert_matches_hf
+from .test_zoo_moe import _load
 
 KV_BYTES = 32 << 20
 _BASE = {"hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32, "num_attention_heads": 4,
@@ -87,16 +86,6 @@ def _with_bias_and_mtp(src: Path) -> Path:
     (tmp / "config.json").write_text(json.dumps(config))
     tmp.rename(dst)
     return dst
-
-
-def _load(path, rank: int = 0, tp: int = 1, pp: int = 1) -> torch.nn.Module:
-    config = GridserveConfig.from_kwargs(model=str(path), tensor_parallel_size=tp,
-                                         pipeline_parallel_size=pp).finalize()
-    set_parallel_state(ParallelState(RankLayout(rank, tp, pp)))
-    try:
-        return load_model(config, torch.device("cpu"))
-    finally:
-        set_parallel_state(ParallelState.single())
 
 
 @pytest.mark.parametrize("name", list(ZOO))
