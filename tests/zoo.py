@@ -91,3 +91,25 @@ def _final_norm(model):
             if owner is not None and hasattr(owner, attr):
                 return getattr(owner, attr)
     return None
+
+
+def edited_checkpoint(src: Path, suffix: str, edit: Any) -> Path:
+    """A copy of checkpoint ``src`` (cached beside it as ``<src><suffix>``) after ``edit(tensors,
+    config)`` changed its tensors (name -> tensor) and config.json (a dict) in place: values
+    transformers initialises to zero (sinks, correction biases) made to matter, extra tensors."""
+    from safetensors.torch import load_file, save_file
+
+    dst = src.with_name(src.name + suffix)
+    if (dst / "model.safetensors").exists():
+        return dst
+    tmp = src.with_name(dst.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(src, tmp)
+    tensors = load_file(str(src / "model.safetensors"))
+    config = json.loads((tmp / "config.json").read_text())
+    edit(tensors, config)
+    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    (tmp / "config.json").write_text(json.dumps(config))
+    shutil.rmtree(dst, ignore_errors=True)
+    tmp.rename(dst)
+    return dst

@@ -14,9 +14,7 @@ a 32-token step budget (chunked prefill), logprobs within 1e-4, and a prefix fro
 from __future__ import annotations
 
 import functools
-import json
 import logging
-import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -29,7 +27,7 @@ from gridserve.services.worker.models.deepseek import DeepseekMoE, DeepseekV3MoE
 from gridserve.services.worker.models.llama import LlamaMLP
 from gridserve.services.worker.parallel_state import ParallelState
 from gridserve.shared.parallel import RankLayout
-from tests.zoo import zoo_checkpoint
+from tests.zoo import edited_checkpoint, zoo_checkpoint
 
 from .test_llm_matches_hf import _assert_no_leak, _prompts
 from .test_zoo_llama_family import _assert_matches_hf
@@ -66,26 +64,16 @@ def checkpoint(name: str) -> str:
 
 def _with_bias_and_mtp(src: Path) -> Path:
     """A copy whose routers have a random correction bias and which holds an MTP layer's tensors."""
-    from safetensors.torch import load_file, save_file
 
-    dst = src.with_name(src.name + "-bias-mtp")
-    if (dst / "model.safetensors").exists():
-        return dst
-    tmp = src.with_name(dst.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(src, tmp)
-    tensors = load_file(str(src / "model.safetensors"))
-    gen = torch.Generator().manual_seed(3)
-    for name in [n for n in tensors if n.endswith("e_score_correction_bias")]:
-        tensors[name] = torch.rand(tensors[name].shape, generator=gen) * 0.5  # reorders the choice
-    tensors[f"model.layers.{V3_MTP_LAYER}.eh_proj.weight"] = torch.zeros(64, 128)
-    tensors[f"model.layers.{V3_MTP_LAYER}.self_attn.kv_b_proj.weight"] = torch.zeros(128, 32)
-    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    config = json.loads((tmp / "config.json").read_text())
-    config["num_nextn_predict_layers"] = 1
-    (tmp / "config.json").write_text(json.dumps(config))
-    tmp.rename(dst)
-    return dst
+    def edit(tensors: dict, config: dict) -> None:
+        gen = torch.Generator().manual_seed(3)
+        for name in [n for n in tensors if n.endswith("e_score_correction_bias")]:
+            tensors[name] = torch.rand(tensors[name].shape, generator=gen) * 0.5  # reorders the choice
+        tensors[f"model.layers.{V3_MTP_LAYER}.eh_proj.weight"] = torch.zeros(64, 128)
+        tensors[f"model.layers.{V3_MTP_LAYER}.self_attn.kv_b_proj.weight"] = torch.zeros(128, 32)
+        config["num_nextn_predict_layers"] = 1
+
+    return edited_checkpoint(src, "-bias-mtp", edit)
 
 
 @pytest.mark.parametrize("name", list(ZOO))

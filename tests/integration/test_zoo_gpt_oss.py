@@ -31,7 +31,7 @@ from gridserve.services.worker.sink_attention import SinkAttention
 from gridserve.shared.config import GridserveConfig
 from gridserve.shared.errors import ConfigError
 from gridserve.shared.parallel import RankLayout, Shard
-from tests.zoo import zoo_checkpoint
+from tests.zoo import edited_checkpoint, zoo_checkpoint
 
 from .test_llm_matches_hf import _assert_no_leak, _prompts
 from .test_zoo_llama_family import _assert_matches_hf
@@ -55,22 +55,13 @@ def checkpoint() -> str:
 
 def _with_sinks(src: Path) -> Path:
     """A copy whose attention sinks are spread out (std 1.5), so every softmax feels them."""
-    from safetensors.torch import load_file, save_file
 
-    dst = src.with_name(src.name + "-sinks")
-    if (dst / "model.safetensors").exists():
-        return dst
-    tmp = src.with_name(dst.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(src, tmp)
-    tensors = load_file(str(src / "model.safetensors"))
-    gen = torch.Generator().manual_seed(5)
-    for name in [n for n in tensors if n.endswith(".sinks")]:
-        tensors[name] = torch.randn(tensors[name].shape, generator=gen) * 1.5
-    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    shutil.rmtree(dst, ignore_errors=True)
-    tmp.rename(dst)
-    return dst
+    def edit(tensors: dict, config: dict) -> None:
+        gen = torch.Generator().manual_seed(5)
+        for name in [n for n in tensors if n.endswith(".sinks")]:
+            tensors[name] = torch.randn(tensors[name].shape, generator=gen) * 1.5
+
+    return edited_checkpoint(src, "-sinks", edit)
 
 
 def test_greedy_tokens_and_logprobs_match_hf_with_chunked_prefill():
