@@ -449,6 +449,50 @@ class DeviceConfig:
             raise ConfigError("device.batch_invariant", "batch-invariant mode is implemented for the CPU only")
 
 
+MAX_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's accepted --max-lora-rank values
+
+
+@dataclass
+class LoRAConfig:
+    """Multi-LoRA serving (vLLM's ``enable_lora`` and friends): adapters of the base model, loaded
+    by the workers from PEFT folders and mixed in one batch. ``lora_modules`` ({name: path}) are
+    served from the start; more are loaded at run time when ``allow_runtime_lora_updating``."""
+
+    enable_lora: bool = False
+    max_loras: int = 1  # distinct adapters in one step (more wait)
+    max_lora_rank: int = 16
+    max_cpu_loras: Optional[int] = None  # adapters each worker keeps loaded (LRU); None: max_loras
+    lora_dir: Optional[str] = None  # served adapter paths must lie in it
+    allow_runtime_lora_updating: bool = False
+    lora_modules: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in ("enable_lora", "allow_runtime_lora_updating"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"lora.{name}", f"must be true or false, got {getattr(self, name)!r}")
+        _positive("lora", "max_loras", self.max_loras, allow_none=False)
+        _positive("lora", "max_cpu_loras", self.max_cpu_loras)
+        if self.max_lora_rank not in MAX_LORA_RANKS:
+            raise ConfigError("lora.max_lora_rank", f"must be one of {MAX_LORA_RANKS}, got {self.max_lora_rank!r}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ConfigError("lora.max_cpu_loras",
+                              f"must be at least max_loras ({self.max_loras}), got {self.max_cpu_loras}")
+        if self.lora_modules is None:
+            self.lora_modules = {}
+        if not isinstance(self.lora_modules, dict) or not all(
+                isinstance(k, str) and k and isinstance(v, str) and v for k, v in self.lora_modules.items()):
+            raise ConfigError("lora.lora_modules", f"must map adapter names to folders, got {self.lora_modules!r:.200}")
+        if self.lora_modules and not self.enable_lora:
+            raise ConfigError("lora.lora_modules", "adapters are served only with --enable-lora")
+        if self.lora_dir == "":
+            self.lora_dir = None
+
+    @property
+    def cpu_loras(self) -> int:
+        """How many adapters a worker keeps loaded."""
+        return self.max_cpu_loras or self.max_loras
+
+
 @dataclass
 class GridserveConfig:
     """Everything a component may need, grouped by concern. Build once, pass everywhere."""
@@ -458,6 +502,7 @@ class GridserveConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     @property
     def max_model_len(self) -> int:
@@ -473,6 +518,8 @@ class GridserveConfig:
         if self.scheduler.speculative_config and self.parallel.pipeline_parallel_size > 1:
             raise ConfigError("speculative_config", "speculative decoding with pipeline parallelism (-pp > 1) "
                                                     "is not supported")
+        if self.lora.enable_lora and self.scheduler.speculative_config:
+            raise ConfigError("enable_lora", "LoRA with speculative decoding is not supported yet")
         return self
 
     def kv_bytes_per_token_per_rank(self) -> int:
@@ -511,6 +558,7 @@ _SECTIONS = {
     "scheduler": SchedulerConfig,
     "parallel": ParallelConfig,
     "device": DeviceConfig,
+    "lora": LoRAConfig,
 }
 _RENAMED = {"distributed_executor_backend": "executor_backend"}
 _DERIVED = {"model_path", "architecture", "hf_config", "num_layers", "num_kv_heads", "head_dim",

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from gridserve.shared.lora import LoRARequest
 from gridserve.shared.multimodal import ImageFeature
 from gridserve.shared.sampling_params import SamplingParams
 
@@ -43,6 +44,8 @@ class NewRequestData:
     traceparent: str = ""
     # The prompt's images: pixels for the vision encoder and the positions their embeddings fill.
     mm_features: list[ImageFeature] = field(default_factory=list)
+    # The LoRA adapter it runs on (None: the base model); the worker loads it on first use.
+    lora_request: Optional[LoRARequest] = None
 
     def __post_init__(self) -> None:
         self.block_ids = per_group(self.block_ids)

@@ -14,6 +14,7 @@ from typing import Optional
 from gridserve.api.common.v1 import common_pb2
 from gridserve.api.engine.v1 import engine_pb2
 from gridserve.shared.errors import InvalidArgumentError
+from gridserve.shared.lora import LoRARequest
 from gridserve.shared.multimodal import ImageFeature
 from gridserve.shared.outputs import EngineCoreOutput, FinishReason
 from gridserve.shared.rpc.tensors import pack, pack_raw, raw_bytes, unpack
@@ -60,6 +61,18 @@ def image_features_from_pb(msgs, num_prompt_tokens: int, field: str = "mm_featur
 
 
 # ---- sampling parameters -------------------------------------------------------------------
+def lora_request_to_pb(request: Optional[LoRARequest]) -> Optional[common_pb2.LoraRequest]:
+    if request is None:
+        return None
+    return common_pb2.LoraRequest(lora_name=request.lora_name, lora_int_id=request.lora_int_id,
+                                  lora_path=request.lora_path)
+
+
+def lora_request_from_pb(msg: common_pb2.LoraRequest) -> LoRARequest:
+    """A worker-bound request: every field set (the engine resolved the name)."""
+    return LoRARequest(msg.lora_name, int(msg.lora_int_id), msg.lora_path)
+
+
 def sampling_params_to_pb(params: SamplingParams) -> common_pb2.SamplingParams:
     msg = common_pb2.SamplingParams()
     for f in dataclasses.fields(params):

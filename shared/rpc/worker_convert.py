@@ -16,6 +16,8 @@ from gridserve.shared.rpc.convert import (
     image_features_to_pb,
     logprobs_from_pb,
     logprobs_to_pb,
+    lora_request_from_pb,
+    lora_request_to_pb,
     sampling_params_from_pb,
     sampling_params_to_pb,
 )
@@ -33,6 +35,7 @@ _SECTIONS = {
     "scheduler": (cfg.SchedulerConfig, worker_pb2.SchedulerConfig),
     "parallel": (cfg.ParallelConfig, worker_pb2.ParallelConfig),
     "device": (cfg.DeviceConfig, worker_pb2.DeviceConfig),
+    "lora": (cfg.LoRAConfig, worker_pb2.LoRAConfig),
 }
 
 
@@ -116,6 +119,7 @@ def scheduler_output_to_pb(out: SchedulerOutput) -> worker_pb2.SchedulerOutput:
                 traceparent=r.traceparent,
                 mm_features=image_features_to_pb(r.mm_features),
                 more_group_block_ids=[worker_pb2.BlockIds(ids=ids) for ids in r.block_ids[1:]],
+                lora_request=lora_request_to_pb(r.lora_request),
             )
             for r in out.scheduled_new_reqs
         ],
@@ -146,6 +150,7 @@ def scheduler_output_from_pb(msg: worker_pb2.SchedulerOutput) -> SchedulerOutput
                 output_token_ids=list(r.output_token_ids),
                 traceparent=r.traceparent,
                 mm_features=image_features_from_pb(r.mm_features, len(r.prompt_token_ids)),
+                lora_request=lora_request_from_pb(r.lora_request) if r.HasField("lora_request") else None,
             )
             for r in msg.scheduled_new_reqs
         ],
