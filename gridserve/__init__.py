@@ -12,12 +12,13 @@ from __future__ import annotations
 # The top-level folders services/, shared/, kernels/, demo/ and benchmarks/ are the subpackages
 # gridserve.services, gridserve.shared, ... through one mechanism: the build's package-dir mapping
 # (setup.py ROOTS; an editable install's finder or a wheel). Install first: `make install`.
+from gridserve.shared.lora import LoRARequest
 from gridserve.shared.model_registry import ModelRegistry
 from gridserve.shared.outputs import CompletionOutput, RequestOutput
 from gridserve.shared.sampling_params import SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "AsyncLLM", "ModelRegistry", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput",
+__all__ = ["LLM", "AsyncLLM", "LoRARequest", "ModelRegistry", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput",
            "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence", "__version__"]
 
 

@@ -24,6 +24,7 @@ from gridserve.services.gateway.multimodal import chat_images
 from gridserve.services.gateway.processor import PromptType
 from gridserve.shared.config import GridserveConfig
 from gridserve.shared.errors import InvalidArgumentError
+from gridserve.shared.lora import LoRARequest
 from gridserve.shared.outputs import RequestOutput
 from gridserve.shared.sampling_params import SamplingParams
 
@@ -80,11 +81,15 @@ class LLM:
         prompts: Union[PromptType, Sequence[PromptType]],
         sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
         use_tqdm: bool = True,
+        lora_request: Union[LoRARequest, Sequence[Optional[LoRARequest]], None] = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt; outputs come back in the order of the prompts."""
+        """Generate for every prompt; outputs come back in the order of the prompts.
+
+        ``lora_request``: one adapter for every prompt, or one (or None: the base model) per prompt;
+        needs ``enable_lora=True``."""
         prompt_list = _as_prompt_list(prompts)
         params = _per_prompt(sampling_params, len(prompt_list), self.get_default_sampling_params)
-        return self._run(prompt_list, params, use_tqdm)
+        return self._run(prompt_list, params, use_tqdm, _per_prompt_lora(lora_request, len(prompt_list)))
 
     def chat(
         self,
@@ -93,6 +98,7 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         chat_template: Optional[str] = None,
+        lora_request: Union[LoRARequest, Sequence[Optional[LoRARequest]], None] = None,
     ) -> list[RequestOutput]:
         """Apply the tokenizer's chat template to each conversation, then generate. Image parts
         (``image_url`` with a ``data:`` / ``http(s)`` URL, or ``image_pil``) go to a vision-language
@@ -107,7 +113,7 @@ class LLM:
             if images:
                 prompt["multi_modal_data"] = {"image": [self._image(field, source) for field, source in images]}
             prompts.append(prompt)
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def beam_search(self, prompts: Union[PromptType, Sequence[PromptType]], params: BeamSearchParams,
                     use_tqdm: bool = False) -> list[BeamSearchOutput]:
@@ -149,12 +155,13 @@ class LLM:
             self._media = MediaLoader(MediaConfig(allowed_media_domains=("*",)))
         return self._media.load(field, source)
 
-    def _run(self, prompts: list[PromptType], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, prompts: list[PromptType], params: list[SamplingParams], use_tqdm: bool,
+             loras: Optional[list[Optional[LoRARequest]]] = None) -> list[RequestOutput]:
         assigned: list[list[str]] = [[] for _ in self.engines]
         keys = []
-        for prompt, sp in zip(prompts, params):
+        for prompt, sp, lora in zip(prompts, params, loras or [None] * len(prompts)):
             rank = min(range(len(self.engines)), key=lambda r: len(assigned[r]))
-            assigned[rank].append(self.engines[rank].add_request(prompt, sp))
+            assigned[rank].append(self.engines[rank].add_request(prompt, sp, lora_request=lora))
             keys.append((rank, assigned[rank][-1]))
         results: dict[tuple[int, str], RequestOutput] = {}
         try:
@@ -275,3 +282,14 @@ def _per_prompt(params: Any, n: int, default: Callable[[], SamplingParams]) -> l
     if len(params) != n:
         raise InvalidArgumentError("sampling_params", f"got {len(params)} for {n} prompts")
     return params
+
+
+def _per_prompt_lora(lora: Any, n: int) -> Optional[list[Optional[LoRARequest]]]:
+    """``generate``'s ``lora_request``: one for all prompts, or one per prompt."""
+    if lora is None or isinstance(lora, LoRARequest):
+        return None if lora is None else [lora] * n
+    if not isinstance(lora, (list, tuple)):
+        raise InvalidArgumentError("lora_request", f"must be a LoRARequest or a list of them, got {type(lora).__name__}")
+    if len(lora) != n:
+        raise InvalidArgumentError("lora_request", f"has {len(lora)} entries for {n} prompts")
+    return list(lora)

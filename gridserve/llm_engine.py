@@ -21,6 +21,8 @@ from gridserve.services.gateway.processor import (
     child_requests,
 )
 from gridserve.shared.config import GridserveConfig
+from gridserve.shared.errors import InvalidArgumentError
+from gridserve.shared.lora import LoRARequest
 from gridserve.shared.outputs import RequestOutput
 from gridserve.shared.sampling_params import SamplingParams
 
@@ -52,9 +54,17 @@ class LLMEngine:
         self.output_processor = OutputProcessor(tokenizer)
         self._ids = itertools.count()
 
-    def add_request(self, prompt: PromptType, params: SamplingParams, request_id: Optional[str] = None) -> str:
-        """Validate and tokenize, then queue one engine request per sample (``n``)."""
+    def add_request(self, prompt: PromptType, params: SamplingParams, request_id: Optional[str] = None,
+                    lora_request: Optional[LoRARequest] = None) -> str:
+        """Validate and tokenize, then queue one engine request per sample (``n``), on the base model
+        or on ``lora_request``'s adapter (loaded on the workers the first time it is named)."""
         request_id = request_id if request_id is not None else str(next(self._ids))
+        if lora_request is not None:
+            if not isinstance(lora_request, LoRARequest):
+                raise InvalidArgumentError("lora_request", f"must be a LoRARequest, got {type(lora_request).__name__}")
+            if self.core.lora is None:
+                raise InvalidArgumentError("lora_request", "LoRA is off: build the LLM with enable_lora=True")
+            lora_request = self.core.lora.register(lora_request)
         processed = self.input_processor.process(prompt, params)
         children = child_requests(request_id, processed.sampling_params)
         self.output_processor.add_request(request_id, processed, children)
@@ -66,6 +76,7 @@ class LLMEngine:
                     child_params,
                     eos_token_id=self.config.model.eos_token_id,
                     mm_features=processed.mm_features,
+                    lora_request=lora_request,
                 )
             )
         return request_id

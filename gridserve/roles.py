@@ -115,6 +115,24 @@ ENGINE_OPTIONS: list[EngineOption] = [
                    "plan every layer's KV cache as full attention: sliding-window layers stay masked to their "
                    "window but keep every token (one KV cache group; to compare or rule the hybrid allocator out)",
                    config="disable_hybrid_kv_cache_manager", helm=None),
+    _engine_option("--enable-lora", bool, False,
+                   "serve LoRA adapters of the base model (PEFT folders); a request names one as its model",
+                   helm="lora.enabled"),
+    _engine_option("--lora-modules", str, None,
+                   "adapters served from the start: name=path pairs separated by spaces or commas, or vLLM's "
+                   "JSON ('[{\"name\": \"sql\", \"path\": \"/adapters/sql\"}]')", helm="lora.modules"),
+    _engine_option("--max-loras", int, 1, "distinct LoRA adapters in one step (requests on more wait)",
+                   helm="lora.maxLoras"),
+    _engine_option("--max-lora-rank", int, 16, "largest LoRA rank accepted (8, 16, 32, 64, 128, 256, 320, 512)",
+                   helm="lora.maxLoraRank"),
+    _engine_option("--max-cpu-loras", int, None, "LoRA adapters each worker keeps loaded (LRU; default: --max-loras)",
+                   helm="lora.maxCpuLoras"),
+    _engine_option("--lora-dir", str, None,
+                   "the folder every served adapter path must lie in (a relative path is taken inside it); "
+                   "required for loading adapters at run time", helm="lora.dir"),
+    _engine_option("--allow-runtime-lora-updating", bool, False,
+                   "allow /v1/load_lora_adapter and /v1/unload_lora_adapter (the gateway also needs --api-key)",
+                   helm="lora.allowRuntimeUpdating"),
     _engine_option("--batch-invariant", bool, False,
                    "batch-invariant numerics: every token's logits bitwise independent of the batch and of "
                    "prefill vs decode (CPU; slower)"),

@@ -452,6 +452,36 @@ class DeviceConfig:
 MAX_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's accepted --max-lora-rank values
 
 
+def parse_lora_modules(text: str) -> dict[str, str]:
+    """``--lora-modules``: ``name=path`` pairs (spaces or commas between them), or vLLM's JSON form
+    (a list of ``{"name": ..., "path": ...}`` objects or one such object), or a ``{name: path}``
+    JSON object (what the Helm chart passes)."""
+    text = text.strip()
+    if not text:
+        return {}
+    if text[0] in "[{":
+        try:
+            value = json.loads(text)
+        except ValueError as exc:
+            raise ConfigError("lora.lora_modules", f"is not JSON: {exc}") from None
+        if isinstance(value, dict) and not ({"name", "path"} <= set(value)):
+            value = [{"name": k, "path": v} for k, v in value.items()]
+        items = value if isinstance(value, list) else [value]
+        modules = {}
+        for item in items:
+            if not isinstance(item, dict) or not isinstance(item.get("name"), str) or not isinstance(item.get("path"), str):
+                raise ConfigError("lora.lora_modules", f"each entry needs a string name and path, got {item!r:.200}")
+            modules[item["name"]] = item["path"]
+        return modules
+    modules = {}
+    for pair in re.split(r"[\s,]+", text):
+        name, sep, path = pair.partition("=")
+        if not sep or not name or not path:
+            raise ConfigError("lora.lora_modules", f"expected name=path, got {pair!r:.200}")
+        modules[name] = path
+    return modules
+
+
 @dataclass
 class LoRAConfig:
     """Multi-LoRA serving (vLLM's ``enable_lora`` and friends): adapters of the base model, loaded
@@ -479,6 +509,8 @@ class LoRAConfig:
                               f"must be at least max_loras ({self.max_loras}), got {self.max_cpu_loras}")
         if self.lora_modules is None:
             self.lora_modules = {}
+        if isinstance(self.lora_modules, str):
+            self.lora_modules = parse_lora_modules(self.lora_modules)
         if not isinstance(self.lora_modules, dict) or not all(
                 isinstance(k, str) and k and isinstance(v, str) and v for k, v in self.lora_modules.items()):
             raise ConfigError("lora.lora_modules", f"must map adapter names to folders, got {self.lora_modules!r:.200}")

@@ -24,6 +24,10 @@ class ModelNotFoundError(GridserveError, FileNotFoundError):
     """The model given by path or hub id could not be found."""
 
 
+class AlreadyExistsError(GridserveError, ValueError):
+    """The thing to create exists already (a LoRA adapter name in use)."""
+
+
 class EngineDeadError(GridserveError, RuntimeError):
     """The engine or one of its workers failed; in-flight requests cannot complete."""
 

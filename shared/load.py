@@ -33,6 +33,11 @@ class EngineLoad:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: tuple[int, ...] = ()
+    # Multi-LoRA (vllm:lora_requests_info): the adapters of running / waiting requests, by name;
+    # max_lora 0: LoRA is off
+    max_lora: int = 0
+    running_lora_adapters: tuple[str, ...] = ()
+    waiting_lora_adapters: tuple[str, ...] = ()
 
     def routing_key(self) -> tuple[int, int, float]:
         """What routing looks at; a new report is worth sending (and publishing) when it changes."""

@@ -3,7 +3,8 @@
 The core owns the scheduler and the KV-cache manager and drives the workers through an
 ``Executor``. It plans the KV cache from what the workers report: each layer's kind and bytes
 (``get_kv_cache_spec``) and the memory they have (``determine_available_memory``); the plan (the
-pool's size and the KV cache groups) goes back to every worker (``initialize_cache``). No torch here.
+pool's size and the KV cache groups) goes back to every worker (``initialize_cache``). With
+``--enable-lora`` it keeps the LoRA adapter table (``lora_adapters``). No torch here.
 """
 
 from __future__ import annotations
@@ -16,10 +17,11 @@ from typing import Any, Optional
 
 from gridserve.services.engine.executor import Executor
 from gridserve.services.engine.kv_cache_manager import KVCacheManager
+from gridserve.services.engine.lora_adapters import LoRAAdapters
 from gridserve.services.engine.request import Request
 from gridserve.services.engine.scheduler import Scheduler
 from gridserve.shared.config import GridserveConfig
-from gridserve.shared.errors import FailedPreconditionError
+from gridserve.shared.errors import FailedPreconditionError, InvalidArgumentError
 from gridserve.shared.kv_cache_spec import KVCacheConfig, plan_kv_cache
 from gridserve.shared.load import EngineLoad
 from gridserve.shared.outputs import EngineCoreOutput
@@ -40,6 +42,11 @@ class EngineCore:
             self.kv_cache_config.groups,
         )
         self.scheduler = Scheduler(config, self.kv_cache_manager)
+        # The LoRA adapters served (None: --enable-lora is off); --lora-modules load now.
+        self.lora: Optional[LoRAAdapters] = None
+        if config.lora.enable_lora:
+            self.lora = LoRAAdapters(config.lora, self.executor)
+            self.lora.load_modules()
         # Batches submitted and not yet updated from, oldest first. At rest it holds up to
         # ``max_concurrent_batches`` (one per pipeline stage); a step adds one before taking one.
         self.max_concurrent_batches = self.executor.max_concurrent_batches
@@ -62,6 +69,8 @@ class EngineCore:
         if self.executor.is_sleeping:
             raise FailedPreconditionError(
                 f"the engine is asleep ({', '.join(self.sleeping_tags)}): wake it up first")
+        if request.lora_request is not None and self.lora is None:
+            raise InvalidArgumentError("lora_request", "this engine serves no LoRA adapters (start it with --enable-lora)")
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[str]:

@@ -24,7 +24,8 @@ The model (the contract the scheduler relies on):
 * ``free(request)`` returns the request's blocks tail first, so the free list evicts a sequence's
   tail before its head (the head is the more widely shared prefix); null entries are skipped.
 * Block hashes chain: ``hash(block i) = sha256(hash(block i-1), tokens of block i, extra keys)``;
-  the request's ``cache_salt`` goes into the first block's extra keys, so it reaches every block;
+  the request's ``cache_salt`` and LoRA adapter ``(lora_name, lora_int_id)`` go into the first
+  block's extra keys, so they reach every block;
   a block that covers image tokens has each such image's content hash (and where the block cuts
   it) in its extra keys, so the same image hits and a different image at the same place misses.
   The hashes are stable across processes (no Python ``hash()``, no pickle).
@@ -74,6 +75,8 @@ def _extra_keys(request: Request, start: int, end: int) -> tuple | None:
     content hash of every image whose tokens it covers, with the offset of the block's first one
     inside the image (an image split across blocks keys each block by its own part)."""
     keys: list = [request.cache_salt] if start == 0 and request.cache_salt is not None else []
+    if start == 0 and request.lora_request is not None:  # one prompt under two adapters: two KVs
+        keys.append(("lora", *request.lora_request.cache_key))
     for image in request.mm_features:
         if image.overlaps(start, end):
             keys.append((image.identifier, max(start, image.offset) - image.offset))

@@ -93,6 +93,13 @@ class _SnapshotCollector:
             yield family
         if stats.spec_accepted_per_pos:  # speculative decoding is on
             yield from _spec_decode_families(stats, names, values)
+        if stats.max_lora:  # LoRA is on: vLLM's info gauge, the scrape time as its value
+            family = GaugeMetricFamily(
+                "vllm:lora_requests_info", "Running stats on lora requests (adapter names, comma separated).",
+                labels=[*names, "max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+            family.add_metric([*values, str(stats.max_lora), ",".join(stats.running_lora_adapters),
+                               ",".join(stats.waiting_lora_adapters)], time.time())
+            yield family
 
 
 def _spec_decode_families(stats: EngineLoad, names: list[str], values: list[str]):

@@ -6,6 +6,7 @@ import enum
 import time
 from typing import Optional, Union
 
+from gridserve.shared.lora import LoRARequest
 from gridserve.shared.multimodal import ImageFeature
 from gridserve.shared.outputs import FinishReason
 from gridserve.shared.sampling_params import SamplingParams
@@ -57,6 +58,7 @@ class Request:
         admit_always: bool = False,
         mm_features: Optional[list[ImageFeature]] = None,
         output_token_ids: Optional[list[int]] = None,
+        lora_request: Optional[LoRARequest] = None,
     ) -> None:
         self.request_id = request_id
         # The id the client sees (the gateway's request id): logs and spans name the request by it.
@@ -74,6 +76,8 @@ class Request:
         # A continuation (failover from a dead engine) arrives with the tokens already generated.
         self.output_token_ids: list[int] = list(output_token_ids or [])
         self.all_token_ids: list[int] = [*prompt_token_ids, *self.output_token_ids]
+        # The LoRA adapter it runs on (None: the base model); resolved by the engine's table.
+        self.lora_request = lora_request
         self.num_computed_tokens = 0
         # Tokens a step still in flight will sample: the next step may already compute them (the
         # worker holds their value), so the scheduler counts them as known but not yet here.

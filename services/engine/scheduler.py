@@ -14,6 +14,9 @@ budget, ``max_tokens`` and ``max_model_len``); the worker answers with the targe
 to the first that differs from a draft. ``update_from_output`` appends them one by one (a stop
 ends the run there), rolls ``num_computed_tokens`` back by the rejected drafts and gives their
 blocks back. No drafts while ``disable_by_batch_size`` requests or more run.
+
+Multi-LoRA: the running requests use at most ``max_loras`` distinct adapters; a waiting request on
+another adapter is passed over (it keeps its place) until one of them drains.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Optional
 
 from gridserve.services.engine.kv_cache_manager import KVCacheManager
 from gridserve.services.engine.request import Request, RequestStatus
@@ -38,6 +42,9 @@ from gridserve.shared.scheduler_output import (
 )
 
 logger = logging.getLogger(__name__)
+
+# Waiting requests a step may pass over (their adapter would exceed max_loras) before it stops looking.
+_MAX_PASSED_OVER = 256
 
 
 @dataclass
@@ -95,6 +102,8 @@ class Scheduler:
         self.pipelined = config.parallel.pipeline_parallel_size > 1
         self._worker_tokens: dict[str, int] = {}
         self.spec = config.scheduler.speculative
+        # Multi-LoRA: at most this many distinct adapters among the running requests (None: off).
+        self.max_loras = config.lora.max_loras if config.lora.enable_lora else None
         self.spec_stats = SpecDecodeStats(self.spec.num_speculative_tokens if self.spec else 0)
 
     # ---- admission and removal ------------------------------------------------------------
@@ -196,10 +205,33 @@ class Scheduler:
         return preempted
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        """Admit waiting requests in order while the budget, the sequence cap and the KV cache allow.
+        With LoRA a request whose adapter would be one too many (``max_loras``) is passed over, not
+        waited on: requests behind it on adapters already running (or the base model) go first."""
+        loras = None if self.max_loras is None else self.running_loras()
+        passed_over: list[Request] = []
+        try:
+            self._admit_waiting(out, budget, loras, passed_over)
+        finally:
+            self.waiting.extendleft(reversed(passed_over))  # back at the head, in their order
+
+    def running_loras(self) -> set[int]:
+        """The ids of the adapters the running requests use."""
+        return {r.lora_request.lora_int_id for r in self.running if r.lora_request is not None}
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int, loras: Optional[set[int]],
+                       passed_over: list[Request]) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             if self.pipelined and request.num_output_placeholders:
                 break  # preempted while its sample is still in the pipeline: resume once it is back
+            lora = request.lora_request
+            if loras is not None and lora is not None and lora.lora_int_id not in loras:
+                if len(loras) >= self.max_loras:
+                    if len(passed_over) >= _MAX_PASSED_OVER:
+                        break  # bounded work per step: the rest wait for the next one
+                    passed_over.append(self.waiting.popleft())
+                    continue
             if request.sampling_params.prompt_logprobs is None:
                 hit_blocks, num_hit = self.kv.get_computed_blocks(request)
             else:  # every prompt position must be computed to report its logprob
@@ -212,6 +244,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self.running.append(request)
+            if loras is not None and lora is not None:
+                loras.add(lora.lora_int_id)
             if self.pipelined:
                 self._worker_tokens[request.request_id] = request.num_tokens
             request.status = RequestStatus.RUNNING
@@ -230,6 +264,7 @@ class Scheduler:
                     output_token_ids=list(request.output_token_ids),
                     traceparent=request.traceparent,
                     mm_features=request.mm_features,
+                    lora_request=request.lora_request,
                 )
             )
             self._record(out, request, n)
@@ -425,7 +460,16 @@ class Scheduler:
             spec_num_draft_tokens=self.spec_stats.num_draft_tokens,
             spec_num_accepted_tokens=self.spec_stats.num_accepted_tokens,
             spec_accepted_per_pos=tuple(self.spec_stats.accepted_per_pos),
+            **self._lora_stats(),
         )
+
+    def _lora_stats(self) -> dict:
+        if self.max_loras is None:
+            return {}
+        def names(requests: Iterable[Request]) -> tuple[str, ...]:
+            return tuple(sorted({r.lora_request.lora_name for r in requests if r.lora_request is not None}))
+        return {"max_lora": self.max_loras, "running_lora_adapters": names(self.running),
+                "waiting_lora_adapters": names(self.waiting)}
 
     def take_step_stats(self) -> StepStats:
         """The step stats gathered since the last call (collection starts with the first call)."""

@@ -22,11 +22,18 @@ from gridserve.api.common.v1 import common_pb2
 from gridserve.api.engine.v1 import engine_pb2, engine_pb2_grpc
 from gridserve.services.engine.executor.base import is_extension_method
 from gridserve.services.engine.loop import END, EngineLoop
+from gridserve.services.engine.lora_adapters import LoadedAdapter, LoRAAdapters, adapter_for
 from gridserve.services.engine.request import Request
 from gridserve.services.engine.request_checks import check_request
 from gridserve.services.engine.status import EngineStatus
 from gridserve.shared.config import GridserveConfig
-from gridserve.shared.errors import EngineDeadError, InvalidArgumentError, PermissionDeniedError
+from gridserve.shared.errors import (
+    EngineDeadError,
+    FailedPreconditionError,
+    InvalidArgumentError,
+    PermissionDeniedError,
+)
+from gridserve.shared.lora import LoRARequest
 from gridserve.shared.observability.tracing import traceparent_from_metadata
 from gridserve.shared.rpc.authz import stream_owner
 from gridserve.shared.rpc.convert import (
@@ -91,12 +98,19 @@ class EngineServicer(engine_pb2_grpc.EngineCoreServicer):
             parent_request_id=request.parent_request_id if request.HasField("parent_request_id") else None,
             mm_features=image_features_from_pb(request.mm_features, len(request.prompt_token_ids)),
             output_token_ids=list(request.output_token_ids),
+            lora_request=self._lora_of(request),
         )
         domain.admit_always = request.continuation
         if self.tracing:
             domain.traceparent = traceparent_from_metadata(context.invocation_metadata())
         await _done(self.loop.add_request(domain, _stream_key(context, request.gateway_id)))
         return engine_pb2.AddRequestResponse()
+
+    def _lora_of(self, request: engine_pb2.AddRequestRequest) -> Optional[LoRARequest]:
+        """The adapter a request names (by ``lora_name``: the table gives its id and folder)."""
+        if not request.HasField("lora_request"):
+            return None
+        return adapter_for(self.loop.core.lora, request.lora_request.lora_name)
 
     async def AbortRequests(self, request: engine_pb2.AbortRequestsRequest, context: grpc.aio.ServicerContext):
         owner = stream_owner(context)  # a gateway aborts only its own requests; admin (or plaintext) any
@@ -194,6 +208,32 @@ class EngineServicer(engine_pb2_grpc.EngineCoreServicer):
         return engine_pb2.ResetPrefixCacheResponse(reset=reset)
 
 
+    # ---- LoRA adapters ---------------------------------------------------------------------
+    def _lora_table(self) -> LoRAAdapters:
+        table = self.loop.core.lora
+        if table is None:
+            raise FailedPreconditionError("this engine serves no LoRA adapters (start it with --enable-lora)")
+        return table
+
+    async def LoadLoraAdapter(self, request: engine_pb2.LoadLoraAdapterRequest, context: grpc.aio.ServicerContext):
+        table = self._lora_table()
+        adapter = await _done(self.loop.submit(lambda: table.load(request.lora_name, request.lora_path)))
+        return engine_pb2.LoadLoraAdapterResponse(adapter=_adapter_pb(adapter))
+
+    async def UnloadLoraAdapter(self, request: engine_pb2.UnloadLoraAdapterRequest,
+                                context: grpc.aio.ServicerContext):
+        table = self._lora_table()
+        await _done(self.loop.submit(lambda: table.unload(request.lora_name)))
+        return engine_pb2.UnloadLoraAdapterResponse()
+
+    async def ListLoraAdapters(self, request: engine_pb2.ListLoraAdaptersRequest,
+                               context: grpc.aio.ServicerContext):
+        lora = self.config.lora
+        table = self.loop.core.lora
+        return engine_pb2.ListLoraAdaptersResponse(
+            adapters=[_adapter_pb(a) for a in (table.list() if table is not None else [])],
+            enable_lora=lora.enable_lora, max_loras=lora.max_loras, max_lora_rank=lora.max_lora_rank)
+
     async def GetStatus(self, request: engine_pb2.GetStatusRequest, context: grpc.aio.ServicerContext):
         report = await self.status.report()  # asks the workers (aio health calls), awaits the loop
         stats = report.stats
@@ -212,6 +252,12 @@ def _stream_key(context: grpc.aio.ServicerContext, gateway_id: str) -> str:
     another's stream; without TLS the id alone, as the caller wrote it."""
     owner = stream_owner(context)
     return gateway_id if owner is None else f"{owner}/{gateway_id}"
+
+
+def _adapter_pb(adapter: LoadedAdapter) -> engine_pb2.LoraAdapter:
+    r = adapter.request
+    return engine_pb2.LoraAdapter(lora_name=r.lora_name, lora_int_id=r.lora_int_id, lora_path=r.lora_path,
+                                  created=adapter.created)
 
 
 def _struct(values: dict) -> struct_pb2.Struct:

@@ -20,6 +20,7 @@ from typing import Any
 import grpc
 
 from gridserve.shared.errors import (
+    AlreadyExistsError,
     DeadlineExceededError,
     EngineDeadError,
     FailedPreconditionError,
@@ -36,6 +37,7 @@ _CODES: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (InvalidArgumentError, grpc.StatusCode.INVALID_ARGUMENT),
     (EngineDeadError, grpc.StatusCode.UNAVAILABLE),
     (ModelNotFoundError, grpc.StatusCode.NOT_FOUND),
+    (AlreadyExistsError, grpc.StatusCode.ALREADY_EXISTS),
     (FailedPreconditionError, grpc.StatusCode.FAILED_PRECONDITION),
     (ResourceExhaustedError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (DeadlineExceededError, grpc.StatusCode.DEADLINE_EXCEEDED),

@@ -38,6 +38,9 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
                                   "enablePrefixCaching": False, "workerRecoveryTimeout": 300,
                                   "maxWaitingRequests": 64, "batchInvariant": True}},
     "example-one-node-8gpu": EXAMPLE_8_GPU,
+    "lora": {"lora": {"enabled": True, "modules": {"sql": "sql-v2", "chat": "/adapters/chat"}, "maxLoras": 4,
+                      "maxCpuLoras": 8, "maxLoraRank": 64, "allowRuntimeUpdating": True,
+                      "volume": {"persistentVolumeClaim": {"claimName": "lora-adapters"}}}},
 }
 # Kinds from CRDs, whose schemas kubernetes-validate does not ship (checked by hand below; the
 # monitors against the vendored subset of their CRD schemas in crds/).
@@ -472,7 +475,27 @@ def role_flags() -> dict[str, str]:
     return helps
 
 
-@pytest.mark.parametrize("name", ["tp2-pp2-dp2", "api-key-and-otlp", "engine-options"])
+def test_lora_values_become_engine_options_and_mount_the_adapters_on_engines_and_workers(render_chart) -> None:
+    rendered = render_chart(VALUE_SETS["lora"])
+    engine = rendered.named("StatefulSet", f"{FULL}-engine-0")
+    env = env_of(main_container(engine))
+    assert env["GRIDSERVE_ENABLE_LORA"] == "1" and env["GRIDSERVE_ALLOW_RUNTIME_LORA_UPDATING"] == "1"
+    assert (env["GRIDSERVE_MAX_LORAS"], env["GRIDSERVE_MAX_CPU_LORAS"], env["GRIDSERVE_MAX_LORA_RANK"]) == ("4", "8", "64")
+    assert env["GRIDSERVE_LORA_DIR"] == "/adapters"
+    from gridserve.shared.config import parse_lora_modules
+    assert parse_lora_modules(env["GRIDSERVE_LORA_MODULES"]) == {"sql": "sql-v2", "chat": "/adapters/chat"}
+    for sts in rendered.of_kind("StatefulSet"):
+        if rendered.role_of(sts) not in ("engine", "worker"):
+            continue
+        pod = sts["spec"]["template"]["spec"]
+        assert {"name": "lora-adapters", "persistentVolumeClaim": {"claimName": "lora-adapters"}} in pod["volumes"]
+        mounts = {m["name"]: m for m in main_container(sts)["volumeMounts"]}
+        assert mounts["lora-adapters"]["mountPath"] == "/adapters" and mounts["lora-adapters"]["readOnly"]
+    default = env_of(main_container(render_chart({}).named("StatefulSet", f"{FULL}-engine-0")))
+    assert not any(name.startswith("GRIDSERVE_") and "LORA" in name for name in default)
+
+
+@pytest.mark.parametrize("name", ["tp2-pp2-dp2", "api-key-and-otlp", "engine-options", "lora"])
 def test_every_gridserve_variable_the_chart_sets_is_a_flag_of_the_role(render_chart, role_flags, name) -> None:
     rendered = render_chart(VALUE_SETS[name])
     for workload in rendered.workloads():

@@ -325,3 +325,48 @@ initContainers:
       {{- include "gridserve.modelMount" . | nindent 6 }}
 {{- end }}
 {{- end -}}
+
+{{/* Multi-LoRA: the engine's LoRA options (lora.*) as its GRIDSERVE_* variables; nothing when off. */}}
+{{- define "gridserve.loraEnv" -}}
+{{- $l := .Values.lora -}}
+{{- if $l.enabled }}
+- name: GRIDSERVE_ENABLE_LORA
+  value: "1"
+- name: GRIDSERVE_MAX_LORAS
+  value: {{ $l.maxLoras | int64 | toString | quote }}
+- name: GRIDSERVE_MAX_LORA_RANK
+  value: {{ $l.maxLoraRank | int64 | toString | quote }}
+{{- if $l.maxCpuLoras }}
+- name: GRIDSERVE_MAX_CPU_LORAS
+  value: {{ $l.maxCpuLoras | int64 | toString | quote }}
+{{- end }}
+{{- if $l.dir }}
+- name: GRIDSERVE_LORA_DIR
+  value: {{ $l.dir | quote }}
+{{- end }}
+{{- if $l.modules }}
+- name: GRIDSERVE_LORA_MODULES
+  value: {{ $l.modules | toJson | quote }}
+{{- end }}
+{{- if $l.allowRuntimeUpdating }}
+- name: GRIDSERVE_ALLOW_RUNTIME_LORA_UPDATING
+  value: "1"
+{{- end }}
+{{- end }}
+{{- end -}}
+
+{{/* The adapters' volume (lora.volume), read-only at lora.dir, on the engine and worker pods. */}}
+{{- define "gridserve.loraVolume" -}}
+{{- if and .Values.lora.enabled .Values.lora.volume }}
+- name: lora-adapters
+  {{- toYaml .Values.lora.volume | nindent 2 }}
+{{- end }}
+{{- end -}}
+
+{{- define "gridserve.loraMount" -}}
+{{- if and .Values.lora.enabled .Values.lora.volume }}
+- name: lora-adapters
+  mountPath: {{ .Values.lora.dir }}
+  readOnly: true
+{{- end }}
+{{- end -}}

@@ -38,6 +38,9 @@ WORKER_METHODS = frozenset(
         "sleep",
         "wake_up",
         "shutdown",
+        "add_lora",
+        "remove_lora",
+        "list_loras",
     }
 )
 

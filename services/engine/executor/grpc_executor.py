@@ -45,6 +45,7 @@ from gridserve.shared.kv_cache_spec import KVCacheConfig
 from gridserve.shared.parallel import output_rank
 from gridserve.shared.ports import free_port
 from gridserve.shared.rpc.client import aio_channel
+from gridserve.shared.rpc.convert import lora_request_to_pb
 from gridserve.shared.rpc.loop_thread import LoopThread
 from gridserve.shared.rpc.values import encode
 from gridserve.shared.rpc.worker_convert import (
@@ -242,6 +243,10 @@ class GrpcExecutor(Executor):
             return worker_pb2.WakeUpArgs(tags=kwargs.get("tags", args[0] if args else None) or [])
         if method == "init_device":
             return config_to_pb(self.config)
+        if method == "add_lora":
+            return worker_pb2.AddLoraArgs(lora_request=lora_request_to_pb(kwargs.get("lora_request", args[0] if args else None)))
+        if method == "remove_lora":
+            return worker_pb2.RemoveLoraArgs(lora_int_id=kwargs.get("lora_int_id", args[0] if args else 0))
         if is_extension_method(method):
             return worker_pb2.ExtensionCallArgs(method=method, args=[encode(a) for a in args],
                                                 kwargs={k: encode(v) for k, v in kwargs.items()})
@@ -315,6 +320,7 @@ _EMPTY_ARGS = {
     "get_kv_cache_spec": worker_pb2.GetKVCacheSpecArgs,
     "check_health": worker_pb2.CheckHealthArgs,
     "shutdown": worker_pb2.ShutdownArgs,
+    "list_loras": worker_pb2.ListLorasArgs,
 }
 
 

@@ -144,5 +144,7 @@ def _resolve(address: str, method: str, response: worker_pb2.CollectiveRPCRespon
         future.set_result(kv_cache_spec_from_pb(response.kv_cache_spec))
     elif response.HasField("value"):
         future.set_result(decode(response.value))
+    elif response.HasField("lora_ids"):
+        future.set_result(list(response.lora_ids.ids))
     else:
         future.set_result(None)

@@ -46,7 +46,8 @@ def test_the_reference_lists_every_engine_option_and_every_table_variable(clean_
 
 def _config_defaults() -> dict[str, object]:
     out = {}
-    for section in (cfg.ModelConfig, cfg.CacheConfig, cfg.SchedulerConfig, cfg.ParallelConfig, cfg.DeviceConfig):
+    for section in (cfg.ModelConfig, cfg.CacheConfig, cfg.SchedulerConfig, cfg.ParallelConfig, cfg.DeviceConfig,
+                    cfg.LoRAConfig):
         for f in dataclasses.fields(section):
             out[f.name] = f.default if f.default is not dataclasses.MISSING else f.default_factory()
     out["distributed_executor_backend"] = out["executor_backend"]
