@@ -26,12 +26,12 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from gridserve.kernels import triton_ops
-from gridserve.kernels.triton_ops import activation, attention, cache, norm, rotary
+from gridserve.kernels.triton_ops import activation, attention, cache, lora, norm, rotary
 
 TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
          torch.int32: "i32", torch.int64: "i64",
          torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5"}
-MODULES = (activation, attention, cache, norm, rotary)
+MODULES = (activation, attention, cache, lora, norm, rotary)
 Launch = tuple[triton.runtime.jit.JITFunction, tuple, dict]
 
 
@@ -64,6 +64,11 @@ def record_launches() -> list[Launch]:
 
 
 def _run_wrappers(dtype: torch.dtype, cache_dtype: torch.dtype | None = None, norms: bool = True) -> None:
+    if norms:  # multi-LoRA shrink / expand: a decode batch and a prefill, a small and a large rank
+        for tokens, rank in ((4, 8), (300, 64)):
+            slots = torch.zeros(tokens, dtype=torch.int64)
+            lora.add_lora_triton(torch.zeros(tokens, 96, dtype=dtype), torch.zeros(tokens, 64, dtype=dtype),
+                                 torch.zeros(2, rank, 64, dtype=dtype), torch.zeros(2, 96, rank, dtype=dtype), slots)
     for head_size, heads, kv_heads in ((128, 32, 8), (64, 12, 2)):
         kv = torch.zeros(2, 8, 16, kv_heads, head_size, dtype=cache_dtype or dtype)
         table = torch.zeros(2, 64, dtype=torch.int32)
