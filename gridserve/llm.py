@@ -49,6 +49,7 @@ class LLM:
 
     def __init__(self, model: str, **kwargs: Any) -> None:
         self.config = GridserveConfig.from_kwargs(model=model, **kwargs).finalize()
+        self.config.check_servable()
         self.tokenizer = _load_tokenizer(self.config.model.tokenizer_path)
         self._launchers: list[Launcher] = []
         self._media: Optional[MediaLoader] = None  # chat image URLs, loaded on first use

@@ -18,6 +18,7 @@ from typing import Any, Optional
 from gridserve.llm_engine import in_process_executor
 from gridserve.services.engine.core import EngineCore
 from gridserve.services.engine.loop import END, EngineLoop
+from gridserve.services.engine.lora_adapters import adapter_for
 from gridserve.services.engine.request import Request
 from gridserve.shared.config import GridserveConfig
 from gridserve.shared.engine_client_protocol import OutputSink
@@ -67,11 +68,13 @@ class LocalEngineClient:
     async def add_request(self, request_id: str, token_ids: list[int], params: SamplingParams,
                           parent_request_id: str = "", traceparent: str = "",
                           mm_features: Optional[list[ImageFeature]] = None,
-                          output_token_ids: Optional[list[int]] = None, continuation: bool = False) -> None:
+                          output_token_ids: Optional[list[int]] = None, continuation: bool = False,
+                          lora_name: Optional[str] = None) -> None:
         """``traceparent`` is not used: an in-process engine records no spans of its own."""
+        lora = adapter_for(self.engine_loop.core.lora, lora_name) if lora_name else None
         request = Request(request_id, token_ids, params, eos_token_id=self.config.model.eos_token_id,
                           parent_request_id=parent_request_id or None, mm_features=mm_features or [],
-                          admit_always=continuation, output_token_ids=output_token_ids)
+                          admit_always=continuation, output_token_ids=output_token_ids, lora_request=lora)
         await asyncio.wrap_future(self.engine_loop.add_request(request, GATEWAY_ID))
 
     async def abort(self, request_ids: list[str]) -> None:

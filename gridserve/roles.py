@@ -237,7 +237,9 @@ def engine_config(args: argparse.Namespace, worker_addresses: list[str]):
     check_parallel_sizes(args)
     kwargs = {option.config: option.config_value(getattr(args, option.dest))
               for option in ENGINE_OPTIONS if option.config and getattr(args, option.dest) is not None}
-    return GridserveConfig.from_kwargs(model=args.model, worker_addresses=worker_addresses, **kwargs).finalize()
+    config = GridserveConfig.from_kwargs(model=args.model, worker_addresses=worker_addresses, **kwargs).finalize()
+    config.check_servable()
+    return config
 
 
 def require(value: Optional[str], flag: str, what: str) -> str:

@@ -19,7 +19,7 @@ from gridserve.shared import envs
 from gridserve.shared.errors import ConfigError
 from gridserve.shared.generation_config import check_generation_config, read_default_sampling_params
 from gridserve.shared.gguf_config import hf_config_from_gguf, is_gguf
-from gridserve.shared.model_registry import ARCHITECTURES, ModelRegistry, architecture_info
+from gridserve.shared.model_registry import ARCHITECTURES, ModelRegistry, architecture_info, resolve_runner
 from gridserve.shared.parallel import check_model_shardable, kv_head_shard, stage_layers
 from gridserve.shared.plugins import load_general_plugins
 
@@ -97,6 +97,9 @@ class ModelConfig:
     # Sampling defaults for the fields a request leaves out (shared/generation_config.py): "auto"
     # (the checkpoint's generation_config.json), "vllm" (none) or a folder holding one.
     generation_config: str = "auto"
+    # What serves the model (vLLM's --runner): "auto" (the architecture's own), "generate" or
+    # "pooling" (embeddings / scores; model classes only so far: no engine serves it yet).
+    runner: str = "auto"
     # Derived by resolve():
     model_path: str = ""
     architecture: str = ""
@@ -545,6 +548,7 @@ class GridserveConfig:
         self.model.resolve()
         load_general_plugins()  # a plugin may register the checkpoint's architecture
         ModelRegistry.check_architecture(self.model.architecture)
+        self.model.runner = resolve_runner(self.model.architecture, self.model.runner).runner
         self.parallel.check_model(self.model.architecture, self.model.text_config)
         self.scheduler.finalize(self.max_model_len)
         if self.scheduler.speculative_config and self.parallel.pipeline_parallel_size > 1:
@@ -552,7 +556,17 @@ class GridserveConfig:
                                                     "is not supported")
         if self.lora.enable_lora and self.scheduler.speculative_config:
             raise ConfigError("enable_lora", "LoRA with speculative decoding is not supported yet")
+        if self.lora.enable_lora and "vision_config" in self.model.hf_config:
+            raise ConfigError("enable_lora", f"LoRA on a vision-language model ({self.model.architecture}) "
+                                             "is not supported yet")
         return self
+
+    def check_servable(self) -> None:
+        """Refuse what no engine serves yet: a pooling model (issue 37's runner is still to come)."""
+        if self.model.runner == "pooling":
+            raise ConfigError("model.runner", f"{self.model.architecture} runs as a pooling model (embeddings / "
+                                              "scores), and the pooling runner is not served yet: only "
+                                              "generative models run")
 
     def kv_bytes_per_token_per_rank(self) -> int:
         """Bytes of K and V one token occupies on the busiest worker: its stage's layers, its heads."""

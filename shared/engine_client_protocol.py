@@ -69,9 +69,11 @@ class EngineClientProtocol(Protocol):
     async def add_request(self, request_id: str, token_ids: list[int], params: SamplingParams,
                           parent_request_id: str = "", traceparent: str = "",
                           mm_features: Optional[list[ImageFeature]] = None,
-                          output_token_ids: Optional[list[int]] = None, continuation: bool = False) -> None:
+                          output_token_ids: Optional[list[int]] = None, continuation: bool = False,
+                          lora_name: Optional[str] = None) -> None:
         """Start ``request_id`` on the engine: ``parent_request_id`` is the id the client sees,
-        ``traceparent`` the caller's span (W3C), ``mm_features`` the prompt's preprocessed images."""
+        ``traceparent`` the caller's span (W3C), ``mm_features`` the prompt's preprocessed images,
+        ``lora_name`` the LoRA adapter it runs on (the engine's table resolves it; None: the base model)."""
         ...
 
     async def abort(self, request_ids: list[str]) -> None:

@@ -29,7 +29,12 @@ class ArchitectureInfo:
     is what each attention layer caches (``full``: K and V of every token; ``sliding``: some or
     all layers see only a window when the config sets one (``sliding_window``; Qwen2 / Qwen3 /
     SmolLM3 only with ``use_sliding_window``), their KV still kept whole until the cache has a
-    per-layer spec; ``mla``: a compressed latent).
+    per-layer spec; ``mla``: a compressed latent; ``none``: an encoder, which keeps no KV).
+
+    ``runner`` is what serves it (vLLM's names): ``generate`` (a language model: text out) or
+    ``pooling`` (an encoder: vectors or scores out, never tokens); ``tasks`` are what it serves
+    (``generate``; ``embed`` / ``classify`` / ``score``: ``gridserve.shared.pooling``). A generative
+    decoder serves ``embed`` too when converted (``resolve_runner``).
     """
 
     name: str
@@ -40,10 +45,20 @@ class ArchitectureInfo:
     quantization: bool = True
     multimodal: bool = False
     kv_kind: str = "full"
+    runner: str = "generate"
+    tasks: tuple[str, ...] = ("generate",)
 
 
 def _arch(name: str, module: str, *examples: str, **features) -> ArchitectureInfo:
     return ArchitectureInfo(name, module, tuple(examples), **features)
+
+
+def _pooling(name: str, module: str, tasks: tuple[str, ...], *examples: str) -> ArchitectureInfo:
+    """An encoder (issue 37): bidirectional attention over whole inputs, no KV cache, pooled outputs.
+    Tensor parallel; no pipeline stages (a model this size never needs them) and no quantization
+    (untested)."""
+    return ArchitectureInfo(name, module, tuple(examples), pipeline_parallel=False, quantization=False,
+                            kv_kind="none", runner="pooling", tasks=tasks)
 
 
 # The worker role's own models, one entry per Hugging Face class name (``config.json``'s
@@ -93,6 +108,16 @@ ARCHITECTURES: dict[str, ArchitectureInfo] = {a.name: a for a in (
           kv_kind="sliding"),
     _arch("LlavaForConditionalGeneration", "llava:LlavaForConditionalGeneration", "llava-hf/llava-1.5-7b-hf",
           pipeline_parallel=False, multimodal=True),
+    # encoders (issue 37): pooling only, the engine never generates with them; a classifier serves
+    # ``score`` only with one label (a cross-encoder: the worker's model says which it has)
+    _pooling("BertModel", "bert:BertModel", ("embed",), "BAAI/bge-base-en-v1.5",
+             "sentence-transformers/all-MiniLM-L6-v2"),
+    _pooling("BertForSequenceClassification", "bert:BertForSequenceClassification", ("classify", "score"),
+             "cross-encoder/ms-marco-MiniLM-L-6-v2"),
+    _pooling("XLMRobertaModel", "bert:XLMRobertaModel", ("embed",), "BAAI/bge-m3",
+             "intfloat/multilingual-e5-base"),
+    _pooling("XLMRobertaForSequenceClassification", "bert:XLMRobertaForSequenceClassification",
+             ("classify", "score"), "BAAI/bge-reranker-v2-m3"),
 )}
 
 # Every built-in architecture name.
@@ -102,6 +127,59 @@ BUILTIN_ARCHITECTURES = tuple(sorted(ARCHITECTURES))
 def architecture_info(architecture: str) -> Optional[ArchitectureInfo]:
     """The built-in architecture's metadata (None for a plugin's or an unknown one)."""
     return ARCHITECTURES.get(architecture)
+
+
+GENERATE, POOLING = "generate", "pooling"
+RUNNERS = (GENERATE, POOLING)
+# ``convert``: what a generative checkpoint becomes under the pooling runner (vLLM's ``--convert``)
+CONVERTS = ("none", "embed")
+
+
+@dataclass(frozen=True)
+class RunnerChoice:
+    """The runner a model is served by, the conversion applied to it and the tasks it then serves."""
+
+    runner: str
+    convert: str
+    tasks: tuple[str, ...]
+
+
+def is_pooling_only(architecture: str) -> bool:
+    """True for an encoder that never generates (the engine refuses a generate request to it)."""
+    info = architecture_info(architecture)
+    return info is not None and info.runner == POOLING
+
+
+def resolve_runner(architecture: str, runner: str = "auto", convert: str = "auto") -> RunnerChoice:
+    """What serves ``architecture`` (vLLM's ``--runner`` / ``--convert``), refused naming the field.
+
+    ``runner="auto"``: the architecture's own (``pooling`` for an encoder, else ``generate``).
+    ``pooling`` with a generative architecture converts it (``convert="auto"`` -> ``embed``: its
+    final hidden states pooled, last token by default: Qwen3-Embedding); ``generate`` with an
+    encoder is refused. A plugin's architecture generates unless its registry entry says otherwise.
+    """
+    if runner not in (*RUNNERS, "auto"):
+        raise ConfigError("model.runner", f"must be one of auto, {', '.join(RUNNERS)}, got {runner!r}")
+    if convert not in (*CONVERTS, "auto"):
+        raise ConfigError("model.convert", f"must be one of auto, {', '.join(CONVERTS)}, got {convert!r}")
+    info = architecture_info(architecture)
+    own = info.runner if info is not None else GENERATE
+    tasks = info.tasks if info is not None else (GENERATE,)
+    runner = own if runner == "auto" else runner
+    if own == POOLING:
+        if runner != POOLING:
+            raise ConfigError("model.runner", f"{architecture!r} is a pooling model ({', '.join(tasks)}): "
+                                              "serve it with runner 'pooling'")
+        if convert not in ("auto", "none"):
+            raise ConfigError("model.convert", f"{architecture!r} is a pooling model already")
+        return RunnerChoice(POOLING, "none", tasks)
+    if runner == GENERATE:
+        if convert not in ("auto", "none"):
+            raise ConfigError("model.convert", f"{convert!r} applies to runner 'pooling' only")
+        return RunnerChoice(GENERATE, "none", tasks)
+    if convert == "none":
+        raise ConfigError("model.convert", f"{architecture!r} generates; runner 'pooling' needs convert 'embed'")
+    return RunnerChoice(POOLING, "embed", ("embed",))
 
 
 _TARGET = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")

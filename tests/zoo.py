@@ -113,3 +113,21 @@ def edited_checkpoint(src: Path, suffix: str, edit: Any) -> Path:
     shutil.rmtree(dst, ignore_errors=True)
     tmp.rename(dst)
     return dst
+
+
+def peft_adapter(base: Path, folder: Path, targets: list[str], rank: int = 8, seed: int = 1, **lora: Any) -> Path:
+    """A random LoRA adapter of checkpoint ``base``, saved into ``folder`` as PEFT saves it
+    (``adapter_config.json`` + ``adapter_model.safetensors``). ``init_lora_weights=False``: PEFT's
+    default makes B = 0, which any fake passes; ``lora`` are more ``peft.LoraConfig`` fields."""
+    import peft
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if (folder / "adapter_model.safetensors").exists():
+        return folder
+    config = peft.LoraConfig(r=rank, lora_alpha=lora.pop("lora_alpha", 2 * rank), target_modules=targets,
+                             init_lora_weights=False, **lora)
+    torch.manual_seed(seed)
+    model = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), config)
+    model.save_pretrained(folder)
+    return folder

@@ -35,6 +35,7 @@ class EngineCore:
 
     def __init__(self, config: GridserveConfig, executor: Optional[Executor] = None) -> None:
         self.config = config
+        config.check_servable()
         self.executor = executor or Executor.get_class(config)(config)
         self.kv_cache_config = self._initialize_kv_cache()
         self.kv_cache_manager = KVCacheManager(

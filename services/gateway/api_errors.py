@@ -1,7 +1,8 @@
 """Errors of the REST routes, in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``.
 
 A refusal (a body the protocol models reject, an ``InvalidArgumentError`` from the domain) is 400
-naming the field; an unknown model 404; every engine's queue full 429 with ``Retry-After``; a
+naming the field; an unknown model (neither the served model nor one of its LoRA adapters) 404; a
+refused LoRA load or unload its ``LoraRefusal``'s status (``lora.py``); every engine's queue full 429 with ``Retry-After``; a
 request past its deadline (the caller's or ``--request-timeout``) 504, as gRPC's DEADLINE_EXCEEDED
 maps to HTTP (the request reached the server, which did not finish in time); no engine 503. Anything else is a bug: 500 in the same
 shape, with the request id in the message and the traceback in the log.
@@ -17,11 +18,13 @@ from typing import Optional
 import grpc
 from pydantic import ValidationError
 
+from gridserve.services.gateway.lora import LoraRefusal
 from gridserve.services.gateway.protocol import ErrorInfo, ErrorResponse
 from gridserve.shared.errors import (
     DeadlineExceededError,
     EngineDeadError,
     InvalidArgumentError,
+    ModelNotFoundError,
     RequestFailedError,
     ResourceExhaustedError,
 )
@@ -102,6 +105,10 @@ def to_api_error(exc: BaseException, request_id: str = "") -> ApiError:
         return exc
     if isinstance(exc, ValidationError):
         return from_validation_error(exc)
+    if isinstance(exc, LoraRefusal):
+        return ApiError(exc.status, exc.message, exc.param, exc.kind)
+    if isinstance(exc, ModelNotFoundError):  # a model name that is neither the served model nor an adapter
+        return ApiError(404, str(exc), "model", "NotFoundError")
     if isinstance(exc, InvalidArgumentError):
         # Domain field paths ("sampling_params.temperature") name the OpenAI field ("temperature").
         param = exc.field.removeprefix("sampling_params.")

@@ -85,7 +85,9 @@ def serve(engine_addresses: list[str], host: str, port: int, grace_s: float = 10
         engine.on_state = lambda: _follow_engines(server.readiness, service)
     # DP > 1: route by the load every engine reports to the coordinator.
     watcher = server.call(lambda: LoadWatcher(coordinator, gateway_id, service.router)) if coordinator else None
-    servicer = GatewayServicer(service, served_model_name, (responses or ResponsesStoreOptions()).store())
+    # Runtime LoRA loading through the REST edge needs the API key (the edge has no admin identity).
+    servicer = GatewayServicer(service, served_model_name, (responses or ResponsesStoreOptions()).store(),
+                               runtime_lora_updating=bool(api_key))
     servicer.status = StatusCollector(server.address, engine_addresses, coordinator, service.is_ready,
                                       lambda i: engines[i].ready.is_set())
     server.add_service(SERVICE, lambda s: gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, s))

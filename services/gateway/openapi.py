@@ -18,9 +18,11 @@ from gridserve.services.gateway.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
     ErrorResponse,
+    LoadLoraAdapterRequest,
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
+    UnloadLoraAdapterRequest,
     VersionResponse,
 )
 from gridserve.services.gateway.responses_protocol import (
@@ -40,7 +42,11 @@ ROUTES: list[tuple[str, str, str, Optional[type[BaseModel]], Optional[type[BaseM
      ResponseStreamEvent),
     ("/v1/responses/{response_id}", "get", "A stored response (--enable-responses-store)", None, ResponseObject,
      None),
-    ("/v1/models", "get", "List the served model", None, ModelList, None),
+    ("/v1/models", "get", "List the served model and its LoRA adapters", None, ModelList, None),
+    ("/v1/load_lora_adapter", "post", "Load a LoRA adapter on every engine (--api-key and the engines' "
+     "--allow-runtime-lora-updating)", LoadLoraAdapterRequest, None, None),
+    ("/v1/unload_lora_adapter", "post", "Unload a LoRA adapter from every engine", UnloadLoraAdapterRequest, None,
+     None),
     ("/tokenize", "post", "Tokenize a prompt or a conversation", TokenizeRequest, TokenizeResponse, None),
     ("/detokenize", "post", "Token ids back to text", DetokenizeRequest, DetokenizeResponse, None),
     ("/version", "get", "The gridserve version", None, VersionResponse, None),
@@ -55,6 +61,10 @@ def _ref(model: type[BaseModel]) -> dict[str, str]:
 def _operation(summary: str, request: Optional[type[BaseModel]], response: Optional[type[BaseModel]],
                event: Optional[type[BaseModel]]) -> dict[str, Any]:
     content: dict[str, Any] = {"application/json": {"schema": _ref(response)}} if response else {}
+    lora = request is not None and request.__name__.endswith("LoraAdapterRequest")
+    if lora:  # vLLM's plain-text answer
+        content["text/plain"] = {"schema": {"type": "string"},
+                                 "description": "Success: LoRA adapter '<name>' added (removed) successfully."}
     if event is not None:
         content["text/event-stream"] = {"schema": {"type": "string"},
                                         "description": f"`data: <{event.__name__}>` events, then `data: [DONE]`"}
@@ -68,6 +78,10 @@ def _operation(summary: str, request: Optional[type[BaseModel]], response: Optio
     if request is not None:
         operation["requestBody"] = {"required": True, "content": {"application/json": {"schema": _ref(request)}}}
         operation["responses"]["404"] = {"description": "Unknown model", **error}
+    if lora:
+        operation["responses"]["403"] = {"description": "Runtime loading is off (no --api-key, or the engines' "
+                                                        "--allow-runtime-lora-updating or --enable-lora)", **error}
+        operation["responses"]["404"] = {"description": "Unknown adapter (unload)", **error}
     return operation
 
 

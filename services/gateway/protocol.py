@@ -37,6 +37,7 @@ from pydantic import (
 from gridserve.services.gateway.beam_search import BeamSearchParams
 from gridserve.services.gateway.limits import RequestLimits
 from gridserve.shared.errors import InvalidArgumentError
+from gridserve.shared.lora import MAX_LORA_NAME
 from gridserve.shared.sampling_params import SamplingParams, StructuredOutputsParams
 
 INT32_MAX = 2**31 - 1
@@ -614,6 +615,37 @@ class DetokenizeRequest(OpenAIBaseModel):
     model: Optional[str] = None
     tokens: Annotated[list[Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]],
                       capped("max_content_chars", what="tokens")]
+
+
+MAX_LORA_PATH = 4096  # characters of an adapter's folder (PATH_MAX)
+
+
+def _printable(value: str) -> str:
+    if any(ord(c) < 32 or ord(c) == 127 for c in value):
+        raise ValueError("must not contain control characters")
+    if value != value.strip():
+        raise ValueError("must not start or end with whitespace")
+    return value
+
+
+LoraName = Annotated[str, Field(min_length=1, max_length=MAX_LORA_NAME), AfterValidator(_printable)]
+
+
+class LoadLoraAdapterRequest(ClosedModel):
+    """vLLM's ``POST /v1/load_lora_adapter``: serve the PEFT adapter in ``lora_path`` (a folder on
+    the workers' hosts, inside the engines' ``--lora-dir`` when they have one) as the model
+    ``lora_name``."""
+
+    lora_name: LoraName
+    lora_path: Annotated[str, Field(min_length=1, max_length=MAX_LORA_PATH), AfterValidator(_printable)]
+
+
+class UnloadLoraAdapterRequest(ClosedModel):
+    """vLLM's ``POST /v1/unload_lora_adapter``: stop serving ``lora_name``. vLLM's ``lora_int_id``
+    is accepted and not used (each engine numbers its adapters itself)."""
+
+    lora_name: LoraName
+    lora_int_id: Optional[Annotated[int, Field(ge=0, le=INT64_MAX)]] = None
 
 
 # ---- responses -------------------------------------------------------------------------------

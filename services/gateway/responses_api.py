@@ -136,10 +136,12 @@ class ResponsesAPI:
                      timeout: Optional[float] = None) -> HttpResponse:
         """``owner``: whose the response is (``responses_store.owner_of`` the call's metadata)."""
         with _responses_names():
-            return await self._create(self.routes.parse_body(ResponsesRequest, data), owner, traceparent, timeout)
+            request = self.routes.parse_body(ResponsesRequest, data)
+            lora = await self.routes.adapter_for(request.model)
+            return await self._create(request, owner, traceparent, timeout, lora)
 
     async def _create(self, request: ResponsesRequest, owner: str, traceparent: str,
-                      timeout: Optional[float]) -> HttpResponse:
+                      timeout: Optional[float], lora: Optional[str] = None) -> HttpResponse:
         keep = self._keeps(request)
         history = self._history(request.previous_response_id, owner)
         messages = history + input_messages(request.input_items())
@@ -153,18 +155,19 @@ class ResponsesAPI:
         variables = {"reasoning_effort": effort} if effort is not None else None
         prompt = await self.routes.render_chat(Conversation(system + messages), tools.template_tools, variables)
         plan, params = await plan_chat(self.service, options, tools, prompt["prompt_token_ids"], self._params(request))
-        shape = ResponseShape(self.store.new_id() if self.store is not None else item_id("resp"), self.routes.model,
-                              keep, _echo(request, params))
+        shape = ResponseShape(self.store.new_id() if self.store is not None else item_id("resp"),
+                              lora or self.routes.model, keep, _echo(request, params))
         headers = ignored_fields_header(request.ignored_fields())
         run = (prompt, params, shape.id, traceparent, None, timeout)
+        adapter = {"lora_name": lora} if lora else {}
         if request.stream:
-            stream = self.service.generate(*run)
+            stream = self.service.generate(*run, **adapter)
             first = await anext(stream)  # validation errors surface here, before the status is sent
             log_user(request.user or request.safety_identifier, shape.id)
             events = ResponseEvents(shape, plan.choice() if plan is not None else None)
             remember = (owner, messages) if keep else None
             return HttpResponse(200, SSE, self._events(events, stream, first, remember), headers)
-        out = await self.service.complete(*run)
+        out = await self.service.complete(*run, **adapter)
         log_user(request.user or request.safety_identifier, shape.id)
         reply = out.outputs[0]
         parts = _split(plan, reply.text)

@@ -25,6 +25,7 @@ from gridserve.services.gateway.beam_search import search_all
 from gridserve.services.gateway.chat_options import ChatOptions
 from gridserve.services.gateway.chat_output import plan_chat
 from gridserve.services.gateway.fim import fill_in_the_middle
+from gridserve.services.gateway.lora import LoraAdapters, LoraRefusal, not_found
 from gridserve.services.gateway.multimodal import chat_images
 from gridserve.services.gateway.openapi import openapi_document
 from gridserve.services.gateway.protocol import (
@@ -33,10 +34,12 @@ from gridserve.services.gateway.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     DetokenizeResponse,
+    LoadLoraAdapterRequest,
     ModelCard,
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
+    UnloadLoraAdapterRequest,
     VersionResponse,
 )
 from gridserve.services.gateway.responses import (
@@ -52,6 +55,9 @@ from gridserve.services.gateway.tool_choice import plan_tools
 
 JSON = "application/json"
 SSE = "text/event-stream"
+TEXT = "text/plain; charset=utf-8"
+RUNTIME_LORA_OFF = ("loading and unloading LoRA adapters at run time is off: it needs the gateway's --api-key "
+                    "(callers send the key as a bearer token) and the engines' --allow-runtime-lora-updating")
 REFUSED_TEMPLATE = ("a request's own chat template is refused; the server must run with "
                     "--trust-request-chat-template")
 IGNORED_FIELDS_HEADER = "x-gridserve-ignored-fields"  # unknown keys inside messages (protocol.py's rule)
@@ -89,22 +95,32 @@ class OpenAIRoutes:
     """The OpenAI routes of one gateway (and vLLM's ``/tokenize``, ``/detokenize``).
 
     ``sampling_defaults``: what a generation request gets for a sampling field it leaves out (the
-    model's generation config, as ``SamplingParams`` keywords; none: ``SamplingParams``' own)."""
+    model's generation config, as ``SamplingParams`` keywords; none: ``SamplingParams``' own).
+    ``runtime_lora_updating``: whether ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``
+    are open (the gateway has an ``--api-key``, so only callers holding it reach them)."""
 
     def __init__(self, service: GatewayService, served_model_name: Optional[str] = None,
-                 version: str = "", sampling_defaults: Optional[Mapping[str, Any]] = None) -> None:
+                 version: str = "", sampling_defaults: Optional[Mapping[str, Any]] = None,
+                 runtime_lora_updating: bool = False) -> None:
         self.service = service
         self.model = served_model_name or service.model_name
         self.version = version
         self.sampling_defaults = dict(sampling_defaults or {})
+        self.runtime_lora_updating = runtime_lora_updating
+        self.loras: LoraAdapters = getattr(service, "loras", None) or LoraAdapters([])
         self._openapi: Optional[bytes] = None
 
     def parse_body(self, model: type[M], data: bytes) -> M:
-        parsed = model.model_validate_json(data or b"{}", context={"limits": self.service.limits})
-        requested = getattr(parsed, "model", None)
-        if requested is not None and requested != self.model:
-            raise ApiError(404, f"The model `{requested}` does not exist.", "model", "NotFoundError")
-        return parsed
+        return model.model_validate_json(data or b"{}", context={"limits": self.service.limits})
+
+    async def adapter_for(self, requested: Optional[str]) -> Optional[str]:
+        """The LoRA adapter a request's ``model`` names (None: the served model itself, or no name);
+        any other name is a 404 (``ModelNotFoundError``)."""
+        if requested is None or requested == self.model:
+            return None
+        if await self.loras.lookup(requested) is None:
+            raise not_found(requested)
+        return requested
 
     async def render_chat(self, request: ChatTemplateFields, tools: Any = REQUEST_TOOLS,
                            variables: Optional[dict[str, Any]] = None) -> dict:
@@ -130,9 +146,50 @@ class OpenAIRoutes:
     # ---- simple routes ----------------------------------------------------------------------
     @answers_errors
     async def models(self) -> HttpResponse:
-        card = ModelCard(id=self.model, created=int(time.time()), root=self.service.model_name,
-                         max_model_len=self.service.max_model_len)
-        return HttpResponse(200, JSON, [ModelList(data=[card]).dumps()])
+        """The served model, then its LoRA adapters (``parent``: the served model, ``root``: the
+        adapter's folder), as the engines list them."""
+        cards = [ModelCard(id=self.model, created=int(time.time()), root=self.service.model_name,
+                           max_model_len=self.service.max_model_len)]
+        cards += [ModelCard(id=a.name, created=int(a.created), root=a.path, parent=self.model,
+                            max_model_len=self.service.max_model_len) for a in await self.adapters()]
+        return HttpResponse(200, JSON, [ModelList(data=cards).dumps()])
+
+    async def adapters(self) -> list:
+        """The LoRA adapters the engines list (none when they cannot be asked now)."""
+        try:
+            return list((await self.loras.current()).adapters.values())
+        except Exception as exc:  # noqa: BLE001 - the served model is listed whatever the engines say
+            logger.warning("/v1/models lists no LoRA adapters: %s", exc)
+            return []
+
+    # ---- LoRA adapters at run time (vLLM's /v1/load_lora_adapter, /v1/unload_lora_adapter) -----
+    @answers_errors
+    async def load_lora_adapter(self, data: bytes) -> HttpResponse:
+        """``{"lora_name", "lora_path"}``: load the adapter on every engine (or none), then answer
+        vLLM's plain text. Refusals (``lora.py``): 400 naming the field (a bad adapter, a path outside
+        ``--lora-dir``, a name in use), 403 without ``--api-key`` here or without the engines'
+        ``--allow-runtime-lora-updating`` / ``--enable-lora`` (vLLM leaves the route out: 404), 503
+        while an engine is unreachable."""
+        self._check_runtime_updating()
+        request = self.parse_body(LoadLoraAdapterRequest, data)
+        if request.lora_name in (self.model, self.service.model_name):
+            raise ApiError(400, f"lora_name: {request.lora_name!r} is the base model's name; give the adapter "
+                                "another one", "lora_name")
+        await self.loras.load(request.lora_name, request.lora_path)
+        return HttpResponse(200, TEXT, [f"Success: LoRA adapter '{request.lora_name}' added successfully.".encode()])
+
+    @answers_errors
+    async def unload_lora_adapter(self, data: bytes) -> HttpResponse:
+        """``{"lora_name"}`` (vLLM's optional ``lora_int_id`` is checked and not used): unload the
+        adapter from every engine; 404 when none serves it, otherwise as loading."""
+        self._check_runtime_updating()
+        request = self.parse_body(UnloadLoraAdapterRequest, data)
+        await self.loras.unload(request.lora_name)
+        return HttpResponse(200, TEXT, [f"Success: LoRA adapter '{request.lora_name}' removed successfully.".encode()])
+
+    def _check_runtime_updating(self) -> None:
+        if not self.runtime_lora_updating:
+            raise LoraRefusal(403, RUNTIME_LORA_OFF, None, "PermissionDeniedError")
 
     @answers_errors
     async def health(self) -> HttpResponse:
@@ -153,8 +210,10 @@ class OpenAIRoutes:
     # ---- tokenizer routes (vLLM's /tokenize and /detokenize) ---------------------------------
     @answers_errors
     async def tokenize(self, data: bytes) -> HttpResponse:
-        """``{"prompt": str}`` or ``{"messages": [...]}`` -> ``{"count", "max_model_len", "tokens"}``."""
+        """``{"prompt": str}`` or ``{"messages": [...]}`` -> ``{"count", "max_model_len", "tokens"}``
+        (an adapter's name as ``model`` tokenizes as the base model: adapters share its tokenizer)."""
         request = self.parse_body(TokenizeRequest, data)
+        await self.adapter_for(request.model)
         if request.messages is not None:
             chat = ChatTemplateFields.model_construct(
                 messages=request.messages, chat_template=request.chat_template,
@@ -182,6 +241,7 @@ class OpenAIRoutes:
     async def detokenize(self, data: bytes) -> HttpResponse:
         """``{"tokens": [int, ...]}`` -> ``{"prompt": str}``."""
         request = self.parse_body(DetokenizeRequest, data)
+        await self.adapter_for(request.model)
         vocab = self.service.input_processor.vocab_size
         bad = [t for t in request.tokens if not 0 <= t < vocab]
         if bad:
@@ -193,6 +253,8 @@ class OpenAIRoutes:
     @answers_errors
     async def completions(self, data: bytes, traceparent: str = "", timeout: Optional[float] = None) -> HttpResponse:
         request = self.parse_body(CompletionRequest, data)
+        lora = await self.adapter_for(request.model)
+        served, adapter = lora or self.model, _adapter_kw(lora)
         prompts = request.prompts()
         shape = CompletionShape(await self._echo_texts(prompts) if request.echo else None,
                                 self._decode_one if request.echo and request.logprobs is not None else None,
@@ -203,27 +265,27 @@ class OpenAIRoutes:
         if request.use_beam_search:  # the gateway's loop of one-token requests (beam_search.py)
             beam = request.to_beam_search_params(request.max_tokens, self.service.max_model_len)
             outs = await search_all(self.service, [_prompt_arg(p) for p in prompts], beam, traceparent,
-                                    request.data_parallel_rank, timeout)
+                                    request.data_parallel_rank, timeout, **adapter)
             log_user(request.user, outs[0].request_id)
-            return HttpResponse(200, JSON, [completion_response(self.model, shape, outs, beam.as_sampling()).dumps()])
+            return HttpResponse(200, JSON, [completion_response(served, shape, outs, beam.as_sampling()).dumps()])
         params = request.to_sampling_params(request.max_tokens, request.logprobs, self.sampling_defaults)
         self.service.limits.open_request(len(prompts), params.n)  # n x prompts, prompt tokens in flight: 400 beyond
         if shape.decode is not None and params.prompt_logprobs is None:  # echo's logprobs: the prompt's too
             params = replace(params, prompt_logprobs=request.logprobs)
         rank = request.data_parallel_rank  # vLLM's extension: pin an engine
         generate = functools.partial(self.service.generate, params=params, traceparent=traceparent,
-                                     data_parallel_rank=rank, timeout=timeout)
+                                     data_parallel_rank=rank, timeout=timeout, **adapter)
         if request.stream:
             streams = [generate(_prompt_arg(p)) for p in prompts]
             first = await anext(streams[0])  # validation errors surface here, before the status is sent
             log_user(request.user, first.request_id)
-            events = CompletionEvents(self.model, first.request_id, params, shape, request.include_usage(),
+            events = CompletionEvents(served, first.request_id, params, shape, request.include_usage(),
                                       request.continuous_usage())
             return HttpResponse(200, SSE, _with_inband_errors(_completion_events(events, streams, first), streams))
-        outs = await gather_or_cancel(self.service.complete(_prompt_arg(p), params, "", traceparent, rank, timeout)
-                          for p in prompts)
+        outs = await gather_or_cancel(self.service.complete(_prompt_arg(p), params, "", traceparent, rank, timeout,
+                                                            **adapter) for p in prompts)
         log_user(request.user, outs[0].request_id)
-        return HttpResponse(200, JSON, [completion_response(self.model, shape, outs, params).dumps()])
+        return HttpResponse(200, JSON, [completion_response(served, shape, outs, params).dumps()])
 
     def _decode_one(self, token_id: int) -> str:
         """One token's text (special tokens shown): an echoed prompt's first token."""
@@ -239,6 +301,8 @@ class OpenAIRoutes:
     async def chat_completions(self, data: bytes, traceparent: str = "",
                                timeout: Optional[float] = None) -> HttpResponse:
         request = self.parse_body(ChatCompletionRequest, data)
+        lora = await self.adapter_for(request.model)
+        served, adapter = lora or self.model, _adapter_kw(lora)
         params = request.to_params(self.sampling_defaults)
         options = getattr(self.service, "chat_options", None) or ChatOptions()
         choice = request.tool_choice.model_dump() if isinstance(request.tool_choice, BaseModel) else request.tool_choice
@@ -250,20 +314,23 @@ class OpenAIRoutes:
         if request.use_beam_search:
             beam = request.to_beam_search_params(request.max_completion_tokens or request.max_tokens,
                                                  self.service.max_model_len)
-            out = (await search_all(self.service, [prompt], beam, traceparent, request.data_parallel_rank, timeout))[0]
+            out = (await search_all(self.service, [prompt], beam, traceparent, request.data_parallel_rank, timeout,
+                                    **adapter))[0]
             log_user(request.user or request.safety_identifier, out.request_id)
-            response = chat_response(self.model, out, beam.as_sampling(), 0, plan, False)
+            response = chat_response(served, out, beam.as_sampling(), 0, plan, False)
             return HttpResponse(200, JSON, [response.dumps()], headers)
         if request.stream:
-            stream = self.service.generate(prompt, params, "", traceparent, request.data_parallel_rank, timeout)
+            stream = self.service.generate(prompt, params, "", traceparent, request.data_parallel_rank, timeout,
+                                           **adapter)
             first = await anext(stream)
             log_user(request.user or request.safety_identifier, first.request_id)
-            events = ChatEvents(self.model, first.request_id, params, top_n, request.include_usage(),
+            events = ChatEvents(served, first.request_id, params, top_n, request.include_usage(),
                                 request.continuous_usage(), plan)
             return HttpResponse(200, SSE, _with_inband_errors(_chat_events(events, stream, first), [stream]), headers)
-        out = await self.service.complete(prompt, params, "", traceparent, request.data_parallel_rank, timeout)
+        out = await self.service.complete(prompt, params, "", traceparent, request.data_parallel_rank, timeout,
+                                          **adapter)
         log_user(request.user or request.safety_identifier, out.request_id)
-        response = chat_response(self.model, out, params, top_n, plan, request.prompt_logprobs is not None)
+        response = chat_response(served, out, params, top_n, plan, request.prompt_logprobs is not None)
         return HttpResponse(200, JSON, [response.dumps()], headers)
 
 
@@ -279,6 +346,11 @@ def log_user(user: Optional[str], request_id: str) -> None:
     """OpenAI's ``user``: who asks, for the operator (the request's id ties it to the other logs)."""
     if user:
         logger.info("request %s for user %s", request_id, json.dumps(user))
+
+
+def _adapter_kw(lora_name: Optional[str]) -> dict[str, str]:
+    """The LoRA adapter as the service's keyword (none for the base model)."""
+    return {"lora_name": lora_name} if lora_name else {}
 
 
 def _prompt_arg(prompt: Union[str, list[int]]) -> Any:

@@ -44,6 +44,7 @@ import grpc
 
 from gridserve.services.gateway.chat_options import ChatOptions
 from gridserve.services.gateway.limits import RequestBudget, RequestLimits, current_budget
+from gridserve.services.gateway.lora import LoraAdapters, not_found
 from gridserve.services.gateway.media_loader import MediaLoader
 from gridserve.services.gateway.multimodal import MultiModalProcessor
 from gridserve.services.gateway.observability import GatewayMetrics, RequestObservation
@@ -148,6 +149,7 @@ class GatewayService:
         self.metrics = metrics
         self.tracing = tracing
         self._engine_labels = {id(e): str(i) for i, e in enumerate(engines)}  # index in --engines
+        self.loras = LoraAdapters(engines)  # the engines' LoRA adapters, as this gateway last saw them
 
     async def run_blocking(self, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)`` in the gateway's bounded pool, off the event loop."""
@@ -162,12 +164,14 @@ class GatewayService:
         traceparent: str = "",
         data_parallel_rank: Optional[int] = None,
         timeout: Optional[float] = None,
+        lora_name: Optional[str] = None,
     ) -> AsyncIterator[StreamChunk]:
         """Stream one request: the engine client hands each step's outputs to the loop, so one
         thread serves every stream; ``traceparent`` (W3C) makes the request's spans part of the
         caller's trace. Cancelling the task (the caller went away) aborts the engine requests.
         ``timeout``: the caller's deadline in seconds from now (the earlier of it and
-        ``--request-timeout`` ends the request)."""
+        ``--request-timeout`` ends the request). ``lora_name``: the LoRA adapter it runs on (the
+        caller checked the name; None: the base model)."""
         if self.draining:
             raise EngineDeadError("the gateway is shutting down")
         timeout = self._timeout(timeout)
@@ -192,7 +196,7 @@ class GatewayService:
         # From here to the ``try`` nothing awaits: a cancellation cannot fall between the counts
         # going up and the ``finally`` that brings them down.
         try:
-            stream = _Stream(request, processed, data_parallel_rank, asyncio.Queue())
+            stream = _Stream(request, processed, data_parallel_rank, asyncio.Queue(), lora_name)
         except BaseException:
             budget.give_back(tokens)
             raise
@@ -217,10 +221,11 @@ class GatewayService:
 
     async def complete(self, prompt: PromptType, params: SamplingParams, request_id: str = "",
                        traceparent: str = "", data_parallel_rank: Optional[int] = None,
-                       timeout: Optional[float] = None) -> RequestOutput:
+                       timeout: Optional[float] = None, lora_name: Optional[str] = None) -> RequestOutput:
         """The whole result of one request."""
         final = None
-        async for chunk in self.generate(prompt, params, request_id, traceparent, data_parallel_rank, timeout):
+        async for chunk in self.generate(prompt, params, request_id, traceparent, data_parallel_rank, timeout,
+                                         lora_name):
             final = chunk.final or final
         if final is None:
             raise EngineDeadError("the request ended without a result")
@@ -312,8 +317,9 @@ class _Stream:
     awaiting; ``close`` undoes everything it registers."""
 
     def __init__(self, request: _Request, processed: ProcessedPrompt, data_parallel_rank: Optional[int],
-                 outputs: asyncio.Queue) -> None:
+                 outputs: asyncio.Queue, lora_name: Optional[str] = None) -> None:
         service = request.service
+        self.lora_name = lora_name
         self.service = service
         self.request_id, self.parent_id = request.request_id, request.parent_id
         self.observation = request.observation
@@ -394,12 +400,18 @@ class _Stream:
                    output_token_ids: Optional[list[int]] = None) -> None:
         """Add one engine request; an unreachable engine raises ``EngineDeadError``."""
         continued = {} if output_token_ids is None else {"output_token_ids": output_token_ids, "continuation": True}
+        if self.lora_name is not None:  # only then: an engine client without LoRA serves the base model
+            continued["lora_name"] = self.lora_name
         try:
             await engine.add_request(child_id, self.processed.prompt_token_ids, params,
                                      parent_request_id=self.request_id,
                                      traceparent=self.observation.traceparent,
                                      mm_features=self.processed.mm_features, **continued)
         except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.NOT_FOUND and self.lora_name is not None:
+                # The adapter was unloaded since the gateway's copy of the table said it exists.
+                self.service.loras.invalidate()
+                raise not_found(self.lora_name) from None
             if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
                                   grpc.StatusCode.CANCELLED):
                 raise

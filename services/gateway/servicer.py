@@ -51,9 +51,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     away cancels its handler, which aborts its engine requests."""
 
     def __init__(self, service: GatewayService, served_model_name: Optional[str] = None,
-                 responses_store: Optional[ResponseStore] = None) -> None:
+                 responses_store: Optional[ResponseStore] = None, runtime_lora_updating: bool = False) -> None:
+        """``runtime_lora_updating``: the REST edge may load and unload LoRA adapters (the gateway
+        has an ``--api-key``, which those routes then need)."""
         self.service = service
-        self.openai = OpenAIRoutes(service, served_model_name, __version__, service.sampling_defaults)
+        self.openai = OpenAIRoutes(service, served_model_name, __version__, service.sampling_defaults,
+                                   runtime_lora_updating)
         self.responses = ResponsesAPI(self.openai, responses_store)
         self.console = Console()
         self.status: Optional[StatusCollector] = None  # set by main once the server's address is known
@@ -62,9 +65,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                        context: grpc.aio.ServicerContext) -> AsyncIterator[gateway_pb2.GenerateResponse]:
         params = self._params(request, request.text if request.WhichOneof("prompt") == "text" else None)
         request_id = request.request_id or uuid.uuid4().hex
+        adapter = await self._adapter(request)
         async for chunk in self.service.generate(prompt_from_pb(request), params, request_id,
                                                  self._traceparent(context), _dp_rank(request),
-                                                 context.time_remaining()):
+                                                 context.time_remaining(), **adapter):
             for message in chunk_to_pb(chunk):
                 yield message
 
@@ -72,13 +76,16 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                        context: grpc.aio.ServicerContext) -> gateway_pb2.CompleteResponse:
         params = self._params(request, request.text if request.WhichOneof("prompt") == "text" else None)
         request_id = request.request_id or uuid.uuid4().hex
+        adapter = await self._adapter(request)
         out = await self.service.complete(prompt_from_pb(request), params, request_id,
-                                          self._traceparent(context), _dp_rank(request), context.time_remaining())
+                                          self._traceparent(context), _dp_rank(request), context.time_remaining(),
+                                          **adapter)
         return completion_to_pb(request_id, out)
 
     async def Chat(self, request: gateway_pb2.ChatRequest, context: grpc.aio.ServicerContext) -> gateway_pb2.ChatResponse:
         """A conversation (with tools, tool results and reasoning, as the REST chat route) to its reply."""
         params = self._params(request)
+        adapter = await self._adapter(request)
         chat = validate_as(ChatTemplateFields, chat_fields_from_pb(request), self.service.limits)
         if chat.chat_template is not None and not self.service.limits.trust_request_chat_template:
             raise InvalidArgumentError("chat_template", REFUSED_TEMPLATE)
@@ -91,8 +98,16 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         plan, params = await plan_chat(self.service, options, tools, prompt["prompt_token_ids"], params)
         request_id = request.request_id or uuid.uuid4().hex
         out = await self.service.complete(prompt, params, request_id, self._traceparent(context), _dp_rank(request),
-                                          context.time_remaining())
+                                          context.time_remaining(), **adapter)
         return chat_to_pb(request_id, out, plan)
+
+    async def _adapter(self, request) -> dict[str, str]:
+        """The LoRA adapter the request's ``model`` names, as the service's keyword (none for the
+        served model, the model as ``ListModels`` names it, or no name; NOT_FOUND for another name)."""
+        if not request.HasField("model") or request.model == self.service.model_name:
+            return {}
+        lora = await self.openai.adapter_for(request.model)
+        return {"lora_name": lora} if lora else {}
 
     def _params(self, request, text_prompt: Optional[str] = None) -> SamplingParams:
         """The request's sampling params, through the same checks as the REST routes; a field it
@@ -125,8 +140,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     async def ListModels(self, request: gateway_pb2.ListModelsRequest,
                          context: grpc.aio.ServicerContext) -> gateway_pb2.ListModelsResponse:
         model = gateway_pb2.Model(id=self.service.model_name, max_model_len=self.service.max_model_len,
-                                  owned_by="gridserve")
-        return gateway_pb2.ListModelsResponse(models=[model])
+                                  owned_by="gridserve", root=self.service.model_name)
+        adapters = [gateway_pb2.Model(id=a.name, max_model_len=self.service.max_model_len, owned_by="gridserve",
+                                      parent=self.service.model_name, root=a.path)
+                    for a in await self.openai.adapters()]
+        return gateway_pb2.ListModelsResponse(models=[model, *adapters])
 
     # ---- OpenAI-compatible REST (google.api.HttpBody in and out, through the Envoy edge) ----------
     async def OpenAIListModels(self, request: httpbody_pb2.HttpBody, context: grpc.aio.ServicerContext):
@@ -159,6 +177,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
     async def OpenAIDetokenize(self, request: httpbody_pb2.HttpBody, context: grpc.aio.ServicerContext):
         return await _unary(await self.openai.detokenize(request.data), context)
+
+    async def OpenAILoadLoraAdapter(self, request: httpbody_pb2.HttpBody, context: grpc.aio.ServicerContext):
+        return await _unary(await self.openai.load_lora_adapter(request.data), context)
+
+    async def OpenAIUnloadLoraAdapter(self, request: httpbody_pb2.HttpBody, context: grpc.aio.ServicerContext):
+        return await _unary(await self.openai.unload_lora_adapter(request.data), context)
 
     async def OpenAIHealth(self, request: httpbody_pb2.HttpBody, context: grpc.aio.ServicerContext):
         return await _unary(await self.openai.health(), context)

@@ -35,12 +35,19 @@ class PagedAttention(nn.Module):
     ([num_heads] of this rank, None = none) modify the scores as the module docstring says. The
     slopes are kept in float32 on the CPU (a plain attribute, so neither the meta-device build nor
     ``model.to(dtype)`` touches them) and copied once to each device that attends.
+
+    ``causal=False`` (an encoder: BERT, XLM-R) lets every token of a sequence see every other one.
+    Such a layer keeps no KV cache: it attends on the no-cache path only, each packed sequence
+    whole (``query_start_loc``, no padding), and takes no score modifiers.
     """
 
     def __init__(self, num_heads: int, head_size: int, num_kv_heads: int, scale: float, *,
                  sliding_window: int | None = None, logits_soft_cap: float | None = None,
-                 alibi_slopes: torch.Tensor | None = None) -> None:
+                 alibi_slopes: torch.Tensor | None = None, causal: bool = True) -> None:
         super().__init__()
+        if not causal and (sliding_window or logits_soft_cap or alibi_slopes is not None):
+            raise ValueError("PagedAttention: non-causal attention takes no sliding window, soft cap or ALiBi")
+        self.causal = causal
         self.num_heads = num_heads
         self.head_size = head_size
         self.num_kv_heads = num_kv_heads
@@ -62,6 +69,9 @@ class PagedAttention(nn.Module):
         mods = self._mods(q.device)
         if self.kv_cache.numel() == 0:
             out = self._no_cache(q, k, v, meta, mods)
+        elif not self.causal:
+            raise RuntimeError("PagedAttention: a non-causal (encoder) layer attends without a KV cache; "
+                               "none may be bound to it")
         else:
             if self.kv_cache_group:
                 meta = meta.group(self.kv_cache_group)
@@ -94,12 +104,20 @@ class PagedAttention(nn.Module):
                 "alibi_slopes": slopes}
 
     def _no_cache(self, q, k, v, meta: AttentionMetadata, mods: dict) -> torch.Tensor:
-        """Each sequence as a fresh prefill (positions from 0), without the cache."""
+        """Each sequence as a fresh prefill (positions from 0), without the cache; causal unless
+        the layer is not (then each token sees its whole sequence)."""
         out = torch.empty_like(q)
         bounds = meta.query_start_loc.tolist()
         plain = score_mods(**mods)
         for start, end in zip(bounds[:-1], bounds[1:]):
-            if plain.plain:
+            if not self.causal:  # 4-D, so that the CPU takes SDPA's flash kernel (3-D: its math path)
+                o = F.scaled_dot_product_attention(
+                    q[start:end].transpose(0, 1)[None], k[start:end].transpose(0, 1)[None],
+                    v[start:end].transpose(0, 1)[None], scale=self.scale,
+                    enable_gqa=self.num_heads != self.num_kv_heads,
+                )
+                out[start:end] = o[0].transpose(0, 1)
+            elif plain.plain:
                 o = F.scaled_dot_product_attention(
                     q[start:end].transpose(0, 1), k[start:end].transpose(0, 1), v[start:end].transpose(0, 1),
                     is_causal=True, scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads,

@@ -6,6 +6,10 @@ blocks); afterwards only new blocks and the computed-token count travel. Tokens 
 samples are appended to its own copy, so the engine never sends them back. A request that fails on
 its own (a token id out of range, its grammar) is reported in the output's ``failed`` and its samples
 withheld (``RequestFailures``); the rest of the batch goes on.
+
+With LoRA serving on (``lora.enable_lora``) a request may run on an adapter: it is read when the
+request arrives (an adapter that cannot be served rejects that request on every rank) and each
+step's adapters are put into the layers' slots before the forward (``services/worker/lora``).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from gridserve.services.worker import batch_invariant, cpu_packed_linear
 from gridserve.services.worker.attention import AttentionMetadata, PagedAttention
 from gridserve.services.worker.encoder_cache import EncoderCache, ImageRows
 from gridserve.services.worker.loader import KV_CACHE_TORCH_DTYPES, TORCH_DTYPES, load_model
+from gridserve.services.worker.lora import LoRAManager
 from gridserve.services.worker.parallel_state import get_parallel_state
 from gridserve.services.worker.request_failures import RequestFailures, check_new_request
 from gridserve.services.worker.sampler import (
@@ -36,6 +41,7 @@ from gridserve.services.worker.structured_output import StructuredOutputManager
 from gridserve.shared.config import GridserveConfig
 from gridserve.shared.errors import ConfigError, InvalidArgumentError
 from gridserve.shared.kv_cache_spec import KVCacheConfig, LayerKVCacheSpec, num_skipped_blocks
+from gridserve.shared.lora import LoRARequest
 from gridserve.shared.multimodal import ImageFeature
 from gridserve.shared.sampling_params import SamplingParams
 from gridserve.shared.scheduler_output import ModelRunnerOutput, SchedulerOutput
@@ -55,6 +61,7 @@ class RequestState:
     num_computed_tokens: int
     stop_ids: list[int] = field(default_factory=list)
     images: list[ImageFeature] = field(default_factory=list)
+    lora_request: Optional[LoRARequest] = None  # the adapter it runs on; None: the base model
 
     @property
     def num_output_tokens(self) -> int:
@@ -96,6 +103,7 @@ class ModelRunner:
         self.windows: tuple[int, ...] = (0,)  # each KV cache group's window (0: none)
         self.structured_output: Optional[StructuredOutputManager] = None  # built on first use
         self.encoder_cache: Optional[EncoderCache] = None  # a vision-language model's image embeddings
+        self.lora: Optional[LoRAManager] = None  # the adapters, with lora.enable_lora
         self.failures = RequestFailures()
         self.parallel = get_parallel_state()
         # The rank that samples and answers the engine: TP rank 0 of the last pipeline stage.
@@ -114,6 +122,23 @@ class ModelRunner:
         cpu_packed_linear.pack_model(self.model, self.device)
         if hasattr(self.model, "encode_images"):
             self.encoder_cache = EncoderCache(self.model, self.device)
+        if self.config.lora.enable_lora:
+            self.lora = LoRAManager(self.model, self.config.lora, self.device, self.dtype)
+
+    # ---- LoRA adapters (the engine's add_lora / remove_lora / list_loras) -------------------
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        self._lora_manager().add(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        self._lora_manager().remove(lora_int_id)
+
+    def list_loras(self) -> list[int]:
+        return self._lora_manager().list()
+
+    def _lora_manager(self) -> LoRAManager:
+        if self.lora is None:
+            raise InvalidArgumentError("lora_request", "this worker serves no LoRA adapters (enable_lora is off)")
+        return self.lora
 
     def _named_attention_layers(self) -> list[tuple[str, PagedAttention]]:
         """This rank's attention layers in model order, with their module names (global layer
@@ -332,10 +357,17 @@ class ModelRunner:
                 num_computed_tokens=new.num_computed_tokens,
                 stop_ids=stop_ids,
                 images=list(new.mm_features),
+                lora_request=new.lora_request,
             )
             if state.images and self.encoder_cache is None:  # every rank checks: all leave it out
                 self.failures.reject(new.req_id, f"images: {self.config.model.architecture} takes text only")
                 continue
+            if new.lora_request is not None:
+                try:  # every rank reads the same files: all leave a request on a bad adapter out
+                    self._lora_manager().add(new.lora_request)
+                except InvalidArgumentError as exc:
+                    self.failures.reject(new.req_id, f"LoRA adapter {new.lora_request.lora_name!r}: {exc}")
+                    continue
             self.requests[new.req_id] = state
             if params.structured_outputs is not None and self.is_driver:
                 try:
@@ -381,6 +413,8 @@ class ModelRunner:
                 sampling.append(req_id)
                 last_rows.append(total - 1)
                 offsets.append(0)
+        if self.lora is not None:  # each token's adapter slot, the step's adapters in slots
+            self.lora.set_step([self.requests[r].lora_request for r in req_ids], q_lens)
         q_lens_t = torch.tensor(q_lens, dtype=torch.int64)
         starts_t = torch.tensor(starts, dtype=torch.int64)
         query_start_loc = torch.zeros(len(req_ids) + 1, dtype=torch.int64)

@@ -9,6 +9,11 @@
 
 With one rank each is exactly ``nn.Linear`` / ``nn.Embedding`` (no collective, whole tensors read).
 
+Column- and row-parallel layers may carry a LoRA attachment (``lora``, set by
+``services/worker/lora``; None otherwise, at no cost): its ``apply(y, x)`` adds the step's adapter
+deltas to the base output, for a row-parallel layer before the all-reduce (the partial deltas sum
+to the whole one, as the partial products do).
+
 Every layer carries its checkpoint ``prefix``; after loading, ``quantization.quantize_model`` may
 swap a layer's float weight for a ``QuantizedWeight`` (int8 / int4) chosen by that prefix. Each
 rank quantizes only the shard it holds. On the CPU, ``cpu_packed_linear.pack_model`` then holds each
@@ -17,7 +22,7 @@ remaining fp32 weight in oneDNN's blocked layout (``pack_for_cpu``) instead of t
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +34,13 @@ from gridserve.services.worker.checkpoint import CheckpointTensor
 from gridserve.services.worker.parallel_state import ParallelState, get_parallel_state
 from gridserve.services.worker.quantization.weights import QuantizedWeight, quantize_weight
 from gridserve.shared.parallel import Shard, padded_vocab_rows, vocab_shard
+
+
+class LoRAAttachment(Protocol):
+    """What a linear layer calls after its base GEMM when LoRA serving is on (``lora.LoRALayer``)."""
+
+    def apply(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """``y`` plus each token's adapter delta of input ``x`` (in place where it can)."""
 
 
 def add_prefix(prefix: str, name: str) -> str:
@@ -118,16 +130,20 @@ class ColumnParallelLinear(QuantizableLinear):
         super().__init__()
         self.prefix = prefix
         self.shards = shards
+        self.input_size = input_size
         self.output_sizes = [s.size for s in shards]
         out = sum(self.output_sizes)
         self.weight = nn.Parameter(torch.empty(out, input_size))
         self.bias = nn.Parameter(torch.empty(out)) if bias else None
+        self.lora: Optional[LoRAAttachment] = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.qweight is None and not self.batch_invariant:
-            return self._float_linear(x, self.bias)
-        y = self.matmul(x)
-        return y if self.bias is None else y + self.bias
+            y = self._float_linear(x, self.bias)
+        else:
+            y = self.matmul(x)
+            y = y if self.bias is None else y + self.bias
+        return y if self.lora is None else self.lora.apply(y, x)
 
     def load(self, param: str, tensor: CheckpointTensor, shard_id: int = 0) -> None:
         """Copy this rank's rows of checkpoint matrix ``shard_id`` into its place in the merged ``param``."""
@@ -145,13 +161,18 @@ class RowParallelLinear(QuantizableLinear):
         self.prefix = prefix
         self.state = state or get_parallel_state()
         self.shard = shard
+        self.output_size = output_size
         self.weight = nn.Parameter(torch.empty(output_size, shard.size))
         self.bias = nn.Parameter(torch.empty(output_size)) if bias else None
+        self.lora: Optional[LoRAAttachment] = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.state.tp_size == 1 and self.qweight is None and not self.batch_invariant:
-            return self._float_linear(x, self.bias)
+            y = self._float_linear(x, self.bias)
+            return y if self.lora is None else self.lora.apply(y, x)
         y = self.matmul(x)
+        if self.lora is not None:  # this rank's partial delta joins its partial sum
+            y = self.lora.apply(y, x)
         if self.state.tp_size > 1:
             y = self.state.all_reduce(y)
         return y if self.bias is None else y + self.bias

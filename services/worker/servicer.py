@@ -25,6 +25,7 @@ from gridserve.services.worker.extension import call_extension, worker_class
 from gridserve.services.worker.observability import WorkerObserver
 from gridserve.services.worker.worker import Worker
 from gridserve.shared.errors import FailedPreconditionError
+from gridserve.shared.rpc.convert import lora_request_from_pb
 from gridserve.shared.rpc.values import decode, encode
 from gridserve.shared.rpc.worker_convert import (
     config_from_pb,
@@ -131,6 +132,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             response.value.CopyFrom(encode(worker.sleep(args.level or 1)))
         elif method == "wake_up":
             response.value.CopyFrom(encode(worker.wake_up(list(args.tags) or None)))
+        elif method == "add_lora":
+            worker.add_lora(lora_request_from_pb(args.lora_request))
+        elif method == "remove_lora":
+            worker.remove_lora(args.lora_int_id)
+        elif method == "list_loras":
+            response.lora_ids.ids.extend(worker.list_loras())
         elif method == "call_extension":
             result = call_extension(worker, args.method, [decode(v) for v in args.args],
                                     {k: decode(v) for k, v in args.kwargs.items()})

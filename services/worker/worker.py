@@ -29,6 +29,7 @@ from gridserve.shared import envs
 from gridserve.shared.config import GridserveConfig
 from gridserve.shared.errors import ConfigError, PermissionDeniedError
 from gridserve.shared.kv_cache_spec import KVCacheConfig, LayerKVCacheSpec
+from gridserve.shared.lora import LoRARequest
 from gridserve.shared.parallel import RankLayout
 from gridserve.shared.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
@@ -203,6 +204,18 @@ class Worker:
         report = before.report(MemoryUsage.now(self.device))
         logger.info("wake up %s: %s", ",".join(tags), report)
         return report
+
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Read an adapter into this worker's LoRA cache now (otherwise its first request does)."""
+        self.runner.add_lora(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        """Forget an adapter (the engine unloaded it); a later request on it would read it again."""
+        self.runner.remove_lora(lora_int_id)
+
+    def list_loras(self) -> list[int]:
+        """The adapter ids this worker holds, least recently used first."""
+        return self.runner.list_loras()
 
     def call_extension(self, method: str, args: list, kwargs: dict[str, Any]) -> Any:
         """A public method of the worker extension, by name. ``extension.worker_class`` overrides

@@ -72,16 +72,21 @@ _COORDINATOR = "/gridserve.coordinator.v1.Coordinator/"
 _GATEWAY = "/gridserve.gateway.v1.Gateway/"
 
 _ENGINE_REQUEST_API = ("AddRequest", "AbortRequests", "StreamOutputs", "GetLoad", "GetInfo", "GetStatus")
+# The adapter table (multi-LoRA): every gateway lists it to check model names and build /v1/models,
+# and fans the REST edge's load / unload out to every engine (the engine refuses them unless
+# --allow-runtime-lora-updating); the operator may call them directly.
+_ENGINE_LORA_API = ("LoadLoraAdapter", "UnloadLoraAdapter", "ListLoraAdapters")
 _ENGINE_ADMIN_API = ("Sleep", "WakeUp", "ResetPrefixCache", "CollectiveRpc")
 _GATEWAY_API = ("Generate", "Complete", "Chat", "Tokenize", "Detokenize", "ListModels", "OpenAIListModels",
                 "OpenAICompletions", "OpenAIChatCompletions", "OpenAITokenize", "OpenAIDetokenize",
                 "OpenAIHealth", "OpenAIVersion", "GetStatus", "GetConsoleFile", "OpenAIOpenAPI",
-                "OpenAIResponses", "OpenAIGetResponse")
+                "OpenAIResponses", "OpenAIGetResponse", "OpenAILoadLoraAdapter", "OpenAIUnloadLoraAdapter")
 
 # method -> the identities allowed to call it. The one place authorization is decided.
 RULES: dict[str, frozenset[str]] = {
     _WORKER + "CollectiveRPC": frozenset({"engine"}),
     **{_ENGINE + m: frozenset({"gateway", "admin"}) for m in _ENGINE_REQUEST_API},
+    **{_ENGINE + m: frozenset({"gateway", "admin"}) for m in _ENGINE_LORA_API},
     **{_ENGINE + m: frozenset({"admin"}) for m in _ENGINE_ADMIN_API},
     # Engines write their load and meet at the wave barriers; gateways (and MoE engines) only watch.
     **{_COORDINATOR + m: frozenset({"engine"}) for m in ("ReportLoad", "StartWave", "SyncStep")},

@@ -14,7 +14,9 @@ engine is READY; ``recovering`` tells the one case that still takes requests (it
 its workers are rebuilt, so a gateway whose engines only recover stays ready). An add the
 engine refuses because its waiting queue is full raises ``ResourceExhaustedError``; one larger than
 the gRPC message limit (big images) raises ``InvalidArgumentError`` before it is sent. Every unary call
-has a deadline. Create it on the loop
+has a deadline. The adapter table's RPCs (``load_lora_adapter``, ``unload_lora_adapter``,
+``list_lora_adapters``) raise the engine's refusal as its ``grpc.aio.AioRpcError``; a request on an
+adapter names it (``lora_name``), the engine resolves the rest. Create it on the loop
 it runs on; ``register`` / ``unregister`` / ``ready`` / ``num_in_flight`` are safe from any thread.
 """
 
@@ -29,6 +31,7 @@ from typing import Optional
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from gridserve.api.common.v1 import common_pb2
 from gridserve.api.engine.v1 import engine_pb2, engine_pb2_grpc
 from gridserve.shared.engine_client_protocol import EngineClientProtocol, OutputSink
 from gridserve.shared.errors import EngineDeadError, InvalidArgumentError, ResourceExhaustedError
@@ -52,6 +55,9 @@ logger = logging.getLogger(__name__)
 ABORT_DEADLINE_S = 5.0
 INFO_DEADLINE_S = 2.0
 STATE_DEADLINE_S = 2.0
+LIST_LORA_DEADLINE_S = 5.0
+# Loading an adapter reads its files on every worker of the engine.
+LOAD_LORA_DEADLINE_S = 120.0
 
 
 def _check_size(message: engine_pb2.AddRequestRequest) -> None:
@@ -120,10 +126,12 @@ class EngineClient:
     async def add_request(self, request_id: str, token_ids: list[int], params: SamplingParams,
                           parent_request_id: str = "", traceparent: str = "",
                           mm_features: Optional[list[ImageFeature]] = None,
-                          output_token_ids: Optional[list[int]] = None, continuation: bool = False) -> None:
+                          output_token_ids: Optional[list[int]] = None, continuation: bool = False,
+                          lora_name: Optional[str] = None) -> None:
         """``parent_request_id``: the id the client sees; ``traceparent``: the gateway span (W3C),
         sent as gRPC metadata; ``mm_features``: the prompt's preprocessed images; ``continuation``:
-        a failover from a dead engine, which had already generated ``output_token_ids``."""
+        a failover from a dead engine, which had already generated ``output_token_ids``;
+        ``lora_name``: the LoRA adapter it runs on (None: the base model; an unknown one is NOT_FOUND)."""
         if not self.ready.is_set():
             raise EngineDeadError(f"engine {self.address} is not reachable")
         message = engine_pb2.AddRequestRequest(
@@ -135,6 +143,7 @@ class EngineClient:
             mm_features=image_features_to_pb(mm_features or []),
             output_token_ids=output_token_ids or [],
             continuation=continuation,
+            lora_request=common_pb2.LoraRequest(lora_name=lora_name) if lora_name else None,
         )
         _check_size(message)
         try:
@@ -155,6 +164,18 @@ class EngineClient:
                                           timeout=ABORT_DEADLINE_S)
         except grpc.RpcError as exc:
             logger.info("abort %s on %s failed: %s", request_ids, self.address, exc.code().name)
+
+    # ---- the adapter table (multi-LoRA) ----------------------------------------------------------
+    async def list_lora_adapters(self) -> engine_pb2.ListLoraAdaptersResponse:
+        return await self.stub.ListLoraAdapters(engine_pb2.ListLoraAdaptersRequest(), timeout=LIST_LORA_DEADLINE_S)
+
+    async def load_lora_adapter(self, lora_name: str, lora_path: str) -> engine_pb2.LoraAdapter:
+        request = engine_pb2.LoadLoraAdapterRequest(lora_name=lora_name, lora_path=lora_path)
+        return (await self.stub.LoadLoraAdapter(request, timeout=LOAD_LORA_DEADLINE_S)).adapter
+
+    async def unload_lora_adapter(self, lora_name: str) -> None:
+        await self.stub.UnloadLoraAdapter(engine_pb2.UnloadLoraAdapterRequest(lora_name=lora_name),
+                                          timeout=LOAD_LORA_DEADLINE_S)
 
     def metrics_url(self) -> Optional[str]:
         """The engine's ``/metrics`` URL (from ``GetInfo`` when the stream opened), or None."""

@@ -13,6 +13,7 @@ import inspect
 import logging
 import threading
 import warnings
+from typing import Optional
 
 from gridserve.shared.config import GridserveConfig
 from gridserve.shared.model_registry import ARCHITECTURES, ModelRegistry
@@ -25,8 +26,22 @@ def supported_architectures() -> list[str]:
     return ModelRegistry.get_supported_archs()
 
 
-def get_model_class(architecture: str) -> type:
-    """The class for ``architecture``: a plugin's registration first, then the built-ins."""
+def get_model_class(architecture: str, convert: Optional[str] = None) -> type:
+    """The class for ``architecture``: a plugin's registration first, then the built-ins.
+
+    ``convert="embed"`` (the pooling runner over a generative checkpoint, ``resolve_runner``): the
+    decoder as an embedder (``adapters.as_embedding_model``); a pooling model stays itself."""
+    if convert not in (None, "none", "embed"):
+        raise ValueError(f"unknown convert {convert!r}")
+    model_class = _model_class(architecture)
+    if convert == "embed":
+        from gridserve.services.worker.models.adapters import as_embedding_model
+
+        return as_embedding_model(model_class)
+    return model_class
+
+
+def _model_class(architecture: str) -> type:
     load_general_plugins()
     ModelRegistry.check_architecture(architecture)
     target = ModelRegistry.registered(architecture)

@@ -66,6 +66,8 @@ def test_the_table_covers_every_method_and_keeps_admin_rpcs_for_admin():
         assert RULES[engine + method] == {"admin"}
     for method in ("AddRequest", "AbortRequests", "StreamOutputs", "GetLoad"):
         assert RULES[engine + method] == {"gateway", "admin"}
+    for method in ("LoadLoraAdapter", "UnloadLoraAdapter", "ListLoraAdapters"):  # the adapter table
+        assert RULES[engine + method] == {"gateway", "admin"}
     assert RULES["/gridserve.worker.v1.Worker/CollectiveRPC"] == {"engine"}
     coordinator = "/gridserve.coordinator.v1.Coordinator/"
     assert RULES[coordinator + "WatchLoad"] == {"engine", "gateway"}  # a gateway only watches
