@@ -19,7 +19,12 @@ from gridserve.shared import envs
 from gridserve.shared.errors import ConfigError
 from gridserve.shared.generation_config import check_generation_config, read_default_sampling_params
 from gridserve.shared.gguf_config import hf_config_from_gguf, is_gguf
-from gridserve.shared.model_registry import ARCHITECTURES, ModelRegistry, architecture_info, resolve_runner
+from gridserve.shared.model_registry import (
+    ARCHITECTURES,
+    ModelRegistry,
+    architecture_info,
+    resolve_runner,
+)
 from gridserve.shared.parallel import check_model_shardable, kv_head_shard, stage_layers
 from gridserve.shared.plugins import load_general_plugins
 
