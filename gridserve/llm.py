@@ -25,7 +25,14 @@ from gridserve.services.gateway.processor import PromptType
 from gridserve.shared.config import GridserveConfig
 from gridserve.shared.errors import InvalidArgumentError
 from gridserve.shared.lora import LoRARequest
-from gridserve.shared.outputs import RequestOutput
+from gridserve.shared.outputs import (
+    ClassificationOutput,
+    EmbeddingOutput,
+    PoolingRequestOutput,
+    RequestOutput,
+    ScoringOutput,
+)
+from gridserve.shared.pooling import CLASSIFY, EMBED, SCORE, PoolingParams
 from gridserve.shared.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -49,7 +56,6 @@ class LLM:
 
     def __init__(self, model: str, **kwargs: Any) -> None:
         self.config = GridserveConfig.from_kwargs(model=model, **kwargs).finalize()
-        self.config.check_servable()
         self.tokenizer = _load_tokenizer(self.config.model.tokenizer_path)
         self._launchers: list[Launcher] = []
         self._media: Optional[MediaLoader] = None  # chat image URLs, loaded on first use
@@ -145,6 +151,95 @@ class LLM:
             for search in live:
                 search.advance([candidates_of(next(outs), params.beam_width) for _ in search.live])
         return [BeamSearchOutput(s.results(), s.prompt_token_ids) for s in searches]
+
+    # ---- pooling models (runner "pooling": embeddings, classification, scores) -----------------
+    def embed(self, prompts: Union[PromptType, Sequence[PromptType]], pooling_params: Optional[PoolingParams] = None,
+              *, truncate_prompt_tokens: Optional[int] = None, use_tqdm: bool = True) -> list[PoolingRequestOutput]:
+        """Each prompt's embedding (``outputs.embedding``), in order; ``pooling_params`` may set
+        ``dimensions`` (Matryoshka models) and ``normalize``."""
+        params = pooling_params or PoolingParams(task=EMBED)
+        if params.task != EMBED:
+            raise InvalidArgumentError("pooling_params.task", f"embed() embeds, got {params.task!r}")
+        inputs = [(self._pooling_ids(p, truncate_prompt_tokens), None) for p in _as_prompt_list(prompts)]
+        return [PoolingRequestOutput(rid, EmbeddingOutput(values), ids)
+                for rid, ids, values in self._pool(inputs, params, use_tqdm)]
+
+    def classify(self, prompts: Union[PromptType, Sequence[PromptType]], *, activation: Optional[bool] = None,
+                 truncate_prompt_tokens: Optional[int] = None, use_tqdm: bool = True) -> list[PoolingRequestOutput]:
+        """Each prompt's class probabilities (``outputs.probs``; raw logits with ``activation=False``)."""
+        inputs = [(self._pooling_ids(p, truncate_prompt_tokens), None) for p in _as_prompt_list(prompts)]
+        return [PoolingRequestOutput(rid, ClassificationOutput(values), ids)
+                for rid, ids, values in self._pool(inputs, PoolingParams(task=CLASSIFY, activation=activation), use_tqdm)]
+
+    def score(self, text_1: Union[str, Sequence[str]], text_2: Union[str, Sequence[str]], *,
+              activation: Optional[bool] = None, truncate_prompt_tokens: Optional[int] = None,
+              use_tqdm: bool = True) -> list[PoolingRequestOutput]:
+        """vLLM's ``LLM.score``: one score per pair, pairs 1:1, 1:N or N:N. A cross-encoder (task
+        ``score``) reads each pair as one input (``tokenizer(text_1, text_2)``, with its segment ids);
+        an embedding model scores the cosine similarity of the two texts' embeddings."""
+        firsts = [text_1] if isinstance(text_1, str) else list(text_1)
+        seconds = [text_2] if isinstance(text_2, str) else list(text_2)
+        if not firsts or not seconds:
+            raise InvalidArgumentError("text_1" if not firsts else "text_2", "must not be empty")
+        if len(firsts) == 1:
+            firsts = firsts * len(seconds)
+        if len(firsts) != len(seconds):
+            raise InvalidArgumentError("text_2", f"{len(seconds)} texts for {len(firsts)} in text_1 (1:N or N:N)")
+        tasks = self.config.pooling_tasks
+        if SCORE in tasks:
+            inputs = [self._pair_ids(a, b, truncate_prompt_tokens) for a, b in zip(firsts, seconds)]
+            pooled = self._pool(inputs, PoolingParams(task=SCORE, activation=activation), use_tqdm)
+            return [PoolingRequestOutput(rid, ScoringOutput(values[0]), ids) for rid, ids, values in pooled]
+        if EMBED not in tasks:
+            raise InvalidArgumentError("model", f"{self.config.model.model} scores no pairs (it serves {', '.join(tasks)})")
+        left = self.embed(firsts, truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm)
+        right = self.embed(seconds, truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm)
+        return [PoolingRequestOutput(f"{a.request_id}-{b.request_id}",
+                                     ScoringOutput(_cosine(a.outputs.embedding, b.outputs.embedding)),
+                                     a.prompt_token_ids + b.prompt_token_ids)
+                for a, b in zip(left, right)]
+
+    def _pooling_ids(self, prompt: PromptType, truncate: Optional[int]) -> list[int]:
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            ids = list(prompt["prompt_token_ids"])
+        elif isinstance(prompt, str):
+            ids = list(self.tokenizer(prompt)["input_ids"])
+        else:
+            raise InvalidArgumentError("prompts", "each must be a string or {\"prompt_token_ids\": [...]}")
+        return _truncated(ids, truncate)
+
+    def _pair_ids(self, first: str, second: str, truncate: Optional[int]) -> tuple[list[int], Optional[list[int]]]:
+        encoded = self.tokenizer(first, second)
+        ids, types = list(encoded["input_ids"]), encoded.get("token_type_ids")
+        if types is not None and not any(types):
+            types = None
+        if truncate is not None and truncate < len(ids):
+            ids, types = _truncated(ids, truncate), (None if types is None else list(types)[-truncate:])
+        return ids, (list(types) if types is not None else None)
+
+    def _pool(self, inputs: list[tuple[list[int], Optional[list[int]]]], params: PoolingParams,
+              use_tqdm: bool) -> list[tuple[str, list[int], list[float]]]:
+        """Run pooling requests over the engines; (request id, prompt, values) in input order."""
+        if self.config.model.runner != "pooling":
+            raise InvalidArgumentError("model", f"{self.config.model.model} generates text (runner generate): "
+                                                "embed / classify / score need a pooling model")
+        assigned: list[list[str]] = [[] for _ in self.engines]
+        keys = []
+        for ids, types in inputs:
+            rank = min(range(len(self.engines)), key=lambda r: len(assigned[r]))
+            assigned[rank].append(self.engines[rank].add_pooling_request(ids, params, types))
+            keys.append((rank, assigned[rank][-1], ids))
+        results: dict[tuple[int, str], Any] = {}
+        try:
+            with tqdm(total=len(keys), desc="Processed prompts", disable=not use_tqdm) as bar:
+                for rank in range(len(self.engines)):
+                    self._drive(rank, results, bar)
+        finally:
+            for rank, ids in enumerate(assigned):
+                leftover = [rid for rid in ids if (rank, rid) not in results]
+                if leftover:
+                    self.engines[rank].abort_request(leftover)
+        return [(rid, ids, results[(rank, rid)].pooler_output) for rank, rid, ids in keys]
 
     def _image(self, field: str, source: Any) -> Any:
         """A chat image part's image: a PIL image as is, a URL loaded (default media limits)."""
@@ -294,3 +389,18 @@ def _per_prompt_lora(lora: Any, n: int) -> Optional[list[Optional[LoRARequest]]]
     if len(lora) != n:
         raise InvalidArgumentError("lora_request", f"has {len(lora)} entries for {n} prompts")
     return list(lora)
+
+
+def _truncated(ids: list[int], truncate: Optional[int]) -> list[int]:
+    """vLLM's ``truncate_prompt_tokens``: the last ``truncate`` tokens (None: all)."""
+    if truncate is None:
+        return ids
+    if isinstance(truncate, bool) or not isinstance(truncate, int) or truncate < 1:
+        raise InvalidArgumentError("truncate_prompt_tokens", f"must be a positive integer, got {truncate!r}")
+    return ids[-truncate:]
+
+
+def _cosine(a: list[float], b: list[float]) -> float:
+    dot = sum(x * y for x, y in zip(a, b))
+    norm = (sum(x * x for x in a) * sum(y * y for y in b)) ** 0.5
+    return dot / norm if norm else 0.0

@@ -13,6 +13,7 @@ from typing import Any, Optional
 from gridserve.services.engine.core import EngineCore
 from gridserve.services.engine.executor import Executor
 from gridserve.services.engine.request import Request
+from gridserve.services.engine.request_checks import check_prompt_ids
 from gridserve.services.gateway.multimodal import MultiModalProcessor
 from gridserve.services.gateway.processor import (
     InputProcessor,
@@ -21,9 +22,10 @@ from gridserve.services.gateway.processor import (
     child_requests,
 )
 from gridserve.shared.config import GridserveConfig
-from gridserve.shared.errors import InvalidArgumentError
+from gridserve.shared.errors import InvalidArgumentError, RequestFailedError
 from gridserve.shared.lora import LoRARequest
 from gridserve.shared.outputs import RequestOutput
+from gridserve.shared.pooling import PoolingParams
 from gridserve.shared.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -53,6 +55,7 @@ class LLMEngine:
         )
         self.output_processor = OutputProcessor(tokenizer)
         self._ids = itertools.count()
+        self._pooling: dict[str, list[int]] = {}  # pooling requests in flight -> their prompt
 
     def add_request(self, prompt: PromptType, params: SamplingParams, request_id: Optional[str] = None,
                     lora_request: Optional[LoRARequest] = None) -> str:
@@ -81,9 +84,23 @@ class LLMEngine:
             )
         return request_id
 
+    def add_pooling_request(self, token_ids: list[int], params: PoolingParams,
+                            token_type_ids: Optional[list[int]] = None, request_id: Optional[str] = None) -> str:
+        """Queue one pooling request (a pooling model): its embedding or scores come back from ``step``
+        as the raw values (``EngineCoreOutput.pooler_output``)."""
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        check_prompt_ids(self.config, token_ids)
+        self.core.add_request(Request(request_id, token_ids, SamplingParams(max_tokens=1),
+                                      pooling_params=params, token_type_ids=token_type_ids))
+        self._pooling[request_id] = token_ids
+        return request_id
+
     def abort_request(self, request_ids: list[str]) -> list[RequestOutput]:
         outputs = []
         for request_id in request_ids:
+            if self._pooling.pop(request_id, None) is not None:
+                self.core.abort_requests([request_id])
+                continue
             self.core.abort_requests(self.output_processor.children_of(request_id))
             out = self.output_processor.abort(request_id)
             if out is not None:
@@ -95,9 +112,19 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """One engine step; returns the requests that finished in it."""
-        finished, to_abort = self.output_processor.process_outputs(self.core.step())
+        outputs = self.core.step()
+        pooled = [o for o in outputs if o.request_id in self._pooling]
+        if pooled:
+            outputs = [o for o in outputs if o.request_id not in self._pooling]
+        finished, to_abort = self.output_processor.process_outputs(outputs)
         if to_abort:
             self.core.abort_requests(to_abort)
+        for out in pooled:
+            if out.finished:
+                self._pooling.pop(out.request_id)
+                if out.pooler_output is None:
+                    raise RequestFailedError(f"pooling request {out.request_id} failed: {out.error}")
+                finished.append(out)
         return finished
 
     def shutdown(self) -> None:

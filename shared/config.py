@@ -27,6 +27,7 @@ from gridserve.shared.model_registry import (
 )
 from gridserve.shared.parallel import check_model_shardable, kv_head_shard, stage_layers
 from gridserve.shared.plugins import load_general_plugins
+from gridserve.shared.pooling import max_input_tokens, num_labels
 
 _CLASS_TARGET = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -103,8 +104,10 @@ class ModelConfig:
     # (the checkpoint's generation_config.json), "vllm" (none) or a folder holding one.
     generation_config: str = "auto"
     # What serves the model (vLLM's --runner): "auto" (the architecture's own), "generate" or
-    # "pooling" (embeddings / scores; model classes only so far: no engine serves it yet).
+    # "pooling" (embeddings / scores, no tokens); ``convert`` "embed": a generative checkpoint
+    # served as an embedder (vLLM's --convert; "auto": embed under the pooling runner).
     runner: str = "auto"
+    convert: str = "auto"
     # Derived by resolve():
     model_path: str = ""
     architecture: str = ""
@@ -553,7 +556,10 @@ class GridserveConfig:
         self.model.resolve()
         load_general_plugins()  # a plugin may register the checkpoint's architecture
         ModelRegistry.check_architecture(self.model.architecture)
-        self.model.runner = resolve_runner(self.model.architecture, self.model.runner).runner
+        choice = resolve_runner(self.model.architecture, self.model.runner, self.model.convert)
+        self.model.runner, self.model.convert = choice.runner, choice.convert
+        if choice.runner == "pooling":
+            self._finalize_pooling()
         self.parallel.check_model(self.model.architecture, self.model.text_config)
         self.scheduler.finalize(self.max_model_len)
         if self.scheduler.speculative_config and self.parallel.pipeline_parallel_size > 1:
@@ -566,12 +572,37 @@ class GridserveConfig:
                                              "is not supported yet")
         return self
 
-    def check_servable(self) -> None:
-        """Refuse what no engine serves yet: a pooling model (issue 37's runner is still to come)."""
-        if self.model.runner == "pooling":
-            raise ConfigError("model.runner", f"{self.model.architecture} runs as a pooling model (embeddings / "
-                                              "scores), and the pooling runner is not served yet: only "
-                                              "generative models run")
+    def _finalize_pooling(self) -> None:
+        """A pooling model runs each input whole, in one step, without a KV cache: the input limit is
+        the model's (XLM-R: its position table less the padding offset) and the step budget holds one."""
+        limit = max_input_tokens(self.model.architecture, self.model.hf_config)
+        if limit is not None and self.model.max_model_len > limit:
+            self.model.max_model_len = limit
+        budget = self.scheduler.max_num_batched_tokens
+        if budget is None:
+            self.scheduler.max_num_batched_tokens = max(self.max_model_len, 2048)
+        elif budget < self.max_model_len:
+            raise ConfigError("scheduler.max_num_batched_tokens", f"{budget} is smaller than max_model_len="
+                              f"{self.max_model_len}: a pooling model runs each input in one step")
+        if self.parallel.pipeline_parallel_size > 1:
+            raise ConfigError("parallel.pipeline_parallel_size", "a pooling model runs on one pipeline stage")
+        if self.lora.enable_lora:
+            raise ConfigError("enable_lora", "LoRA with a pooling model is not supported yet")
+        if self.scheduler.speculative_config:
+            raise ConfigError("speculative_config", "speculative decoding applies to generation only")
+
+    @property
+    def pooling_tasks(self) -> tuple[str, ...]:
+        """What a pooling model serves: its architecture's tasks; "score" from a classifier only with
+        one label (a cross-encoder); a converted decoder embeds."""
+        if self.model.runner != "pooling":
+            return ("generate",)
+        if self.model.convert == "embed":
+            return ("embed",)
+        tasks = resolve_runner(self.model.architecture, "pooling").tasks
+        if "score" in tasks and num_labels(self.model.hf_config) != 1:
+            tasks = tuple(t for t in tasks if t != "score")
+        return tasks
 
     def kv_bytes_per_token_per_rank(self) -> int:
         """Bytes of K and V one token occupies on the busiest worker: its stage's layers, its heads."""

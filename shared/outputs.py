@@ -29,6 +29,8 @@ class EngineCoreOutput:
     stop_reason: Union[int, str, None] = None
     num_cached_tokens: int = 0
     error: Optional[str] = None  # with ``FinishReason.ERROR``: why the request failed
+    # A pooling request's result: its embedding or its classifier's scores (float32 values).
+    pooler_output: Optional[list[float]] = None
 
     @property
     def finished(self) -> bool:
@@ -74,3 +76,43 @@ class RequestOutput:
     finished: bool
     prompt_logprobs: Optional[list] = None
     num_cached_tokens: int = 0
+
+
+@dataclass
+class EmbeddingOutput:
+    """A pooling request's embedding (vLLM's ``EmbeddingOutput``)."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class ClassificationOutput:
+    """A classifier's class probabilities (or raw logits with ``activation=False``)."""
+
+    probs: list[float]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ScoringOutput:
+    """One pair's similarity or relevance score."""
+
+    score: float
+
+
+@dataclass
+class PoolingRequestOutput:
+    """The result of one pooling request (``LLM.embed`` / ``classify`` / ``score``), vLLM's fields:
+    ``outputs`` is an ``EmbeddingOutput``, ``ClassificationOutput`` or ``ScoringOutput``."""
+
+    request_id: str
+    outputs: Union[EmbeddingOutput, ClassificationOutput, ScoringOutput]
+    prompt_token_ids: list[int]
+    finished: bool = True

@@ -38,12 +38,12 @@ def check_request(prompt_token_ids: list[int], params: SamplingParams, *, vocab_
             raise InvalidArgumentError(f"sampling_params.{name}", f"{value} exceeds max_logprobs={max_logprobs}")
     if vocab_size <= 0:
         return
-    _in_vocab("prompt_token_ids", prompt_token_ids, vocab_size)
-    _in_vocab("sampling_params.stop_token_ids", params.stop_token_ids, vocab_size)
-    _in_vocab("sampling_params.allowed_token_ids", params.allowed_token_ids or (), vocab_size)
-    _in_vocab("sampling_params.logit_bias", (params.logit_bias or {}).keys(), vocab_size)
+    in_vocab("prompt_token_ids", prompt_token_ids, vocab_size)
+    in_vocab("sampling_params.stop_token_ids", params.stop_token_ids, vocab_size)
+    in_vocab("sampling_params.allowed_token_ids", params.allowed_token_ids or (), vocab_size)
+    in_vocab("sampling_params.logit_bias", (params.logit_bias or {}).keys(), vocab_size)
     for word in params.bad_words_token_ids:
-        _in_vocab("sampling_params.bad_words_token_ids", word, vocab_size)
+        in_vocab("sampling_params.bad_words_token_ids", word, vocab_size)
 
 
 def _check_lengths(prompt_len: int, params: SamplingParams, max_model_len: int, prompt_field: str) -> None:
@@ -61,7 +61,7 @@ def _check_lengths(prompt_len: int, params: SamplingParams, max_model_len: int, 
                                    f"max_model_len={max_model_len}")
 
 
-def _in_vocab(field: str, ids: Iterable[int], vocab_size: int) -> None:
+def in_vocab(field: str, ids: Iterable[int], vocab_size: int) -> None:
     for token in ids:
         if not isinstance(token, int) or not 0 <= token < vocab_size:
             raise InvalidArgumentError(field, f"token id {token} is outside the vocabulary [0, {vocab_size})")

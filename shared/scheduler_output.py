@@ -14,6 +14,7 @@ from typing import Optional
 
 from gridserve.shared.lora import LoRARequest
 from gridserve.shared.multimodal import ImageFeature
+from gridserve.shared.pooling import PoolingParams
 from gridserve.shared.sampling_params import SamplingParams
 
 
@@ -46,6 +47,9 @@ class NewRequestData:
     mm_features: list[ImageFeature] = field(default_factory=list)
     # The LoRA adapter it runs on (None: the base model); the worker loads it on first use.
     lora_request: Optional[LoRARequest] = None
+    # A pooling request (a pooling model): what it asks, and its tokens' segment ids (None: all 0).
+    pooling_params: Optional[PoolingParams] = None
+    token_type_ids: Optional[list[int]] = None
 
     def __post_init__(self) -> None:
         self.block_ids = per_group(self.block_ids)
@@ -115,3 +119,5 @@ class ModelRunnerOutput:
     extra_logprobs: dict[str, list[Optional[TokenLogprobs]]] = field(default_factory=dict)
     # ... and the drafts proposed for the request's next step.
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # Pooling requests' results (an embedding or a classifier's scores, float32), by request id.
+    pooler_output: dict[str, list[float]] = field(default_factory=dict)

@@ -22,7 +22,7 @@ from gridserve.services.engine.request import Request
 from gridserve.services.engine.scheduler import Scheduler
 from gridserve.shared.config import GridserveConfig
 from gridserve.shared.errors import FailedPreconditionError, InvalidArgumentError
-from gridserve.shared.kv_cache_spec import KVCacheConfig, plan_kv_cache
+from gridserve.shared.kv_cache_spec import KVCacheConfig, plan_kv_cache, single_group
 from gridserve.shared.load import EngineLoad
 from gridserve.shared.outputs import EngineCoreOutput
 from gridserve.shared.scheduler_output import SchedulerOutput
@@ -35,7 +35,6 @@ class EngineCore:
 
     def __init__(self, config: GridserveConfig, executor: Optional[Executor] = None) -> None:
         self.config = config
-        config.check_servable()
         self.executor = executor or Executor.get_class(config)(config)
         self.kv_cache_config = self._initialize_kv_cache()
         self.kv_cache_manager = KVCacheManager(
@@ -55,6 +54,12 @@ class EngineCore:
 
     def _initialize_kv_cache(self) -> KVCacheConfig:
         cache = self.config.cache
+        if self.config.model.runner == "pooling":  # whole inputs, one step each: nothing to keep
+            plan = single_group(2, cache.block_size)  # the null block and one (the pool needs two)
+            self.executor.initialize_cache(plan)
+            cache.num_blocks = plan.num_blocks
+            logger.info("pooling model: no KV cache (each input runs whole, in one step)")
+            return plan
         specs = self.executor.get_kv_cache_spec()
         available = self.executor.determine_available_memory()
         plan = plan_kv_cache(specs, available, cache.block_size, self.config.max_model_len,
@@ -72,6 +77,7 @@ class EngineCore:
                 f"the engine is asleep ({', '.join(self.sleeping_tags)}): wake it up first")
         if request.lora_request is not None and self.lora is None:
             raise InvalidArgumentError("lora_request", "this engine serves no LoRA adapters (start it with --enable-lora)")
+        check_runner(self.config, request)
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[str]:
@@ -148,3 +154,33 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+
+
+def check_runner(config: GridserveConfig, request: Request) -> None:
+    """A pooling model takes pooling requests only, a generative model generation only (each refusal
+    says which runner serves the model); a pooling request's parameters and segment ids are checked
+    against the model."""
+    model = config.model
+    if model.runner != "pooling":
+        if request.pooling_params is not None:
+            raise InvalidArgumentError("pooling_params", f"{model.model} generates text (runner generate): it "
+                                       "serves no embeddings, scores or classifications")
+        if request.token_type_ids:
+            raise InvalidArgumentError("token_type_ids", "apply to pooling models only")
+        return
+    if request.pooling_params is None:
+        raise InvalidArgumentError("sampling_params", f"{model.model} is a pooling model (runner pooling: "
+                                   f"{', '.join(config.pooling_tasks)}): it generates no text")
+    request.pooling_params.verify(config.pooling_tasks, int(model.text_config.get("hidden_size", 0)), model.hf_config)
+    if request.num_prompt_tokens == 0:
+        raise InvalidArgumentError("prompt_token_ids", "a pooling input needs at least one token")
+    if request.num_prompt_tokens > config.max_model_len:
+        raise InvalidArgumentError("prompt_token_ids", f"{request.num_prompt_tokens} tokens exceed the model's "
+                                   f"limit of {config.max_model_len} (truncate_prompt_tokens shortens an input)")
+    types = request.token_type_ids
+    if types:
+        vocab = int(model.hf_config.get("type_vocab_size", 0) or 0)
+        if len(types) != request.num_prompt_tokens:
+            raise InvalidArgumentError("token_type_ids", f"{len(types)} ids for {request.num_prompt_tokens} tokens")
+        if vocab < 1 or any(not 0 <= t < vocab for t in types):
+            raise InvalidArgumentError("token_type_ids", f"each must be in [0, {vocab}) for this model")

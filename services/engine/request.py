@@ -9,6 +9,7 @@ from typing import Optional, Union
 from gridserve.shared.lora import LoRARequest
 from gridserve.shared.multimodal import ImageFeature
 from gridserve.shared.outputs import FinishReason
+from gridserve.shared.pooling import PoolingParams
 from gridserve.shared.sampling_params import SamplingParams
 
 
@@ -59,6 +60,8 @@ class Request:
         mm_features: Optional[list[ImageFeature]] = None,
         output_token_ids: Optional[list[int]] = None,
         lora_request: Optional[LoRARequest] = None,
+        pooling_params: Optional[PoolingParams] = None,
+        token_type_ids: Optional[list[int]] = None,
     ) -> None:
         self.request_id = request_id
         # The id the client sees (the gateway's request id): logs and spans name the request by it.
@@ -78,6 +81,9 @@ class Request:
         self.all_token_ids: list[int] = [*prompt_token_ids, *self.output_token_ids]
         # The LoRA adapter it runs on (None: the base model); resolved by the engine's table.
         self.lora_request = lora_request
+        # A pooling request: its prompt runs once, whole, and it ends with its pooler output.
+        self.pooling_params = pooling_params
+        self.token_type_ids = token_type_ids
         self.num_computed_tokens = 0
         # Tokens a step still in flight will sample: the next step may already compute them (the
         # worker holds their value), so the scheduler counts them as known but not yet here.

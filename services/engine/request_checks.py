@@ -19,3 +19,8 @@ def check_request(config: GridserveConfig, prompt_token_ids: list[int], params: 
     model = config.model
     request_checks.check_request(prompt_token_ids, params, vocab_size=model.vocab_size,
                                  max_model_len=model.max_model_len or 0, max_logprobs=model.max_logprobs)
+
+
+def check_prompt_ids(config: GridserveConfig, prompt_token_ids: list[int]) -> None:
+    """A pooling request's prompt: token ids in the vocabulary (its length: ``core.check_runner``)."""
+    request_checks.in_vocab("prompt_token_ids", prompt_token_ids, config.model.vocab_size)

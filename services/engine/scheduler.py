@@ -168,6 +168,8 @@ class Scheduler:
         for request_id, n in out.num_scheduled_tokens.items():
             request = self.requests[request_id]
             request.num_computed_tokens += n
+            if request.pooling_params is not None:
+                continue  # pooled, not sampled: it ends with this step
             if request.num_computed_tokens >= request.num_tokens + request.num_output_placeholders:
                 request.num_output_placeholders += 1  # this step samples its next token
         return out
@@ -177,6 +179,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            if request.pooling_params is not None:  # ran whole when admitted; its output is on the way
+                i += 1
+                continue
             n = min(self._tokens_to_schedule(request), budget)
             if n <= 0:  # its last token is still being sampled by the step in flight
                 i += 1
@@ -225,6 +230,12 @@ class Scheduler:
             request = self.waiting[0]
             if self.pipelined and request.num_output_placeholders:
                 break  # preempted while its sample is still in the pipeline: resume once it is back
+            if request.pooling_params is not None:
+                if request.num_tokens > budget:
+                    break  # a pooling input runs whole, in one step: it waits for a step with room
+                self._admit_pooling(out, request)
+                budget -= request.num_tokens
+                continue
             lora = request.lora_request
             if loras is not None and lora is not None and lora.lora_int_id not in loras:
                 if len(loras) >= self.max_loras:
@@ -269,6 +280,22 @@ class Scheduler:
             )
             self._record(out, request, n)
             budget -= n
+
+    def _admit_pooling(self, out: SchedulerOutput, request: Request) -> None:
+        """A pooling request runs its whole prompt in this step, with no KV blocks (nothing of it is
+        kept after) and no prefix cache; it finishes when the step's pooler output comes back."""
+        self.waiting.popleft()
+        self.running.append(request)
+        request.status = RequestStatus.RUNNING
+        if request.scheduled_time is None:
+            request.scheduled_time = time.monotonic()
+        request.num_cached_tokens = 0
+        out.scheduled_new_reqs.append(NewRequestData(
+            req_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
+            sampling_params=request.sampling_params, block_ids=([],), num_computed_tokens=0,
+            traceparent=request.traceparent, pooling_params=request.pooling_params,
+            token_type_ids=request.token_type_ids))
+        self._record(out, request, request.num_tokens)
 
     def _drafts(self, request: Request, n: int, budget: int) -> list[int]:
         """The drafts to verify with a decoding request's next token this step (none while
@@ -391,10 +418,26 @@ class Scheduler:
                     num_cached_tokens=max(request.num_cached_tokens, 0),
                 )
             )
+        outputs += self._pooled(result.pooler_output, now)
         outputs += self._fail_requests(result.failed)
         for request_id, entries in prompt_logprobs.items():  # prefill chunks that sampled nothing
             if request_id in self.requests:
                 outputs.append(EngineCoreOutput(request_id, [], new_prompt_logprobs=entries))
+        return outputs
+
+    def _pooled(self, pooler_output: dict[str, list[float]], now: float) -> list[EngineCoreOutput]:
+        """Finish the pooling requests whose results came back, each with its vector or scores."""
+        outputs = []
+        for request_id, values in pooler_output.items():
+            request = self.requests.get(request_id)
+            if request is None or request.is_finished:
+                continue  # aborted while the step ran
+            request.first_token_time = now
+            self.num_prompt_tokens += request.num_prompt_tokens
+            self._remove_from_queue(request)
+            self._finish(request, RequestStatus.FINISHED_STOPPED)
+            outputs.append(EngineCoreOutput(request_id, [], finish_reason=request.status.finish_reason,
+                                            pooler_output=values))
         return outputs
 
     def _fail_requests(self, failed: dict[str, str]) -> list[EngineCoreOutput]:

@@ -24,7 +24,7 @@ from gridserve.services.engine.executor.base import is_extension_method
 from gridserve.services.engine.loop import END, EngineLoop
 from gridserve.services.engine.lora_adapters import LoadedAdapter, LoRAAdapters, adapter_for
 from gridserve.services.engine.request import Request
-from gridserve.services.engine.request_checks import check_request
+from gridserve.services.engine.request_checks import check_prompt_ids, check_request
 from gridserve.services.engine.status import EngineStatus
 from gridserve.shared.config import GridserveConfig
 from gridserve.shared.errors import (
@@ -39,9 +39,11 @@ from gridserve.shared.rpc.authz import stream_owner
 from gridserve.shared.rpc.convert import (
     engine_output_to_pb,
     image_features_from_pb,
+    pooling_params_from_pb,
     sampling_params_from_pb,
 )
 from gridserve.shared.rpc.values import decode, encode
+from gridserve.shared.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -86,8 +88,16 @@ class EngineServicer(engine_pb2_grpc.EngineCoreServicer):
             raise InvalidArgumentError("request_id", "must not be empty")
         if request.mm_features and "vision_config" not in self.config.model.hf_config:
             raise InvalidArgumentError("mm_features", f"{self.config.model.architecture} takes text only")
-        prompt, params = list(request.prompt_token_ids), sampling_params_from_pb(request.sampling_params)
-        check_request(self.config, prompt, params)  # never trust the caller: ids, lengths, ranges
+        prompt = list(request.prompt_token_ids)
+        pooling = pooling_params_from_pb(request.pooling_params) if request.HasField("pooling_params") else None
+        if pooling is not None:  # checked against the model by the core (check_runner)
+            if request.HasField("sampling_params"):
+                raise InvalidArgumentError("sampling_params", "a pooling request sets pooling_params only")
+            params = SamplingParams(max_tokens=1)
+            check_prompt_ids(self.config, prompt)
+        else:
+            params = sampling_params_from_pb(request.sampling_params)
+            check_request(self.config, prompt, params)  # never trust the caller: ids, lengths, ranges
         _check_continuation(request, params, self.config.max_model_len, self.config.model.vocab_size)
         domain = Request(
             request.request_id,
@@ -99,6 +109,8 @@ class EngineServicer(engine_pb2_grpc.EngineCoreServicer):
             mm_features=image_features_from_pb(request.mm_features, len(request.prompt_token_ids)),
             output_token_ids=list(request.output_token_ids),
             lora_request=self._lora_of(request),
+            pooling_params=pooling,
+            token_type_ids=list(request.token_type_ids) or None,
         )
         domain.admit_always = request.continuation
         if self.tracing:
@@ -153,6 +165,9 @@ class EngineServicer(engine_pb2_grpc.EngineCoreServicer):
             metrics_port=self.metrics_port,
             default_sampling_params=common_pb2.SamplingParams(**model.default_sampling_params),
             kv_cache_groups=self._kv_cache_groups(),
+            runner=model.runner,
+            supported_tasks=list(self.config.pooling_tasks),
+            hidden_size=int(model.text_config.get("hidden_size", 0)) if model.runner == "pooling" else 0,
         )
 
     def _kv_cache_groups(self) -> list[engine_pb2.KVCacheGroupInfo]:

@@ -37,7 +37,8 @@ KV_CACHE_TORCH_DTYPES = {**TORCH_DTYPES, "fp8": torch.float8_e4m3fn, "fp8_e4m3":
 
 def load_model(config: GridserveConfig, device: torch.device) -> nn.Module:
     """Instantiate the architecture on ``device`` without random init, then copy the weights in."""
-    model_class = get_model_class(config.model.architecture)
+    convert = None if config.model.convert == "auto" else config.model.convert
+    model_class = get_model_class(config.model.architecture, convert)
     dtype = TORCH_DTYPES[config.model.resolved_dtype]
     with torch.device("meta"):
         model = construct_model(model_class, config)

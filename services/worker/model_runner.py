@@ -27,6 +27,7 @@ from gridserve.services.worker.encoder_cache import EncoderCache, ImageRows
 from gridserve.services.worker.loader import KV_CACHE_TORCH_DTYPES, TORCH_DTYPES, load_model
 from gridserve.services.worker.lora import LoRAManager
 from gridserve.services.worker.parallel_state import get_parallel_state
+from gridserve.services.worker.pooler import run_pooling
 from gridserve.services.worker.request_failures import RequestFailures, check_new_request
 from gridserve.services.worker.sampler import (
     Penalties,
@@ -43,6 +44,7 @@ from gridserve.shared.errors import ConfigError, InvalidArgumentError
 from gridserve.shared.kv_cache_spec import KVCacheConfig, LayerKVCacheSpec, num_skipped_blocks
 from gridserve.shared.lora import LoRARequest
 from gridserve.shared.multimodal import ImageFeature
+from gridserve.shared.pooling import PoolingParams
 from gridserve.shared.sampling_params import SamplingParams
 from gridserve.shared.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
@@ -62,6 +64,8 @@ class RequestState:
     stop_ids: list[int] = field(default_factory=list)
     images: list[ImageFeature] = field(default_factory=list)
     lora_request: Optional[LoRARequest] = None  # the adapter it runs on; None: the base model
+    pooling_params: Optional[PoolingParams] = None  # a pooling request: pooled, not sampled
+    token_type_ids: Optional[list[int]] = None
 
     @property
     def num_output_tokens(self) -> int:
@@ -112,6 +116,9 @@ class ModelRunner:
         # with several, the last stage samples and the engine sends the tokens to every stage.
         self.keeps_own_samples = self.parallel.pp_size == 1
         self.spec = config.scheduler.speculative  # n-gram speculative decoding, or None
+        # A pooling model: each step runs its requests' whole inputs without a KV cache and answers
+        # their pooled vectors or scores (``pooler.run_pooling``), no tokens.
+        self.pooling = config.model.runner == "pooling"
 
     # ---- setup -------------------------------------------------------------------------
     def load_model(self) -> None:
@@ -155,6 +162,9 @@ class ModelRunner:
         """Allocate the planned KV cache and bind each layer to its tensor and group. One group: a
         tensor per layer. Several: one tensor per slot, shared by layer ``i`` of every group (a block
         id belongs to one group at a time, so they never write the same block)."""
+        if self.pooling:  # nothing is kept between steps: attention reads each step's own K / V
+            self.kv_cache_config, self.windows = plan, (0,)
+            return
         single = len(plan.groups) == 1
         slots: dict[int, torch.Tensor] = {}
         self.kv_caches = []
@@ -202,6 +212,8 @@ class ModelRunner:
         self._update_states(sched)
         if sched.is_empty or all(r in self.failures.rejected for r in sched.num_scheduled_tokens):
             return ModelRunnerOutput() if self.is_driver else None
+        if self.pooling:
+            return self._execute_pooling(sched)
         with one_thread():  # small tensors: no OpenMP region to wait on a descheduled thread
             inputs = self._prepare_inputs(sched)
         hidden = self._forward(inputs)
@@ -241,6 +253,17 @@ class ModelRunner:
         if self.spec is not None and len(out.req_ids) < self.spec.disable_by_batch_size:
             out.draft_token_ids = self._propose(out.req_ids)
         return out
+
+    def _execute_pooling(self, sched: SchedulerOutput) -> Optional[ModelRunnerOutput]:
+        """A pooling step: every scheduled request's whole input, packed, through the model and its
+        pooler. Every TP rank computes the same pooled values; the driver answers them."""
+        req_ids = [r for r in sched.num_scheduled_tokens if r not in self.failures.rejected]
+        states = [self.requests[r] for r in req_ids]
+        pooled = run_pooling(self.model, [s.token_ids for s in states], [s.pooling_params for s in states],
+                             [s.token_type_ids for s in states])
+        if not self.is_driver:
+            return None
+        return ModelRunnerOutput(pooler_output={r: p.float().tolist() for r, p in zip(req_ids, pooled)})
 
     def _forward(self, inputs: StepInputs) -> Optional[torch.Tensor]:
         """Run this stage's layers: activations in from the previous stage, out to the next one."""
@@ -358,6 +381,8 @@ class ModelRunner:
                 stop_ids=stop_ids,
                 images=list(new.mm_features),
                 lora_request=new.lora_request,
+                pooling_params=new.pooling_params,
+                token_type_ids=new.token_type_ids,
             )
             if state.images and self.encoder_cache is None:  # every rank checks: all leave it out
                 self.failures.reject(new.req_id, f"images: {self.config.model.architecture} takes text only")

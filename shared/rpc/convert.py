@@ -17,6 +17,7 @@ from gridserve.shared.errors import InvalidArgumentError
 from gridserve.shared.lora import LoRARequest
 from gridserve.shared.multimodal import ImageFeature
 from gridserve.shared.outputs import EngineCoreOutput, FinishReason
+from gridserve.shared.pooling import PoolingParams
 from gridserve.shared.rpc.tensors import pack, pack_raw, raw_bytes, unpack
 from gridserve.shared.sampling_params import SamplingParams, StructuredOutputsParams
 from gridserve.shared.scheduler_output import TokenLogprobs
@@ -71,6 +72,21 @@ def lora_request_to_pb(request: Optional[LoRARequest]) -> Optional[common_pb2.Lo
 def lora_request_from_pb(msg: common_pb2.LoraRequest) -> LoRARequest:
     """A worker-bound request: every field set (the engine resolved the name)."""
     return LoRARequest(msg.lora_name, int(msg.lora_int_id), msg.lora_path)
+
+
+def pooling_params_to_pb(params: PoolingParams) -> common_pb2.PoolingParams:
+    msg = common_pb2.PoolingParams(task=params.task)
+    for name in ("dimensions", "normalize", "activation"):
+        if getattr(params, name) is not None:
+            setattr(msg, name, getattr(params, name))
+    return msg
+
+
+def pooling_params_from_pb(msg: common_pb2.PoolingParams) -> PoolingParams:
+    """Checked as it is built (``PoolingParams``: INVALID_ARGUMENT naming the field)."""
+    return PoolingParams(task=msg.task or "embed",
+                         **{name: getattr(msg, name) for name in ("dimensions", "normalize", "activation")
+                            if msg.HasField(name)})
 
 
 def sampling_params_to_pb(params: SamplingParams) -> common_pb2.SamplingParams:
@@ -178,6 +194,8 @@ def engine_output_to_pb(out: EngineCoreOutput) -> engine_pb2.EngineCoreOutput:
         msg.new_prompt_logprobs.CopyFrom(logprobs_to_pb(out.new_prompt_logprobs))
     if isinstance(out.stop_reason, int):
         msg.stop_token_id = out.stop_reason
+    if out.pooler_output is not None:
+        msg.pooler_output.CopyFrom(pack(out.pooler_output, common_pb2.DTYPE_FLOAT32))
     return msg
 
 
@@ -193,4 +211,5 @@ def engine_output_from_pb(msg: engine_pb2.EngineCoreOutput) -> EngineCoreOutput:
         stop_reason=msg.stop_token_id if msg.HasField("stop_token_id") else None,
         num_cached_tokens=msg.num_cached_tokens,
         error=msg.error or None,
+        pooler_output=unpack(msg.pooler_output) if msg.HasField("pooler_output") else None,
     )

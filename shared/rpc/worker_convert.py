@@ -18,6 +18,8 @@ from gridserve.shared.rpc.convert import (
     logprobs_to_pb,
     lora_request_from_pb,
     lora_request_to_pb,
+    pooling_params_from_pb,
+    pooling_params_to_pb,
     sampling_params_from_pb,
     sampling_params_to_pb,
 )
@@ -120,6 +122,8 @@ def scheduler_output_to_pb(out: SchedulerOutput) -> worker_pb2.SchedulerOutput:
                 mm_features=image_features_to_pb(r.mm_features),
                 more_group_block_ids=[worker_pb2.BlockIds(ids=ids) for ids in r.block_ids[1:]],
                 lora_request=lora_request_to_pb(r.lora_request),
+                pooling_params=pooling_params_to_pb(r.pooling_params) if r.pooling_params is not None else None,
+                token_type_ids=r.token_type_ids or [],
             )
             for r in out.scheduled_new_reqs
         ],
@@ -151,6 +155,8 @@ def scheduler_output_from_pb(msg: worker_pb2.SchedulerOutput) -> SchedulerOutput
                 traceparent=r.traceparent,
                 mm_features=image_features_from_pb(r.mm_features, len(r.prompt_token_ids)),
                 lora_request=lora_request_from_pb(r.lora_request) if r.HasField("lora_request") else None,
+                pooling_params=pooling_params_from_pb(r.pooling_params) if r.HasField("pooling_params") else None,
+                token_type_ids=list(r.token_type_ids) or None,
             )
             for r in msg.scheduled_new_reqs
         ],
@@ -195,6 +201,8 @@ def runner_output_to_pb(out: ModelRunnerOutput) -> worker_pb2.ModelRunnerOutput:
         msg.extra_logprobs[req_id].CopyFrom(logprobs_to_pb(rows))
     for req_id, ids in out.draft_token_ids.items():
         msg.draft_token_ids[req_id].ids.extend(ids)
+    for req_id, values in out.pooler_output.items():
+        msg.pooler_output[req_id].CopyFrom(pack(values, common_pb2.DTYPE_FLOAT32))
     return msg
 
 
@@ -211,4 +219,5 @@ def runner_output_from_pb(msg: worker_pb2.ModelRunnerOutput) -> ModelRunnerOutpu
         extra_token_ids={r: list(t.ids) for r, t in msg.extra_token_ids.items()},
         extra_logprobs={r: logprobs_from_pb(rows) for r, rows in msg.extra_logprobs.items()},
         draft_token_ids={r: list(t.ids) for r, t in msg.draft_token_ids.items()},
+        pooler_output={r: unpack(t) for r, t in msg.pooler_output.items()},
     )

@@ -23,9 +23,7 @@ import pytest
 import torch
 
 from gridserve.demo import recipe
-from gridserve.services.worker import loader
 from gridserve.services.worker.loader import load_model
-from gridserve.services.worker.models import get_model_class
 from gridserve.services.worker.parallel_state import ParallelState, set_parallel_state
 from gridserve.services.worker.pooler import run_pooling
 from gridserve.shared.config import GridserveConfig
@@ -152,18 +150,14 @@ def folders(tmp_path_factory) -> dict[str, Path]:
     return out
 
 
-def _load(path: Path, convert: str | None = None, state: ParallelState | None = None, **engine) -> torch.nn.Module:
-    """The model as gridserve's loader builds it; ``convert``: as the pooling runner would ask
-    (``get_model_class(architecture, convert)``; the loader's call does not pass it yet)."""
-    config = GridserveConfig.from_kwargs(model=str(path), dtype="float32", **engine).finalize()
-    choice = resolve_runner(config.model.architecture, "pooling")
-    original = loader.get_model_class
-    loader.get_model_class = lambda architecture: get_model_class(architecture, choice.convert)
+def _load(path: Path, state: ParallelState | None = None, **engine) -> torch.nn.Module:
+    """The model as gridserve's loader builds it under the pooling runner (a generative checkpoint
+    converted to an embedder: ``config.model.convert`` "embed")."""
+    config = GridserveConfig.from_kwargs(model=str(path), dtype="float32", runner="pooling", **engine).finalize()
     set_parallel_state(state or ParallelState.single())
     try:
         return load_model(config, torch.device("cpu"))
     finally:
-        loader.get_model_class = original
         set_parallel_state(ParallelState.single())
 
 
@@ -385,13 +379,6 @@ def test_the_runner_a_model_gets():
         resolve_runner("Qwen3ForCausalLM", "pooling", "none")
     assert info.value.field == "model.convert"
 
-
-def test_no_engine_starts_on_a_pooling_model_until_the_runner_serves_it(folders):
-    from gridserve import LLM
-
-    with pytest.raises(ConfigError) as info:
-        LLM(model=str(folders["bert"]))
-    assert info.value.field == "model.runner" and "not served yet" in info.value.message
 
 
 @pytest.mark.parametrize(("name", "params"), [("bert", PoolingParams()),
