@@ -10,9 +10,14 @@ import torch
 from gridserve import LLM, SamplingParams
 from gridserve.shared.errors import InvalidArgumentError
 from gridserve.shared.pooling import PoolingParams
-from tests.integration.test_pooling_models import PAIRS, TEXTS, folders  # noqa: F401 - the fixture
+from tests.integration.test_pooling_models import PAIRS, TEXTS, pooling_checkpoints
 
 pytest.importorskip("sentence_transformers")
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    return pooling_checkpoints(tmp_path_factory.mktemp("pooling"))
 
 
 def _assert_close(ours, reference, tol: float = 1e-5) -> None:

@@ -111,9 +111,13 @@ ROBERTA_TEMPLATE = ("<s> $A </s>", "<s> $A </s> </s> $B </s>")
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory) -> dict[str, Path]:
+    return pooling_checkpoints(tmp_path_factory.mktemp("pooling"))
+
+
+def pooling_checkpoints(root: Path) -> dict[str, Path]:
+    """The tiny pooling checkpoints (tokenizer and sentence-transformers files included) under ``root``."""
     import transformers
 
-    root = tmp_path_factory.mktemp("pooling")
     out: dict[str, Path] = {}
     bert = transformers.BertConfig(**_ENCODER, max_position_embeddings=128, type_vocab_size=2)
 
