@@ -68,6 +68,12 @@ ENGINE_OPTIONS: list[EngineOption] = [
                    "tokenizer folder or hub id, when not the model's own; for a .gguf model it replaces the "
                    "file's embedded tokenizer and chat template (engine, gateway and workers all use it)"),
     _engine_option("--dtype", str, "auto", "weight dtype (auto, float32, float16, bfloat16)"),
+    _engine_option("--runner", str, "auto",
+                   "what serves the model: auto (its architecture's own), generate (text) or pooling "
+                   "(embeddings / scores: /v1/embeddings, /score, /rerank, /classify)"),
+    _engine_option("--convert", str, "auto",
+                   "with --runner pooling, a generative checkpoint served as: embed (its last token's hidden "
+                   "state, e.g. Qwen3-Embedding); auto: embed for a generative model, none for an encoder"),
     _engine_option("--max-model-len", int, None, "maximum tokens per sequence (default: the model's)"),
     _engine_option("--max-num-seqs", int, 256, "sequence cap per step"),
     _engine_option("--max-num-batched-tokens", int, None, "token budget per step"),
@@ -237,9 +243,7 @@ def engine_config(args: argparse.Namespace, worker_addresses: list[str]):
     check_parallel_sizes(args)
     kwargs = {option.config: option.config_value(getattr(args, option.dest))
               for option in ENGINE_OPTIONS if option.config and getattr(args, option.dest) is not None}
-    config = GridserveConfig.from_kwargs(model=args.model, worker_addresses=worker_addresses, **kwargs).finalize()
-    config.check_servable()
-    return config
+    return GridserveConfig.from_kwargs(model=args.model, worker_addresses=worker_addresses, **kwargs).finalize()
 
 
 def require(value: Optional[str], flag: str, what: str) -> str:
