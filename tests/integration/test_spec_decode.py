@@ -133,6 +133,28 @@ def test_acceptance_follows_the_drafts_and_outputs_never_change(wrong, llama_tin
     _assert_no_leak(spec)
 
 
+def test_aborting_requests_with_drafts_in_flight_leaks_no_block_and_spares_the_others(llama_tiny):
+    """Half the requests aborted while their drafts are being verified: their blocks (drafts'
+    included) come back, and the other half still get exactly the plain tokens."""
+    prompts = _prompts(6, 10, 60, seed=71)
+    plain = LLM(model=str(llama_tiny), kv_cache_memory_bytes=KV_BYTES)
+    expected = _tokens(plain, prompts, _greedy(40))
+    spec = LLM(model=str(llama_tiny), kv_cache_memory_bytes=KV_BYTES, speculative_config=NGRAM)
+    _Oracle(spec, {tuple(p): e for p, e in zip(prompts, expected)}, wrong_at=2)
+    engine = spec.llm_engine
+    ids = [engine.add_request({"prompt_token_ids": p}, _greedy(40)) for p in prompts]
+    finished = {}
+    for _ in range(6):
+        finished.update({o.request_id: o for o in engine.step()})
+    assert spec.stats().spec_num_drafts > 0, "drafts were in flight when the aborts came"
+    engine.abort_request(ids[::2])
+    while engine.has_unfinished_requests():
+        finished.update({o.request_id: o for o in engine.step()})
+    _assert_no_leak(spec)
+    for i in range(1, len(prompts), 2):
+        assert list(finished[ids[i]].outputs[0].token_ids) == expected[i]
+
+
 def test_seeded_sampling_is_the_same_with_and_without_speculation_at_any_batch_size(llama_tiny):
     prompts = _prompts(8, 10, 40, seed=71)
     params = [SamplingParams(temperature=0.9, top_p=0.95, seed=100 + i, max_tokens=24, min_tokens=24)
