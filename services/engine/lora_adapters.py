@@ -52,6 +52,7 @@ class LoRAAdapters:
         self._adapters: dict[str, LoadedAdapter] = {}
         self._next_id = 1
         self._lock = threading.Lock()
+        self.started = time.time()  # a restarted engine's table holds only --lora-modules
 
     # ---- served adapters (gRPC) -----------------------------------------------------------
     def load_modules(self) -> None:

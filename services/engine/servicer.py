@@ -247,7 +247,8 @@ class EngineServicer(engine_pb2_grpc.EngineCoreServicer):
         table = self.loop.core.lora
         return engine_pb2.ListLoraAdaptersResponse(
             adapters=[_adapter_pb(a) for a in (table.list() if table is not None else [])],
-            enable_lora=lora.enable_lora, max_loras=lora.max_loras, max_lora_rank=lora.max_lora_rank)
+            enable_lora=lora.enable_lora, max_loras=lora.max_loras, max_lora_rank=lora.max_lora_rank,
+            started=table.started if table is not None else 0.0)
 
     async def GetStatus(self, request: engine_pb2.GetStatusRequest, context: grpc.aio.ServicerContext):
         report = await self.status.report()  # asks the workers (aio health calls), awaits the loop

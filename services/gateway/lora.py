@@ -9,6 +9,10 @@ one; concurrent misses share one (``refresh``), so clients naming unknown models
 ``ListLoraAdapters`` per engine at a time, not one per request. The copy is the union of what the
 ready engines list (with data parallelism every engine loads every adapter).
 
+An engine that restarts comes back with its ``--lora-modules`` only; the next copy taken after it
+answers loads the adapters it lacks again (those the other engines serve that were created before it
+started: ``_repair``), so every engine keeps serving every adapter.
+
 Runtime loading goes to every engine in ``--engines`` order, one after the other, all or none: an
 engine that refuses after others loaded the adapter has it unloaded from those again, and the
 caller gets the refusal; an unreachable engine refuses the whole load up front. Two replicas loading
@@ -128,6 +132,7 @@ class LoraAdapters:
         self.clock = clock
         self.table = AdapterTable()
         self._lock: Optional[asyncio.Lock] = None
+        self._repairs: set[asyncio.Task] = set()  # loads onto restarted engines, in flight
         self._asked = 0  # refreshes asked for so far
         self._done = 0  # of those, how many the latest copy covers (it was taken after they were asked)
 
@@ -185,6 +190,7 @@ class LoraAdapters:
             raise EngineDeadError("no engine is reachable to list its LoRA adapters")
         answers = await asyncio.gather(*(e.list_lora_adapters() for e in listers), return_exceptions=True)
         adapters: dict[str, Adapter] = {}
+        held: list[tuple[Any, float, set[str]]] = []  # per engine that answered: its start, its names
         enable, max_loras, max_rank, answered = False, 0, 0, 0
         for engine, answer in zip(listers, answers):
             if isinstance(answer, BaseException):
@@ -201,9 +207,36 @@ class LoraAdapters:
             max_rank = max(max_rank, answer.max_lora_rank)
             for a in answer.adapters:
                 adapters.setdefault(a.lora_name, Adapter(a.lora_name, a.lora_path, a.lora_int_id, a.created))
+            held.append((engine, answer.started, {a.lora_name for a in answer.adapters}))
         if not answered:
             raise EngineDeadError("no engine answered ListLoraAdapters")
+        self._repair(held, adapters)
         return AdapterTable(adapters, enable, max_loras, max_rank, taken_at)
+
+    def _repair(self, held: list[tuple[Any, float, set[str]]], adapters: dict[str, Adapter]) -> None:
+        """Give a restarted engine back the adapters loaded at run time: one that started after an
+        adapter the other engines serve was created lacks it only because it restarted (an unload
+        would have reached an engine that was already running), so it is loaded there again."""
+        for engine, started, names in held:
+            for adapter in adapters.values():
+                if adapter.name in names or not started or started <= adapter.created:
+                    continue
+                logger.info("LoRA adapter %r: engine %s restarted after it was loaded; loading it there again",
+                            adapter.name, engine.address)
+                task = asyncio.ensure_future(self._load_one(engine, adapter))
+                self._repairs.add(task)
+                task.add_done_callback(self._repairs.discard)
+
+    async def _load_one(self, engine: Any, adapter: Adapter) -> None:
+        try:
+            await engine.load_lora_adapter(adapter.name, adapter.path)
+        except Exception as exc:  # noqa: BLE001 - another replica may have been first: logged
+            code, details = status_for(exc)
+            if code != grpc.StatusCode.ALREADY_EXISTS:
+                logger.warning("LoRA adapter %r: reloading it on engine %s failed: %s", adapter.name,
+                               engine.address, details)
+        finally:
+            self.invalidate()
 
     # ---- runtime loading ------------------------------------------------------------------------
     def _check_reachable(self) -> None:

@@ -55,6 +55,7 @@ class _LoraEngine(FakeEngineClient):
         self.loads: list[str] = []
         self.unloads: list[str] = []
         self.refuse_load: Optional[grpc.aio.AioRpcError] = None
+        self.started = 1600000000.0  # long before the adapters were created
         for adapter, path in (adapters or {}).items():
             self._add(adapter, path)
 
@@ -67,7 +68,7 @@ class _LoraEngine(FakeEngineClient):
         self.list_calls += 1
         await asyncio.sleep(0)
         return engine_pb2.ListLoraAdaptersResponse(adapters=list(self.adapters.values()), enable_lora=True,
-                                                   max_loras=2, max_lora_rank=16)
+                                                   max_loras=2, max_lora_rank=16, started=self.started)
 
     async def load_lora_adapter(self, name, path):
         self.loads.append(name)
@@ -501,3 +502,19 @@ def test_the_openapi_document_lists_the_load_routes():
         assert set(doc["components"]["schemas"]["LoadLoraAdapterRequest"]["required"]) == {"lora_name", "lora_path"}
 
     _run(go())
+
+
+def test_an_engine_that_restarted_gets_the_runtime_adapters_back_and_an_unload_is_not_undone():
+    async def run():
+        serving = _LoraEngine("e0", {"sql": "/adapters/sql"})
+        restarted = _LoraEngine("e1")
+        restarted.started = 1800000000.0  # after "sql" was created: it came back with --lora-modules only
+        unloaded = _LoraEngine("e2")  # running all along: it lacks "sql" because an unload reached it first
+        service = _service(serving, restarted, unloaded)
+        await service.loras.refresh()
+        await asyncio.gather(*service.loras._repairs)
+        return serving, restarted, unloaded
+
+    serving, restarted, unloaded = _run(run())
+    assert restarted.loads == ["sql"] and restarted.adapters["sql"].lora_path == "/adapters/sql"
+    assert unloaded.loads == [] and serving.loads == []
