@@ -25,6 +25,7 @@ from gridserve.shared.engine_client_protocol import OutputSink
 from gridserve.shared.errors import EngineDeadError
 from gridserve.shared.load import EngineLoad
 from gridserve.shared.multimodal import ImageFeature
+from gridserve.shared.pooling import PoolingParams
 from gridserve.shared.readiness import Readiness, State
 from gridserve.shared.sampling_params import SamplingParams
 
@@ -65,16 +66,20 @@ class LocalEngineClient:
     def num_in_flight(self) -> int:
         return len(self._sinks)
 
-    async def add_request(self, request_id: str, token_ids: list[int], params: SamplingParams,
+    async def add_request(self, request_id: str, token_ids: list[int], params: Optional[SamplingParams],
                           parent_request_id: str = "", traceparent: str = "",
                           mm_features: Optional[list[ImageFeature]] = None,
                           output_token_ids: Optional[list[int]] = None, continuation: bool = False,
-                          lora_name: Optional[str] = None) -> None:
+                          lora_name: Optional[str] = None, pooling_params: Optional[PoolingParams] = None,
+                          token_type_ids: Optional[list[int]] = None) -> None:
         """``traceparent`` is not used: an in-process engine records no spans of its own."""
         lora = adapter_for(self.engine_loop.core.lora, lora_name) if lora_name else None
+        if params is None and pooling_params is not None:  # a pooling request: one step, no tokens (as the servicer)
+            params = SamplingParams(max_tokens=1)
         request = Request(request_id, token_ids, params, eos_token_id=self.config.model.eos_token_id,
                           parent_request_id=parent_request_id or None, mm_features=mm_features or [],
-                          admit_always=continuation, output_token_ids=output_token_ids, lora_request=lora)
+                          admit_always=continuation, output_token_ids=output_token_ids, lora_request=lora,
+                          **_pooling_kw(pooling_params, token_type_ids))
         await asyncio.wrap_future(self.engine_loop.add_request(request, GATEWAY_ID))
 
     async def abort(self, request_ids: list[str]) -> None:
@@ -109,3 +114,11 @@ class LocalEngineClient:
             outputs = self._sinks.get(out.request_id)
             if outputs is not None:
                 outputs.put_nowait(out)
+
+
+def _pooling_kw(pooling_params: Optional[PoolingParams], token_type_ids: Optional[list[int]]) -> dict[str, Any]:
+    """A pooling request's keywords of ``Request`` (none for a generation request: a ``Request``
+    without them is one, whatever this checkout's engine knows of pooling)."""
+    if pooling_params is None and not token_type_ids:
+        return {}
+    return {"pooling_params": pooling_params, "token_type_ids": list(token_type_ids or []) or None}

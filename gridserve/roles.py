@@ -74,6 +74,9 @@ ENGINE_OPTIONS: list[EngineOption] = [
     _engine_option("--convert", str, "auto",
                    "with --runner pooling, a generative checkpoint served as: embed (its last token's hidden "
                    "state, e.g. Qwen3-Embedding); auto: embed for a generative model, none for an encoder"),
+    _engine_option("--pooler-config", str, None,
+                   'a pooling model\'s pooler as JSON over the checkpoint\'s own, e.g. {"pooling_type": "MEAN", '
+                   '"normalize": true} (pooling_type MEAN / CLS / LAST, normalize, dimensions, activation)'),
     _engine_option("--max-model-len", int, None, "maximum tokens per sequence (default: the model's)"),
     _engine_option("--max-num-seqs", int, 256, "sequence cap per step"),
     _engine_option("--max-num-batched-tokens", int, None, "token budget per step"),

@@ -27,7 +27,7 @@ from gridserve.shared.model_registry import (
 )
 from gridserve.shared.parallel import check_model_shardable, kv_head_shard, stage_layers
 from gridserve.shared.plugins import load_general_plugins
-from gridserve.shared.pooling import max_input_tokens, num_labels
+from gridserve.shared.pooling import PoolerConfig, max_input_tokens, num_labels
 
 _CLASS_TARGET = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -108,6 +108,9 @@ class ModelConfig:
     # served as an embedder (vLLM's --convert; "auto": embed under the pooling runner).
     runner: str = "auto"
     convert: str = "auto"
+    # A pooling model's pooler (vLLM's --pooler-config): {"pooling_type": "MEAN" | "CLS" | "LAST",
+    # "normalize": bool, "dimensions": int, "activation": ...} over the checkpoint's own settings.
+    pooler_config: dict = field(default_factory=dict)
     # Derived by resolve():
     model_path: str = ""
     architecture: str = ""
@@ -128,6 +131,15 @@ class ModelConfig:
             raise ConfigError("model.max_logprobs", f"must be non-negative, got {self.max_logprobs}")
         self._check_quantization()
         check_generation_config(self.generation_config)
+        if isinstance(self.pooler_config, str):
+            try:
+                self.pooler_config = json.loads(self.pooler_config) if self.pooler_config else {}
+            except ValueError as exc:
+                raise ConfigError("model.pooler_config", f"is not valid JSON: {exc}") from None
+        if self.pooler_config is None:
+            self.pooler_config = {}
+        if not isinstance(self.pooler_config, dict):
+            raise ConfigError("model.pooler_config", f"must be a JSON object, got {self.pooler_config!r:.200}")
 
     def _check_quantization(self) -> None:
         qc = self.quantization_config
@@ -560,6 +572,8 @@ class GridserveConfig:
         self.model.runner, self.model.convert = choice.runner, choice.convert
         if choice.runner == "pooling":
             self._finalize_pooling()
+        elif self.model.pooler_config:
+            raise ConfigError("model.pooler_config", "applies to pooling models (--runner pooling) only")
         self.parallel.check_model(self.model.architecture, self.model.text_config)
         self.scheduler.finalize(self.max_model_len)
         if self.scheduler.speculative_config and self.parallel.pipeline_parallel_size > 1:
@@ -575,6 +589,7 @@ class GridserveConfig:
     def _finalize_pooling(self) -> None:
         """A pooling model runs each input whole, in one step, without a KV cache: the input limit is
         the model's (XLM-R: its position table less the padding offset) and the step budget holds one."""
+        PoolerConfig.of(self.model.pooler_config)  # checked now: a bad key fails the start, naming it
         limit = max_input_tokens(self.model.architecture, self.model.hf_config)
         if limit is not None and self.model.max_model_len > limit:
             self.model.max_model_len = limit

@@ -33,6 +33,7 @@ import threading
 from typing import Any, Optional, Protocol, runtime_checkable
 
 from gridserve.shared.multimodal import ImageFeature
+from gridserve.shared.pooling import PoolingParams
 from gridserve.shared.sampling_params import SamplingParams
 
 
@@ -66,14 +67,18 @@ class EngineClientProtocol(Protocol):
         """Stop delivering ``request_id``'s outputs (unknown ids are ignored)."""
         ...
 
-    async def add_request(self, request_id: str, token_ids: list[int], params: SamplingParams,
+    async def add_request(self, request_id: str, token_ids: list[int], params: Optional[SamplingParams],
                           parent_request_id: str = "", traceparent: str = "",
                           mm_features: Optional[list[ImageFeature]] = None,
                           output_token_ids: Optional[list[int]] = None, continuation: bool = False,
-                          lora_name: Optional[str] = None) -> None:
+                          lora_name: Optional[str] = None, pooling_params: Optional[PoolingParams] = None,
+                          token_type_ids: Optional[list[int]] = None) -> None:
         """Start ``request_id`` on the engine: ``parent_request_id`` is the id the client sees,
         ``traceparent`` the caller's span (W3C), ``mm_features`` the prompt's preprocessed images,
-        ``lora_name`` the LoRA adapter it runs on (the engine's table resolves it; None: the base model)."""
+        ``lora_name`` the LoRA adapter it runs on (the engine's table resolves it; None: the base model).
+        A pooling request (a pooling model's embedding or scores) gives ``pooling_params`` and no
+        ``params`` (None), and ``token_type_ids`` for a BERT pair (None: all 0); it finishes in one
+        output carrying ``pooler_output``."""
         ...
 
     async def abort(self, request_ids: list[str]) -> None:

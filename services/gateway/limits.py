@@ -120,7 +120,8 @@ def current_budget() -> Optional[RequestBudget]:
 _HELP = {
     "max_n": "most samples (n) per request",
     "max_best_of": "most best_of per request",
-    "max_prompts_per_request": "most prompts in one completions request",
+    "max_prompts_per_request": "most prompts in one completions request, inputs in one embeddings or "
+                               "classify request, text pairs in one score or rerank request",
     "max_sequences_per_request": "most sequences (n x prompts) one request puts into the engines",
     "max_prompt_tokens_per_request": "most prompt tokens one request has in the engines at once (its first "
                                      "prompt always fits: max_model_len bounds it)",

@@ -24,6 +24,7 @@ from gridserve.services.gateway.load_watcher import LoadWatcher
 from gridserve.services.gateway.media_loader import MediaConfig, MediaLoader
 from gridserve.services.gateway.multimodal import MultiModalProcessor
 from gridserve.services.gateway.observability import GatewayMetrics
+from gridserve.services.gateway.pooling import ModelInfo
 from gridserve.services.gateway.responses_store import ResponsesStoreOptions
 from gridserve.services.gateway.service import GatewayService
 from gridserve.services.gateway.servicer import GatewayServicer
@@ -73,7 +74,7 @@ def serve(engine_addresses: list[str], host: str, port: int, grace_s: float = 10
     service = GatewayService(GatewayTokenizer(info.tokenizer_path, renderer), engines, info.model,
                              info.max_model_len, info.vocab_size, info.max_logprobs, metrics, tracing,
                              limits, blocking_workers, MultiModalProcessor.from_model_folder(info.model_path),
-                             MediaLoader(media), _sampling_defaults(info), chat)
+                             MediaLoader(media), _sampling_defaults(info), chat, ModelInfo.from_engine_info(info))
     metrics_server = None
     if metrics is not None:
         # The edge's GET /metrics shows these, with every engine's metrics merged in.
@@ -102,7 +103,9 @@ def serve(engine_addresses: list[str], host: str, port: int, grace_s: float = 10
     server.install_signal_handlers()
     server.start()
     _follow_engines(server.readiness, service)
-    logger.info("gateway %s on %s for %s%s", gateway_id, server.address, info.model,
+    logger.info("gateway %s on %s for %s (runner %s%s)%s", gateway_id, server.address, info.model,
+                service.model_info.runner,
+                f": {', '.join(service.model_info.supported_tasks)}" if service.model_info.pooling else "",
                 " (API key required)" if api_key else "")
     server.wait()
     if metrics_server is not None:

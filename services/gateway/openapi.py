@@ -9,6 +9,16 @@ from typing import Any, Optional
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
+from gridserve.services.gateway.pooling_protocol import (
+    ClassificationRequest,
+    ClassificationResponse,
+    EmbeddingRequest,
+    EmbeddingResponse,
+    RerankRequest,
+    RerankResponse,
+    ScoreRequest,
+    ScoreResponse,
+)
 from gridserve.services.gateway.protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
@@ -42,6 +52,13 @@ ROUTES: list[tuple[str, str, str, Optional[type[BaseModel]], Optional[type[BaseM
      ResponseStreamEvent),
     ("/v1/responses/{response_id}", "get", "A stored response (--enable-responses-store)", None, ResponseObject,
      None),
+    ("/v1/embeddings", "post", "Create embeddings (a pooling model)", EmbeddingRequest, EmbeddingResponse, None),
+    *[(path, "post", "Score text pairs (a cross-encoder, or an embedding model's cosine similarity)",
+       ScoreRequest, ScoreResponse, None) for path in ("/score", "/v1/score")],
+    *[(path, "post", "Rerank documents by relevance to a query", RerankRequest, RerankResponse, None)
+      for path in ("/rerank", "/v1/rerank", "/v2/rerank")],
+    *[(path, "post", "Classify inputs (a sequence classifier)", ClassificationRequest, ClassificationResponse, None)
+      for path in ("/classify", "/v1/classify")],
     ("/v1/models", "get", "List the served model and its LoRA adapters", None, ModelList, None),
     ("/v1/load_lora_adapter", "post", "Load a LoRA adapter on every engine (--api-key and the engines' "
      "--allow-runtime-lora-updating)", LoadLoraAdapterRequest, None, None),

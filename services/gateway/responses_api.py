@@ -138,6 +138,7 @@ class ResponsesAPI:
         with _responses_names():
             request = self.routes.parse_body(ResponsesRequest, data)
             lora = await self.routes.adapter_for(request.model)
+            self.routes.check_generates()
             return await self._create(request, owner, traceparent, timeout, lora)
 
     async def _create(self, request: ResponsesRequest, owner: str, traceparent: str,

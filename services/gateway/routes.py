@@ -113,6 +113,12 @@ class OpenAIRoutes:
     def parse_body(self, model: type[M], data: bytes) -> M:
         return model.model_validate_json(data or b"{}", context={"limits": self.service.limits})
 
+    def check_generates(self) -> None:
+        """A generate request to a pooling model: 400 naming the runner and the endpoints to use."""
+        info = getattr(self.service, "model_info", None)
+        if info is not None:
+            info.check_generates(self.model)
+
     async def adapter_for(self, requested: Optional[str]) -> Optional[str]:
         """The LoRA adapter a request's ``model`` names (None: the served model itself, or no name);
         any other name is a 404 (``ModelNotFoundError``)."""
@@ -254,6 +260,7 @@ class OpenAIRoutes:
     async def completions(self, data: bytes, traceparent: str = "", timeout: Optional[float] = None) -> HttpResponse:
         request = self.parse_body(CompletionRequest, data)
         lora = await self.adapter_for(request.model)
+        self.check_generates()
         served, adapter = lora or self.model, _adapter_kw(lora)
         prompts = request.prompts()
         shape = CompletionShape(await self._echo_texts(prompts) if request.echo else None,
@@ -302,6 +309,7 @@ class OpenAIRoutes:
                                timeout: Optional[float] = None) -> HttpResponse:
         request = self.parse_body(ChatCompletionRequest, data)
         lora = await self.adapter_for(request.model)
+        self.check_generates()
         served, adapter = lora or self.model, _adapter_kw(lora)
         params = request.to_params(self.sampling_defaults)
         options = getattr(self.service, "chat_options", None) or ChatOptions()

@@ -48,6 +48,7 @@ from gridserve.services.gateway.lora import LoraAdapters, not_found
 from gridserve.services.gateway.media_loader import MediaLoader
 from gridserve.services.gateway.multimodal import MultiModalProcessor
 from gridserve.services.gateway.observability import GatewayMetrics, RequestObservation
+from gridserve.services.gateway.pooling import ModelInfo, PoolingInput
 from gridserve.services.gateway.processor import (
     InputProcessor,
     OutputProcessor,
@@ -65,7 +66,8 @@ from gridserve.shared.errors import (
     ResourceExhaustedError,
 )
 from gridserve.shared.observability.tracing import Tracing
-from gridserve.shared.outputs import FinishReason, Logprob, RequestOutput
+from gridserve.shared.outputs import EngineCoreOutput, FinishReason, Logprob, RequestOutput
+from gridserve.shared.pooling import PoolingParams
 from gridserve.shared.rpc.engine_client import EngineLostError
 from gridserve.shared.sampling_params import SamplingParams
 
@@ -125,12 +127,14 @@ class GatewayService:
                  limits: Optional[RequestLimits] = None, blocking_workers: int = 8,
                  multimodal: Optional[MultiModalProcessor] = None, media: Optional[MediaLoader] = None,
                  sampling_defaults: Optional[dict[str, Any]] = None, chat_options: Optional[ChatOptions] = None,
-                 ) -> None:
-        """``multimodal``: a vision-language model's image preprocessing (None: text only);
+                 model_info: Optional[ModelInfo] = None) -> None:
+        """``model_info``: the model's runner and tasks (default: a generative model);
+        ``multimodal``: a vision-language model's image preprocessing (None: text only);
         ``media``: the pool that loads images by URL; ``sampling_defaults``: what a request gets
         for a sampling field it leaves out (the model's generation config, from the engine);
         ``chat_options``: how chat replies are read (tool-call and reasoning parsers)."""
         self.tokenizer = tokenizer
+        self.model_info = model_info or ModelInfo()
         self.chat_options = chat_options or ChatOptions()
         self.sampling_defaults = dict(sampling_defaults or {})
         self.engines = engines
@@ -174,6 +178,7 @@ class GatewayService:
         caller checked the name; None: the base model)."""
         if self.draining:
             raise EngineDeadError("the gateway is shutting down")
+        self.model_info.check_generates(self.model_name)
         timeout = self._timeout(timeout)
         # A completions route's prompts share the budget it opened; anything else is one prompt.
         self.limits.check_sequences(1, params.n)
@@ -230,6 +235,33 @@ class GatewayService:
         if final is None:
             raise EngineDeadError("the request ended without a result")
         return final
+
+    # ---- pooling (embeddings, scores, classification) -------------------------------------------
+    async def pool(self, prompt: PoolingInput, params: PoolingParams, request_id: str = "",
+                   traceparent: str = "", data_parallel_rank: Optional[int] = None,
+                   timeout: Optional[float] = None) -> PooledOutput:
+        """One pooling request (a checked, tokenized prompt) on the engine the router picks: its
+        pooler output. Admission and deadlines as ``generate``; an engine lost before it answered
+        gets the request again on a live one (pooling has no state to carry over)."""
+        if self.draining:
+            raise EngineDeadError("the gateway is shutting down")
+        timeout = self._timeout(timeout)
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        request = _Request(self, request_id, traceparent)
+        call = _PoolingCall(self, request, prompt, params, data_parallel_rank)
+        self._enter()
+        error: Optional[BaseException] = None
+        try:
+            return await call.run(deadline, timeout)
+        except BaseException as exc:
+            error = exc if not isinstance(exc, (GeneratorExit, asyncio.CancelledError)) else None
+            raise
+        finally:
+            call.close()
+            self._exit()
+            samples = {call.engine_id: call.sample} if call.engine is not None else {}  # none: it never ran
+            request.observation.end(samples, len(prompt.token_ids), error)
 
     async def chat_prompt(self, messages: list[dict[str, Any]], chat_template: Optional[str],
                           add_generation_prompt: bool, tools: Optional[list[dict]] = None,
@@ -308,6 +340,143 @@ class _Request:
         # the id the client sees is the one in every role's logs and spans.
         self.parent_id = uuid.uuid4().hex if request_id else self.request_id
         self.observation = RequestObservation(self.request_id, traceparent, service.metrics, service.tracing)
+
+
+@dataclass
+class PooledOutput:
+    """A pooling request's result: the pooler output (an embedding, or a classifier's scores)."""
+
+    request_id: str
+    values: list[float]
+    num_prompt_tokens: int
+
+
+@dataclass
+class _PooledSample:
+    """What ``RequestObservation.end`` reads of a sample."""
+
+    finish_reason: Optional[str] = None
+    token_ids: list[int] = field(default_factory=list)
+
+
+class _PoolingCall:
+    """One pooling request's engine request: added where the router says (the next engine when its
+    queue is full), waited for, added again on a live engine when its engine is lost."""
+
+    def __init__(self, service: GatewayService, request: _Request, prompt: PoolingInput, params: PoolingParams,
+                 data_parallel_rank: Optional[int]) -> None:
+        self.service = service
+        self.request = request
+        self.prompt = prompt
+        self.params = params
+        self.rank = data_parallel_rank
+        self.outputs: asyncio.Queue = asyncio.Queue()
+        self.engine: Optional[EngineClientProtocol] = None
+        self.engine_id = request.parent_id
+        self.attempts = 0
+        self.added = False
+        self.sample = _PooledSample()
+
+    async def run(self, deadline: Optional[float], timeout: Optional[float]) -> PooledOutput:
+        failover_by: Optional[float] = None
+        while True:
+            try:
+                await self._add()
+            except EngineDeadError:
+                if failover_by is None or time.monotonic() >= failover_by:
+                    raise
+                await asyncio.sleep(FAILOVER_POLL_S)  # no live engine yet: wait for one
+                continue
+            item = await self._outcome(deadline, timeout)
+            if isinstance(item, PooledOutput):
+                return item
+            self._leave()  # its engine is gone: once more, elsewhere
+            failover_by = failover_by or time.monotonic() + envs.GRIDSERVE_FAILOVER_TIMEOUT_S
+            if time.monotonic() >= failover_by:
+                raise item
+            logger.warning("request %s: engine lost before its pooler output (%s); sending it again",
+                           self.request.request_id, item)
+            if self.service.metrics is not None and self.engine is not None:
+                self.service.metrics.failover(self.service._engine_labels.get(id(self.engine), self.engine.address))
+
+    async def _outcome(self, deadline: Optional[float], timeout: Optional[float]) -> Any:
+        """The result, or the ``EngineDeadError`` of a lost engine."""
+        while True:
+            get = self.outputs.get()
+            item = await (get if deadline is None else _by(deadline, get, timeout))
+            if isinstance(item, EngineDeadError):
+                return item
+            if isinstance(item, Exception):
+                raise item
+            if isinstance(item, EngineCoreOutput) and item.finished:
+                return self._result(item)
+
+    def _result(self, item: EngineCoreOutput) -> PooledOutput:
+        self.added = False  # finished: nothing to abort
+        self.sample.finish_reason = item.finish_reason.value
+        self.request.observation.on_sample_finished(item.finish_reason.value)
+        if item.finish_reason is FinishReason.ERROR:
+            raise RequestFailedError(f"request {self.request.request_id} failed: {item.error or 'unknown error'}")
+        if item.pooler_output is None:
+            raise RequestFailedError(f"request {self.request.request_id} ended ({item.finish_reason.value}) "
+                                     "without a pooler output")
+        return PooledOutput(self.request.request_id, list(item.pooler_output), len(self.prompt.token_ids))
+
+    async def _add(self) -> None:
+        """Add the engine request; an engine whose queue is full passes it to the next one."""
+        refused: set[int] = set()
+        while True:
+            try:
+                engine = self.service._pick_engine(self.rank, frozenset(refused))
+            except EngineDeadError:
+                if refused:
+                    raise ResourceExhaustedError("every engine's queue is full") from None
+                raise
+            if self.attempts:  # a fresh id and queue: nothing of an earlier attempt reaches this one
+                self.engine_id = f"{self.request.parent_id}-{self.attempts}"
+                self.outputs = asyncio.Queue()
+            self.attempts += 1
+            engine.register(self.engine_id, self.outputs)
+            try:
+                await engine.add_request(self.engine_id, self.prompt.token_ids, None,
+                                         parent_request_id=self.request.request_id,
+                                         traceparent=self.request.observation.traceparent,
+                                         pooling_params=self.params, token_type_ids=self.prompt.token_type_ids)
+            except ResourceExhaustedError:
+                engine.unregister(self.engine_id)
+                if self.rank is not None:
+                    raise
+                refused.add(self.service.engines.index(engine))
+                continue
+            except (grpc.aio.AioRpcError, EngineDeadError) as exc:  # unreachable: as if lost (``run``)
+                engine.unregister(self.engine_id)
+                if isinstance(exc, grpc.aio.AioRpcError):
+                    if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                                          grpc.StatusCode.CANCELLED):
+                        raise
+                    exc = EngineDeadError(f"engine {engine.address}: {exc.code().name}")
+                self.engine = engine
+                self.outputs.put_nowait(exc)
+                return
+            except BaseException:
+                engine.unregister(self.engine_id)
+                raise
+            self.engine, self.added = engine, True
+            if not self.request.observation.engine:
+                self.request.observation.on_engine(self.service._engine_labels.get(id(engine), engine.address))
+            return
+
+    def _leave(self) -> None:
+        """Stop listening on the current engine (aborting the request there if it still runs it)."""
+        if self.engine is None:
+            return
+        self.engine.unregister(self.engine_id)
+        if self.added:
+            asyncio.run_coroutine_threadsafe(self.engine.abort([self.engine_id]), self.engine.loop)
+            self.added = False
+
+    def close(self) -> None:
+        self._leave()
 
 
 class _Stream:

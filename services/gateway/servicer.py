@@ -23,6 +23,8 @@ from gridserve.services.gateway.convert import (
     prompt_from_pb,
     tool_choice_from_pb,
 )
+from gridserve.services.gateway.pooling_api import PoolingAPI
+from gridserve.services.gateway.pooling_protocol import ScoreTexts
 from gridserve.services.gateway.protocol import (
     ChatTemplateFields,
     check_sampling_params,
@@ -58,6 +60,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self.openai = OpenAIRoutes(service, served_model_name, __version__, service.sampling_defaults,
                                    runtime_lora_updating)
         self.responses = ResponsesAPI(self.openai, responses_store)
+        self.pooling = PoolingAPI(self.openai)
         self.console = Console()
         self.status: Optional[StatusCollector] = None  # set by main once the server's address is known
 
@@ -137,6 +140,48 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         text = await self.service.decode(list(request.token_ids), skip_special_tokens=skip)
         return gateway_pb2.DetokenizeResponse(text=text)
 
+    async def Embed(self, request: gateway_pb2.EmbedRequest,
+                    context: grpc.aio.ServicerContext) -> gateway_pb2.EmbedResponse:
+        """Each input's embedding (a pooling model serving ``embed``), with the REST route's checks."""
+        inputs = [i.text if i.WhichOneof("input") == "text" else list(i.token_ids.ids) for i in request.inputs]
+        limits = self.service.limits
+        if not inputs or any(not i for i in inputs):
+            raise InvalidArgumentError("inputs", "expected at least one input, none of them empty")
+        if len(inputs) > limits.max_prompts_per_request:
+            raise InvalidArgumentError("inputs", f"at most {limits.max_prompts_per_request} inputs allowed "
+                                                 f"(--max-prompts-per-request), got {len(inputs)}")
+        longest = max(len(i) for i in inputs)
+        if longest > limits.max_content_chars:
+            raise InvalidArgumentError("inputs", f"an input of {longest} characters or tokens; at most "
+                                                 f"{limits.max_content_chars} allowed (--max-content-chars)")
+        outs = await self.pooling.embed(
+            inputs, dimensions=_opt(request, "dimensions"), normalize=_opt(request, "normalize"),
+            truncate=_truncation(request), model=self._model(request), traceparent=self._traceparent(context),
+            timeout=context.time_remaining(), field_name="inputs")
+        tokens = sum(out.num_prompt_tokens for out in outs)
+        return gateway_pb2.EmbedResponse(
+            request_id=request.request_id or (outs[0].request_id if outs else ""),
+            embeddings=[gateway_pb2.Embedding(index=i, values=out.values) for i, out in enumerate(outs)],
+            usage=gateway_pb2.Usage(prompt_tokens=tokens))
+
+    async def Score(self, request: gateway_pb2.ScoreRequest,
+                    context: grpc.aio.ServicerContext) -> gateway_pb2.ScoreResponse:
+        """Each pair's score (a cross-encoder's, or an embedding model's cosine similarity)."""
+        fields = {"text_1": list(request.text_1), "text_2": list(request.text_2)}
+        validate_as(ScoreTexts, fields, self.service.limits)
+        scores, tokens = await self.pooling.score(
+            fields["text_1"], fields["text_2"], activation=_opt(request, "activation"),
+            truncate=_truncation(request), model=self._model(request), traceparent=self._traceparent(context),
+            timeout=context.time_remaining())
+        return gateway_pb2.ScoreResponse(request_id=request.request_id or uuid.uuid4().hex, scores=scores,
+                                         usage=gateway_pb2.Usage(prompt_tokens=tokens))
+
+    def _model(self, request) -> Optional[str]:
+        """The request's ``model`` (None: unset or the model as ``ListModels`` names it)."""
+        if not request.HasField("model") or request.model == self.service.model_name:
+            return None
+        return request.model
+
     async def ListModels(self, request: gateway_pb2.ListModelsRequest,
                          context: grpc.aio.ServicerContext) -> gateway_pb2.ListModelsResponse:
         model = gateway_pb2.Model(id=self.service.model_name, max_model_len=self.service.max_model_len,
@@ -184,6 +229,22 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     async def OpenAIUnloadLoraAdapter(self, request: httpbody_pb2.HttpBody, context: grpc.aio.ServicerContext):
         return await _unary(await self.openai.unload_lora_adapter(request.data), context)
 
+    async def OpenAIEmbeddings(self, request: httpbody_pb2.HttpBody, context: grpc.aio.ServicerContext):
+        return await _unary(await self.pooling.embeddings(request.data, self._traceparent(context),
+                                                          context.time_remaining()), context)
+
+    async def OpenAIScore(self, request: httpbody_pb2.HttpBody, context: grpc.aio.ServicerContext):
+        return await _unary(await self.pooling.score_route(request.data, self._traceparent(context),
+                                                           context.time_remaining()), context)
+
+    async def OpenAIRerank(self, request: httpbody_pb2.HttpBody, context: grpc.aio.ServicerContext):
+        return await _unary(await self.pooling.rerank(request.data, self._traceparent(context),
+                                                      context.time_remaining()), context)
+
+    async def OpenAIClassify(self, request: httpbody_pb2.HttpBody, context: grpc.aio.ServicerContext):
+        return await _unary(await self.pooling.classify_route(request.data, self._traceparent(context),
+                                                              context.time_remaining()), context)
+
     async def OpenAIHealth(self, request: httpbody_pb2.HttpBody, context: grpc.aio.ServicerContext):
         return await _unary(await self.openai.health(), context)
 
@@ -201,6 +262,19 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         if page.status != 200:
             await context.send_initial_metadata(((HTTP_STATUS_HEADER, str(page.status)),))
         return httpbody_pb2.HttpBody(content_type=page.content_type, data=page.body)
+
+
+def _opt(request, name: str):
+    return getattr(request, name) if request.HasField(name) else None
+
+
+def _truncation(request) -> Optional[int]:
+    """``truncate_prompt_tokens`` (unset: none; 0 and below -1 refused naming it)."""
+    value = _opt(request, "truncate_prompt_tokens")
+    if value is not None and (value == 0 or value < -1):
+        raise InvalidArgumentError("truncate_prompt_tokens", "must be -1 (max_model_len) or a positive number "
+                                                             "of tokens")
+    return value
 
 
 def _dp_rank(request) -> Optional[int]:

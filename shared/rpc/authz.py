@@ -80,7 +80,9 @@ _ENGINE_ADMIN_API = ("Sleep", "WakeUp", "ResetPrefixCache", "CollectiveRpc")
 _GATEWAY_API = ("Generate", "Complete", "Chat", "Tokenize", "Detokenize", "ListModels", "OpenAIListModels",
                 "OpenAICompletions", "OpenAIChatCompletions", "OpenAITokenize", "OpenAIDetokenize",
                 "OpenAIHealth", "OpenAIVersion", "GetStatus", "GetConsoleFile", "OpenAIOpenAPI",
-                "OpenAIResponses", "OpenAIGetResponse", "OpenAILoadLoraAdapter", "OpenAIUnloadLoraAdapter")
+                "OpenAIResponses", "OpenAIGetResponse", "OpenAILoadLoraAdapter", "OpenAIUnloadLoraAdapter",
+                # pooling models (embeddings, scores, reranking, classification)
+                "Embed", "Score", "OpenAIEmbeddings", "OpenAIScore", "OpenAIRerank", "OpenAIClassify")
 
 # method -> the identities allowed to call it. The one place authorization is decided.
 RULES: dict[str, frozenset[str]] = {

@@ -37,12 +37,14 @@ from gridserve.shared.engine_client_protocol import EngineClientProtocol, Output
 from gridserve.shared.errors import EngineDeadError, InvalidArgumentError, ResourceExhaustedError
 from gridserve.shared.multimodal import ImageFeature
 from gridserve.shared.observability.tracing import TRACEPARENT
+from gridserve.shared.pooling import PoolingParams
 from gridserve.shared.readiness import State
 from gridserve.shared.rpc import client as rpc_client
 from gridserve.shared.rpc.client import DEFAULT_DEADLINE_S, aio_channel
 from gridserve.shared.rpc.convert import (
     engine_output_from_pb,
     image_features_to_pb,
+    pooling_params_to_pb,
     sampling_params_to_pb,
 )
 from gridserve.shared.rpc.reconnect import ReconnectingStream
@@ -123,22 +125,26 @@ class EngineClient:
         """This gateway's engine requests on this engine now (registered, not yet finished)."""
         return len(self._sinks)
 
-    async def add_request(self, request_id: str, token_ids: list[int], params: SamplingParams,
+    async def add_request(self, request_id: str, token_ids: list[int], params: Optional[SamplingParams],
                           parent_request_id: str = "", traceparent: str = "",
                           mm_features: Optional[list[ImageFeature]] = None,
                           output_token_ids: Optional[list[int]] = None, continuation: bool = False,
-                          lora_name: Optional[str] = None) -> None:
+                          lora_name: Optional[str] = None, pooling_params: Optional[PoolingParams] = None,
+                          token_type_ids: Optional[list[int]] = None) -> None:
         """``parent_request_id``: the id the client sees; ``traceparent``: the gateway span (W3C),
         sent as gRPC metadata; ``mm_features``: the prompt's preprocessed images; ``continuation``:
         a failover from a dead engine, which had already generated ``output_token_ids``;
-        ``lora_name``: the LoRA adapter it runs on (None: the base model; an unknown one is NOT_FOUND)."""
+        ``lora_name``: the LoRA adapter it runs on (None: the base model; an unknown one is NOT_FOUND);
+        ``pooling_params`` (with ``params`` None): a pooling request, ``token_type_ids`` its segment ids."""
         if not self.ready.is_set():
             raise EngineDeadError(f"engine {self.address} is not reachable")
         message = engine_pb2.AddRequestRequest(
             request_id=request_id,
             gateway_id=self.gateway_id,
             prompt_token_ids=token_ids,
-            sampling_params=sampling_params_to_pb(params),
+            sampling_params=sampling_params_to_pb(params) if params is not None else None,
+            pooling_params=pooling_params_to_pb(pooling_params) if pooling_params is not None else None,
+            token_type_ids=token_type_ids or [],
             parent_request_id=parent_request_id or None,
             mm_features=image_features_to_pb(mm_features or []),
             output_token_ids=output_token_ids or [],
