@@ -50,6 +50,10 @@ BENCHMARKS = {
                   "add_arguments", "run"),
     "spec-decode": ("spec_decode_bench", "n-gram speculative decoding vs plain, one request at a time and a batch",
                     "add_arguments", "run"),
+    "lora": ("lora_bench", "served W with every request on one of 4 LoRA adapters vs on the base model",
+             "add_arguments", "run"),
+    "embed": ("embed_bench", "embedding throughput: LLM.embed vs sentence-transformers encode (BERT-base, "
+              "uniform 128 / mixed 16-512 tokens)", "add_arguments", "run"),
     "fused-moe": ("fused_moe_bench", "the fused MoE layer vs the per-expert loop it replaced (batch 1 / 16 / 64)",
                   "add_arguments", "run"),
     "batch-invariant": ("batch_invariant_bench", "decode step and prefill with batch-invariant mode vs without",

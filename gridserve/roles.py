@@ -145,6 +145,12 @@ ENGINE_OPTIONS: list[EngineOption] = [
     _engine_option("--batch-invariant", bool, False,
                    "batch-invariant numerics: every token's logits bitwise independent of the batch and of "
                    "prefill vs decode (CPU; slower)"),
+    _engine_option("--enforce-eager", bool, False,
+                   "run every step eagerly: no CUDA graphs of decode steps (graphs are CUDA only, never with "
+                   "--batch-invariant)"),
+    _engine_option("--cuda-graph-sizes", str, None,
+                   "decode batch sizes captured as CUDA graphs, comma-separated, e.g. 1,2,4,8,16 (default: 1, 2, "
+                   "4, 8 and multiples of 8 up to min(512, --max-num-seqs)); a batch is padded to the next size"),
 ]
 
 

@@ -462,8 +462,20 @@ class DeviceConfig:
 
     device: str = "auto"
     batch_invariant: bool = field(default_factory=batch_invariant_from_env)
+    # Decode-step CUDA graphs (``services/worker/cuda_graphs.py``): off with ``--enforce-eager``; the
+    # batch sizes captured (``--cuda-graph-sizes``; empty: 1, 2, 4, 8 and multiples of 8 up to
+    # min(512, max_num_seqs)). Never used on CPU or with ``batch_invariant``.
+    enforce_eager: bool = False
+    cuda_graph_sizes: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        if isinstance(self.cuda_graph_sizes, str):  # "1,2,4,8" from the command line
+            self.cuda_graph_sizes = [int(s) for s in self.cuda_graph_sizes.replace(" ", "").split(",") if s]
+        self.cuda_graph_sizes = list(self.cuda_graph_sizes or [])
+        if not isinstance(self.enforce_eager, bool):
+            raise ConfigError("device.enforce_eager", f"must be true or false, got {self.enforce_eager!r}")
+        if any(not isinstance(s, int) or s < 1 for s in self.cuda_graph_sizes):
+            raise ConfigError("device.cuda_graph_sizes", f"must be positive integers, got {self.cuda_graph_sizes!r}")
         if self.device not in DEVICES:
             raise ConfigError("device.device", f"must be one of {DEVICES}, got {self.device!r}")
         if not isinstance(self.batch_invariant, bool):

@@ -23,6 +23,7 @@ import torch
 from gridserve.kernels.dispatch import one_thread
 from gridserve.services.worker import batch_invariant, cpu_packed_linear
 from gridserve.services.worker.attention import AttentionMetadata, PagedAttention
+from gridserve.services.worker.cuda_graphs import CudaGraphRunner, capture_sizes, uses_cuda_graphs
 from gridserve.services.worker.encoder_cache import EncoderCache, ImageRows
 from gridserve.services.worker.loader import KV_CACHE_TORCH_DTYPES, TORCH_DTYPES, load_model
 from gridserve.services.worker.lora import LoRAManager
@@ -119,6 +120,8 @@ class ModelRunner:
         # A pooling model: each step runs its requests' whole inputs without a KV cache and answers
         # their pooled vectors or scores (``pooler.run_pooling``), no tokens.
         self.pooling = config.model.runner == "pooling"
+        # Decode-step CUDA graphs (``cuda_graphs.py``): CUDA only, built with the KV cache.
+        self.cuda_graphs: Optional[CudaGraphRunner] = None
 
     # ---- setup -------------------------------------------------------------------------
     def load_model(self) -> None:
@@ -186,8 +189,27 @@ class ModelRunner:
             layer.kv_cache_group = group
         self.kv_cache_config = plan
         self.windows = plan.windows
+        # (re)built with the cache: graphs capture its tensors (wake-up, recovery re-capture lazily)
+        self.cuda_graphs = self._make_cuda_graphs(self.cuda_graphs.graph_factory if self.cuda_graphs else None)
+
+    def _make_cuda_graphs(self, graph_factory=None) -> Optional[CudaGraphRunner]:
+        """The decode-step graph runner on CUDA (not ``enforce_eager`` / ``batch_invariant``, one
+        rank, no LoRA, no pooling); ``None`` otherwise. Graphs are captured lazily, per size."""
+        dev = self.config.device
+        if dev.enforce_eager or dev.batch_invariant:
+            return None
+        if not uses_cuda_graphs(self.device, dev.enforce_eager, dev.batch_invariant) and graph_factory is None:
+            return None  # CPU: eager (a test passes a fake ``graph_factory`` to drive the bookkeeping)
+        if self.pooling or self.lora is not None or self.parallel.pp_size > 1 or self.parallel.tp_size > 1:
+            return None  # (TP: collectives inside a graph are not verified yet)
+        max_seqs = self.config.scheduler.max_num_seqs
+        max_blocks = -(-self.config.max_model_len // self.block_size)
+        return CudaGraphRunner(self.model, capture_sizes(dev.cuda_graph_sizes, max_seqs), len(self.windows),
+                               max_blocks, self.device, graph_factory=graph_factory)
 
     def release_cache(self) -> None:
+        if self.cuda_graphs is not None:  # captured against this cache: re-captured on the next step
+            self.cuda_graphs.release()
         for layer in self.model.attention_layers():
             layer.kv_cache = torch.empty(0, device=self.device)
         self.kv_caches = []
@@ -267,6 +289,8 @@ class ModelRunner:
 
     def _forward(self, inputs: StepInputs) -> Optional[torch.Tensor]:
         """Run this stage's layers: activations in from the previous stage, out to the next one."""
+        if self.cuda_graphs is not None and self._graph_step(inputs):
+            return self.cuda_graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
         if inputs.images is not None:
             embeds = self.model.embed(inputs.input_ids, inputs.images.rows, inputs.images.embeds)
             return self.model(inputs.input_ids, inputs.positions, inputs.meta, inputs_embeds=embeds)
@@ -282,6 +306,11 @@ class ModelRunner:
             return out
         self.parallel.send_to_next_stage(list(out))
         return None
+
+    def _graph_step(self, inputs: StepInputs) -> bool:
+        """A decode-only step a captured graph can run: one token per request, no drafts, no images."""
+        return (inputs.meta.max_query_len == 1 and not inputs.drafts and inputs.images is None
+                and self.cuda_graphs.can_run(inputs.input_ids.shape[0], inputs.meta))
 
     def _keep_samples(self, inputs: StepInputs, sampled: torch.Tensor) -> list[int]:
         """Append the driver's samples to its requests (and share them with the other TP ranks);

@@ -18,6 +18,7 @@ import torch
 
 from gridserve.kernels import dispatch
 from gridserve.services.worker import cpu_packed_linear
+from gridserve.services.worker.cuda_graphs import GRAPH_MEMORY_RESERVE, uses_cuda_graphs
 from gridserve.services.worker.memory import MemoryUsage
 from gridserve.services.worker.model_runner import ModelRunner
 from gridserve.services.worker.parallel_state import (
@@ -143,6 +144,9 @@ class Worker:
         free, total = torch.cuda.mem_get_info()
         used_by_others = total - free - torch.cuda.memory_reserved()
         available = int(total * self.config.cache.gpu_memory_utilization) - peak - used_by_others
+        dev = self.config.device
+        if uses_cuda_graphs(self.device, dev.enforce_eager, dev.batch_invariant):
+            available -= GRAPH_MEMORY_RESERVE  # decode-step graphs are captured later, into their own pool
         logger.info("GPU memory: total %.2f GiB, peak %.2f GiB, KV cache gets %.2f GiB",
                     total / 2**30, peak / 2**30, available / 2**30)
         return max(available, 0)
