@@ -441,6 +441,8 @@ class ModelRunner:
 
     def _prepare_inputs(self, sched: SchedulerOutput) -> StepInputs:
         req_ids = [r for r in sched.num_scheduled_tokens if r not in self.failures.rejected]
+        if self.lora is not None:  # each adapter's tokens in one run of rows (kernels/lora.py)
+            req_ids.sort(key=self._adapter_order)
         q_lens, starts, token_ids, tables, sampling, last_rows, offsets = [], [], [], [], [], [], []
         drafts_of: dict[str, list[int]] = {}
         total = 0
@@ -508,6 +510,10 @@ class ModelRunner:
             row_offsets=offsets,
             drafts=drafts_of,
         )
+
+    def _adapter_order(self, req_id: str) -> int:
+        lora = self.requests[req_id].lora_request
+        return 0 if lora is None else lora.lora_int_id
 
     def _image_rows(self, req_ids: list[str], starts: list[int], q_lens: list[int],
                     rows: list[int]) -> Optional[ImageRows]:

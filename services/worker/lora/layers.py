@@ -51,6 +51,8 @@ class LoRALayer:
         self.rank = max_rank * blocks
         self.lora_a = torch.zeros(max_loras, self.rank, in_local, device=device, dtype=dtype)
         self.lora_b = torch.zeros(max_loras, out_local, self.rank, device=device, dtype=dtype)
+        # slots whose adapter targets this layer (an attention-only adapter skips the MLP's GEMMs)
+        self.used = [False] * max_loras
 
     @property
     def is_column(self) -> bool:
@@ -58,12 +60,17 @@ class LoRALayer:
 
     def apply(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         step = self.step
-        if step.token_slots is not None:
-            add_lora(y, x, self.lora_a, self.lora_b, step.token_slots, step.groups)
+        if step.token_slots is None or not any(self.used):
+            return y
+        groups = step.groups
+        if groups is not None and not all(self.used):  # CPU: only the slots that write this layer
+            groups = SlotGroups(tuple(g for g in groups.groups if self.used[g[0]]))
+        add_lora(y, x, self.lora_a, self.lora_b, step.token_slots, groups)
         return y
 
     def write(self, slot: int, weights: Optional[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Put an adapter's ``(a, b)`` for this layer into ``slot`` (None: the adapter skips it)."""
+        self.used[slot] = weights is not None
         if weights is None:
             self.lora_a[slot].zero_()
             self.lora_b[slot].zero_()

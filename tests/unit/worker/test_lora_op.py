@@ -45,4 +45,24 @@ def test_slot_groups_fast_paths():
     assert slot_groups(torch.full((5,), 2)).groups == ((2, None),)
     assert slot_groups(torch.full((5,), -1)).groups == ()
     groups = dict(slot_groups(torch.tensor([1, -1, 0, 1])).groups)
-    assert groups[1].tolist() == [0, 3] and groups[0].tolist() == [2] and set(groups) == {0, 1}
+    assert groups[1].tolist() == [0, 3] and groups[0] == (2, 3) and set(groups) == {0, 1}
+    # the model runner orders requests by adapter: each slot a run of consecutive rows, no gather
+    assert slot_groups(torch.tensor([-1, -1, 0, 0, 0, 3])).groups == ((0, (2, 5)), (3, (5, 6)))
+
+
+def test_consecutive_and_scattered_rows_give_the_same_deltas():
+    torch.manual_seed(0)
+    a, b = torch.randn(4, 8, 32), torch.randn(4, 24, 8)
+    slots = torch.tensor([-1, 2, 2, 2, 0, 0, 1])
+    x, y = torch.randn(7, 32), torch.randn(7, 24)
+    expected = y.clone()
+    for t, s in enumerate(slots.tolist()):
+        if s >= 0:
+            expected[t] += b[s] @ (a[s] @ x[t])
+    got = y.clone()
+    add_lora(got, x, a, b, slots)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    perm = torch.tensor([1, 4, 0, 6, 2, 5, 3])  # the same tokens scattered: gathered rows
+    got = y[perm].clone()
+    add_lora(got, x[perm], a, b, slots[perm])
+    torch.testing.assert_close(got, expected[perm], rtol=1e-5, atol=1e-5)
