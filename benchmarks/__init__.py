@@ -28,6 +28,8 @@ BENCHMARKS = {
                  "add_arguments", "run"),
     "prefix": ("engine", "TTFT with a cached long prefix vs a cold one", "add_prefix_arguments",
                "run_prefix"),
+    "prefix-routing": ("prefix_routing", "DP=4 shared system prompts: --routing-policy prefix vs load (hit rate, "
+                       "throughput, TTFT)", "add_arguments", "run"),
     "observability": ("observability", "engine step time with metrics / tracing off and on",
                       "add_arguments", "run"),
     "edge": ("edge", "TTFT through the Envoy edge vs straight to the gateway", "add_arguments", "run"),
@@ -73,4 +75,4 @@ BENCHMARKS = {
 
 # Modules that are not a command's own but libraries the commands import (a test keeps the
 # package to commands + these).
-LIBRARIES = ("datasets", "metrics", "llama_server", "peer_report", "step_model")
+LIBRARIES = ("datasets", "metrics", "probe", "llama_server", "peer_report", "step_model")

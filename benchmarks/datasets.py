@@ -1,4 +1,5 @@
-"""The request sets of ``gridserve bench serve``: random prompts of chosen lengths, or a JSON file.
+"""The request sets of ``gridserve bench serve``: random prompts of chosen lengths, a JSON file, or
+``prefix-repetition`` (many users sharing a few long system prompts: cache-aware routing's workload).
 
 A random prompt is a list of token ids drawn from a :class:`Vocabulary`. With the model's
 tokenizer (``TokenizerVocabulary``) the ids are the model's own, so a completions request can send
@@ -10,6 +11,7 @@ prompt of ``n`` words is about ``n`` tokens; the server's ``usage`` gives the re
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import random
@@ -20,6 +22,8 @@ from typing import Optional, Protocol, Union
 logger = logging.getLogger(__name__)
 
 Prompt = Union[str, list[int]]
+
+DATASETS = ("random", "file", "prefix-repetition")
 
 _WORDS = (
     "the of and to in is for that with as on by this it be are from or an not at all one can "
@@ -214,3 +218,61 @@ def _valid_prompt(prompt: object) -> bool:
         return bool(prompt)
     return isinstance(prompt, list) and bool(prompt) and all(
         isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+
+
+def prefix_repetition_requests(
+    num_prompts: int,
+    vocabulary: Vocabulary,
+    prefix_len: int,
+    suffix_len: int,
+    num_prefixes: int,
+    output_len: int,
+    seed: int = 0,
+    as_text: bool = False,
+) -> list[BenchRequest]:
+    """``num_prompts`` requests of many users sharing a few system prompts: ``num_prefixes`` random
+    prefixes of ``prefix_len`` ids, each the start of an equal share of the requests (the first
+    ones get one more when it does not divide), then a random suffix of ``suffix_len`` ids per
+    request (the user's own part); ``output_len`` tokens each. The requests come in a seeded random
+    order, so every prefix recurs throughout the run."""
+    for flag, value in (("--num-prompts", num_prompts), ("--prefix-repetition-prefix-len", prefix_len),
+                        ("--prefix-repetition-num-prefixes", num_prefixes),
+                        ("--prefix-repetition-output-len", output_len)):
+        if value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
+    if suffix_len < 0:
+        raise ValueError(f"--prefix-repetition-suffix-len must be >= 0, got {suffix_len}")
+    rng = random.Random(seed)
+    pool = vocabulary.ids()
+    prefixes = [rng.choices(pool, k=prefix_len) for _ in range(num_prefixes)]
+    owners = [i % num_prefixes for i in range(num_prompts)]
+    rng.shuffle(owners)
+    requests = []
+    for owner in owners:
+        ids = prefixes[owner] + rng.choices(pool, k=suffix_len)
+        prompt: Prompt = ids if vocabulary.model_ids and not as_text else vocabulary.to_text(ids)
+        requests.append(BenchRequest(prompt, len(ids), output_len))
+    return requests
+
+
+def add_dataset_arguments(group: argparse._ArgumentGroup) -> None:
+    """``--dataset`` and the ``prefix-repetition`` set's options (``gridserve bench serve``)."""
+    group.add_argument("--dataset", default="random", choices=DATASETS,
+                       help="'file' needs --dataset-path (given alone, it implies 'file'); 'prefix-repetition': "
+                            "a few shared system prompts, each followed by a user's own suffix")
+    group.add_argument("--prefix-repetition-prefix-len", type=int, default=256,
+                       help="prefix-repetition: tokens of each shared prefix")
+    group.add_argument("--prefix-repetition-suffix-len", type=int, default=256,
+                       help="prefix-repetition: tokens of each request's own suffix")
+    group.add_argument("--prefix-repetition-num-prefixes", type=int, default=10,
+                       help="prefix-repetition: distinct prefixes the requests share (evenly)")
+    group.add_argument("--prefix-repetition-output-len", type=int, default=128,
+                       help="prefix-repetition: output tokens per request")
+
+
+def prefix_repetition_from_args(args: argparse.Namespace, vocabulary: Vocabulary, seed: int,
+                                as_text: bool) -> list[BenchRequest]:
+    """The ``prefix-repetition`` set the options of :func:`add_dataset_arguments` describe."""
+    return prefix_repetition_requests(args.num_prompts, vocabulary, args.prefix_repetition_prefix_len,
+                                      args.prefix_repetition_suffix_len, args.prefix_repetition_num_prefixes,
+                                      args.prefix_repetition_output_len, seed, as_text)

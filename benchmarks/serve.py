@@ -8,9 +8,11 @@ into TTFT, TPOT, ITL and end-to-end latency and the run's throughputs, as vLLM's
 defines them. ``--sweep-concurrency 1,4,16`` repeats the same request set at each concurrency;
 ``--plot`` (or ``gridserve bench plot``) draws throughput and latency against concurrency.
 
-``--probe-rate 1`` adds a latency probe: while the load runs, one short request per second (its
-own client task and connections, a fresh random prompt each) measures the TTFT an interactive user
-sharing the server with the batch traffic sees; reported as ``{median,p99,...}_probe_ttft_ms``.
+``--probe-rate 1`` adds a latency probe (:mod:`gridserve.benchmarks.probe`): while the load runs,
+one short request per second (its own client task and connections, a fresh random prompt each)
+measures the TTFT an interactive user sharing the server with the batch traffic sees; reported as
+``{median,p99,...}_probe_ttft_ms``. ``--probe-priority -1`` sends it ahead of the load on a server
+that schedules by priority; ``0,-1`` measures both, one run each.
 
 Every request has a deadline (``--timeout``) and so has the whole run (``--max-duration``): what
 has not finished by then is cancelled and counted as failed.
@@ -28,7 +30,6 @@ import os
 import platform
 import random
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Optional
@@ -38,10 +39,11 @@ from gridserve.benchmarks.datasets import (
     TokenizerVocabulary,
     Vocabulary,
     WordVocabulary,
+    add_dataset_arguments,
     file_requests,
     find_tokenizer,
+    prefix_repetition_from_args,
     random_requests,
-    uniform_requests,
 )
 from gridserve.benchmarks.metrics import (
     RequestResult,
@@ -49,6 +51,14 @@ from gridserve.benchmarks.metrics import (
     format_sweep_table,
     summarize,
     summarize_probes,
+)
+from gridserve.benchmarks.probe import (
+    LatencyProbe,
+    add_probe_arguments,
+    format_probe_table,
+    latency_probe,
+    probe_priorities,
+    run_probes,
 )
 from gridserve.shared.errors import GridserveError
 
@@ -74,6 +84,7 @@ class Endpoint:
     ignore_eos: bool = True
     temperature: float = 0.0
     ca_file: Optional[str] = None  # HTTPS: the CA that signed the server's certificate
+    priority: int = 0  # vLLM's request priority (lower first); 0: the field is not sent
 
     def verify(self) -> Any:
         """httpx's ``verify``: the CA file's context for HTTPS, else the default."""
@@ -103,6 +114,8 @@ class Endpoint:
             body["prompt"] = request.prompt
         if self.ignore_eos:
             body["ignore_eos"] = True
+        if self.priority:
+            body["priority"] = self.priority
         return body
 
 
@@ -206,21 +219,6 @@ def arrival_offsets(num_requests: int, request_rate: float, seed: int = 0) -> li
 
 
 @dataclass(frozen=True)
-class LatencyProbe:
-    """One short request every ``1 / rate`` seconds from the start of the load until its end, each
-    sent on time whatever the earlier ones are doing (an interactive user sharing the server).
-    ``request(i)`` is the ``i``-th probe's request (a fresh prompt each: no prefix-cache hits)."""
-
-    rate: float
-    request: Callable[[int], BenchRequest]
-    drain_s: float = 60.0  # how long probes still in flight when the load ends may take to finish
-
-    def __post_init__(self) -> None:
-        if not (self.rate > 0 and math.isfinite(self.rate)):
-            raise ValueError(f"--probe-rate must be a positive number of requests per second, got {self.rate}")
-
-
-@dataclass(frozen=True)
 class LoadSpec:
     """How requests are sent: arrival rate, in-flight limit and deadlines; optionally a latency probe."""
 
@@ -233,36 +231,14 @@ class LoadSpec:
     probe: Optional[LatencyProbe] = None
 
 
-async def run_probes(endpoint: Endpoint, probe: LatencyProbe, load_done: asyncio.Event,
-                     timeout_s: float) -> list[RequestResult]:
-    """Send ``probe``'s requests on schedule on a client of their own (never queued behind the
-    load's connection limit) until ``load_done`` is set; then give those still in flight
-    ``probe.drain_s`` to finish (the rest fail). Results in sending order, ``sent_at`` from the start."""
+async def _probe_load(endpoint: Endpoint, load: LoadSpec, load_done: asyncio.Event) -> list[RequestResult]:
+    """The latency probe's requests, on a client of their own, with the probe's priority."""
     import httpx2
 
-    sent: list[tuple[float, asyncio.Task]] = []
-    async with httpx2.AsyncClient(timeout=httpx2.Timeout(timeout_s), trust_env=False,
+    target = replace(endpoint, priority=load.probe.priority)
+    async with httpx2.AsyncClient(timeout=httpx2.Timeout(load.timeout_s), trust_env=False,
                                   verify=endpoint.verify()) as client:
-        start = time.perf_counter()
-        while not load_done.is_set():
-            due = start + len(sent) / probe.rate
-            try:
-                await asyncio.wait_for(load_done.wait(), max(0.0, due - time.perf_counter()))
-                break
-            except asyncio.TimeoutError:
-                pass
-            request = probe.request(len(sent))
-            sent.append((time.perf_counter() - start,
-                         asyncio.create_task(send_request(client, endpoint, request, timeout_s))))
-        tasks = [task for _, task in sent]
-        if tasks:
-            _, pending = await asyncio.wait(tasks, timeout=probe.drain_s)
-            for task in pending:
-                task.cancel()
-            await asyncio.gather(*pending, return_exceptions=True)
-    unfinished = f"not finished within {probe.drain_s:g}s after the load ended"
-    return [replace(task.result() if not task.cancelled() else
-                    RequestResult(0, 0, error=unfinished), sent_at=at) for at, task in sent]
+        return await run_probes(load.probe, lambda r: send_request(client, target, r, load.timeout_s), load_done)
 
 
 async def run_load(endpoint: Endpoint, requests: list[BenchRequest],
@@ -284,8 +260,7 @@ async def run_load(endpoint: Endpoint, requests: list[BenchRequest],
                                   verify=endpoint.verify()) as client:
         start = time.perf_counter()
         load_done = asyncio.Event()
-        probes = (asyncio.create_task(run_probes(endpoint, load.probe, load_done, load.timeout_s))
-                  if load.probe else None)
+        probes = asyncio.create_task(_probe_load(endpoint, load, load_done)) if load.probe else None
 
         async def one(i: int) -> None:
             await asyncio.sleep(max(0.0, start + offsets[i] - time.perf_counter()))
@@ -368,8 +343,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--text-prompts", action="store_true",
                         help="send prompts as text even when token ids could be sent")
     data = parser.add_argument_group("requests")
-    data.add_argument("--dataset", default="random", choices=("random", "file"),
-                      help="'file' needs --dataset-path (given alone, it implies 'file')")
+    add_dataset_arguments(data)
     data.add_argument("--dataset-path", default=None,
                       help="JSON list of prompt strings or {\"prompt\": ..., \"output_len\"?: ...}")
     data.add_argument("--num-prompts", type=int, default=32)
@@ -394,13 +368,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     load.add_argument("--prompts-per-concurrency", type=int, default=None, metavar="K",
                       help="in a sweep, send only the first K x concurrency prompts at each point "
                            "(keeps low-concurrency points short; default: all of them)")
-    load.add_argument("--probe-rate", type=float, default=0.0, metavar="PER_S",
-                      help="latency probe: this many short requests per second while the load runs, "
-                           "their TTFT reported apart (default 0: off)")
-    load.add_argument("--probe-input-len", type=int, default=32, help="prompt tokens of each probe request")
-    load.add_argument("--probe-output-len", type=int, default=4, help="output tokens of each probe request")
     load.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     load.add_argument("--max-duration", type=float, default=3600.0, help="seconds per run, at most")
+    add_probe_arguments(parser)
     out = parser.add_argument_group("output")
     out.add_argument("--output-json", default=None, help="write the results here")
     out.add_argument("--save-detailed", action="store_true", help="per-request times in the JSON too")
@@ -423,26 +393,31 @@ def run(args: argparse.Namespace) -> int:
     endpoint = Endpoint(args.base_url, args.endpoint, model, args.api_key,
                         _ignore_eos(args), args.temperature, args.ca_file)
     vocabulary = _vocabulary(args, card)
-    as_text = _probe(args, endpoint, vocabulary, args.text_prompts or endpoint.chat, len(concurrencies))
+    priorities = probe_priorities(args.probe_priority) if args.probe_rate else [0]  # one run per value
+    points = [(c, p) for c in concurrencies for p in priorities]
+    as_text = _probe(args, endpoint, vocabulary, args.text_prompts or endpoint.chat, len(points))
     workload = _requests(args, vocabulary, as_text, args.seed)
     runs = []
-    for i, concurrency in enumerate(concurrencies):
-        # Random prompts are drawn afresh for each sweep point (seed + i), so that a prefix cache
-        # cannot serve one point the prompts of the one before; lengths follow the same ranges.
+    for i, (concurrency, priority) in enumerate(points):
+        # Random prompts are drawn afresh for each run (seed + i), so that a prefix cache cannot
+        # serve one run the prompts of the one before; lengths follow the same ranges.
         requests = workload if i == 0 else _requests(args, vocabulary, as_text, args.seed + i)
         load = LoadSpec(args.request_rate, concurrency, args.timeout, args.max_duration, args.seed,
                         progress=not args.disable_tqdm,
                         probe=latency_probe(args.probe_rate, vocabulary, args.probe_input_len,
-                                            args.probe_output_len, args.seed + i, as_text))
+                                            args.probe_output_len, args.seed + i, as_text, priority))
         before = spec_decode_counters(args.engine_metrics_url) if args.engine_metrics_url else None
         runs.append(measure_run(endpoint, _head(requests, args.prompts_per_concurrency, concurrency), load,
                                 args.save_detailed))
         if before is not None:
             runs[-1]["spec_decode"] = spec_decode_delta(before, spec_decode_counters(args.engine_metrics_url))
-        print(format_report(runs[-1], f"max concurrency {concurrency or 'unlimited'}"))
+        title = f"max concurrency {concurrency or 'unlimited'}"
+        print(format_report(runs[-1], title + (f", probe priority {priority}" if load.probe and priority else "")))
     label = args.label or f"{model} @ {args.base_url}"
     if len(runs) > 1:
         print(format_sweep_table(runs))
+    if any("probe_sent" in r for r in runs):
+        print(format_probe_table(runs))
     report = _report(args, endpoint, label, workload, runs)
     if args.output_json:
         path = Path(args.output_json)
@@ -527,7 +502,7 @@ def _card_or_none(args: argparse.Namespace) -> Optional[dict[str, Any]]:
 
 
 def _ignore_eos(args: argparse.Namespace) -> bool:
-    return args.ignore_eos if args.ignore_eos is not None else _dataset(args) == "random"
+    return args.ignore_eos if args.ignore_eos is not None else _dataset(args) in ("random", "prefix-repetition")
 
 
 def _dataset(args: argparse.Namespace) -> str:
@@ -550,6 +525,8 @@ def _requests(args: argparse.Namespace, vocabulary: Vocabulary, as_text: bool, s
         if not args.dataset_path:
             raise ValueError("--dataset file needs --dataset-path")
         return file_requests(args.dataset_path, vocabulary, args.random_output_len, args.num_prompts, as_text)
+    if _dataset(args) == "prefix-repetition":
+        return prefix_repetition_from_args(args, vocabulary, seed, as_text)
     return random_requests(args.num_prompts, vocabulary, args.random_input_len, args.random_output_len,
                            args.random_range_ratio, args.random_prefix_len, seed,
                            args.random_output_range_ratio, as_text)
@@ -571,26 +548,6 @@ def _probe(args: argparse.Namespace, endpoint: Endpoint, vocabulary: Vocabulary,
     raise EndpointError(f"the probe request to {endpoint.url} failed: {result.error}")
 
 
-def latency_probe(rate: float, vocabulary: Vocabulary, input_len: int, output_len: int, seed: int,
-                  as_text: bool) -> Optional[LatencyProbe]:
-    """The probe of ``--probe-rate`` (``None`` when it is 0): probe ``i`` gets a random prompt of
-    ``input_len`` ids of its own (seeded apart from the load's prompts) and ``output_len`` tokens."""
-    if rate == 0:
-        return None
-    for flag, value in (("--probe-input-len", input_len), ("--probe-output-len", output_len)):
-        if value < 1:
-            raise ValueError(f"{flag} must be >= 1, got {value}")
-
-    def request(i: int) -> BenchRequest:
-        return uniform_requests(1, vocabulary, (input_len, input_len), (output_len, output_len),
-                                seed=PROBE_SEED + seed * 1_000_003 + i, as_text=as_text)[0]
-
-    return LatencyProbe(rate, request)
-
-
-PROBE_SEED = 7_000_000_000  # probe prompts' seeds start here: far from any load's seed
-
-
 def measure_run(endpoint: Endpoint, requests: list[BenchRequest], load: LoadSpec,
                 detailed: bool = False) -> dict[str, Any]:
     """One timed run of ``requests`` under ``load``: its summary (``metrics.summarize``, plus the
@@ -601,7 +558,7 @@ def measure_run(endpoint: Endpoint, requests: list[BenchRequest], load: LoadSpec
               "num_prompts": len(requests), "started_at": started_at, "finished_at": _now(),
               "load_avg": (load_before, _load_avg()), **summarize(results, duration)}
     if load.probe:
-        record |= summarize_probes(probe_results, load.probe.rate)
+        record |= summarize_probes(probe_results, load.probe.rate) | {"probe_priority": load.probe.priority}
         if detailed:
             record |= {"probe_sent_at": [r.sent_at for r in probe_results],
                        "probe_ttfts": [r.ttft for r in probe_results if r.success]}

@@ -74,9 +74,10 @@ class AsyncLLM:
 
     # ---- the API ------------------------------------------------------------------------------------
     async def generate(self, prompt: PromptType, sampling_params: Optional[SamplingParams] = None,
-                       request_id: Optional[str] = None) -> AsyncIterator[RequestOutput]:
+                       request_id: Optional[str] = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
         """The request's output after every step that added tokens (cumulative), the last one
-        ``finished``. Leaving the loop early (or cancelling) aborts the request."""
+        ``finished``. Leaving the loop early (or cancelling) aborts the request. ``priority``: lower
+        runs first, on an engine with ``--scheduling-policy priority`` (any other refuses all but 0)."""
         await self._start()
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._requests:
@@ -94,7 +95,7 @@ class AsyncLLM:
         try:
             for child_id, _, params in children:
                 await engine.add_request(child_id, processed.prompt_token_ids, params, parent_request_id=request_id,
-                                         mm_features=processed.mm_features)
+                                         mm_features=processed.mm_features, priority=priority)
             while not finished:
                 item = await outputs.get()
                 if isinstance(item, Exception):

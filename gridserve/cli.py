@@ -24,12 +24,14 @@ from gridserve.roles import (
     add_engine_arguments,
     add_observability_arguments,
     add_option,
+    add_routing_argument,
     add_server_arguments,
     check_parallel_sizes,
     engine_argv,
     engine_config,
     observability_argv,
     require,
+    routing_argv,
 )
 from gridserve.services.gateway.chat_options import ChatOptions
 from gridserve.services.gateway.limits import RequestLimits, add_limit_arguments, gateway_argv
@@ -101,6 +103,7 @@ def _parser() -> argparse.ArgumentParser:
     add_engine_arguments(serve)
     add_observability_arguments(serve, metrics_port=False)
     add_limit_arguments(serve)
+    add_routing_argument(serve)
 
     worker = sub.add_parser("worker", help="run one worker service")
     add_server_arguments(worker, default_port=50061)
@@ -132,6 +135,7 @@ def _parser() -> argparse.ArgumentParser:
     add_option(gateway, "--api-key", help="require `Authorization: Bearer KEY` on /v1 routes and gRPC calls")
     add_option(gateway, "--coordinator", help="DP coordinator address host:port: route by the engines' load")
     add_limit_arguments(gateway)
+    add_routing_argument(gateway)
 
     for role_parser in (serve, worker, engine, coordinator, gateway):
         add_option(role_parser, "--insecure-internal", action="store_true",
@@ -212,7 +216,7 @@ def _gateway(args: argparse.Namespace) -> int:
                  api_key=args.api_key, coordinator=args.coordinator, limits=RequestLimits.from_args(args),
                  blocking_workers=args.blocking_threads, media=MediaConfig.from_args(args),
                  health_port=args.health_port, chat=ChatOptions.from_args(args),
-                 responses=ResponsesStoreOptions.from_args(args))
+                 responses=ResponsesStoreOptions.from_args(args), routing_policy=args.routing_policy)
 
 
 # EdgeLimits' fields as `serve` flags, for its errors.
@@ -278,7 +282,8 @@ def _serve(args: argparse.Namespace) -> int:
                         served_model_name=args.served_model_name or default_name or model, api_key=args.api_key,
                         tensor_parallel_size=args.tensor_parallel_size,
                         pipeline_parallel_size=args.pipeline_parallel_size,
-                        observability_args=observability_argv(args), gateway_args=gateway_argv(args),
+                        observability_args=observability_argv(args),
+                        gateway_args=gateway_argv(args) + routing_argv(args),
                         edge_limits=edge_limits, edge_cors=edge_cors,
                         tls=args.tls, ssl_files=(args.ssl_certfile, args.ssl_keyfile) if args.ssl_certfile else None,
                         insecure_internal=args.insecure_internal)

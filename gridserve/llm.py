@@ -22,7 +22,8 @@ from gridserve.services.gateway.beam_search import (
 from gridserve.services.gateway.media_loader import MediaConfig, MediaLoader
 from gridserve.services.gateway.multimodal import chat_images
 from gridserve.services.gateway.processor import PromptType
-from gridserve.shared.config import GridserveConfig
+from gridserve.services.gateway.protocol import INT32_MAX, INT32_MIN
+from gridserve.shared.config import PRIORITY, GridserveConfig
 from gridserve.shared.errors import InvalidArgumentError
 from gridserve.shared.lora import LoRARequest
 from gridserve.shared.outputs import (
@@ -89,14 +90,17 @@ class LLM:
         sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
         use_tqdm: bool = True,
         lora_request: Union[LoRARequest, Sequence[Optional[LoRARequest]], None] = None,
+        priority: Optional[Sequence[int]] = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in the order of the prompts.
 
         ``lora_request``: one adapter for every prompt, or one (or None: the base model) per prompt;
-        needs ``enable_lora=True``."""
+        needs ``enable_lora=True``. ``priority``: one integer per prompt (vLLM's), lower runs first;
+        needs ``scheduling_policy="priority"``."""
         prompt_list = _as_prompt_list(prompts)
         params = _per_prompt(sampling_params, len(prompt_list), self.get_default_sampling_params)
-        return self._run(prompt_list, params, use_tqdm, _per_prompt_lora(lora_request, len(prompt_list)))
+        return self._run(prompt_list, params, use_tqdm, _per_prompt_lora(lora_request, len(prompt_list)),
+                         _per_prompt_priority(priority, len(prompt_list), self.config.scheduler.scheduling_policy))
 
     def chat(
         self,
@@ -252,12 +256,14 @@ class LLM:
         return self._media.load(field, source)
 
     def _run(self, prompts: list[PromptType], params: list[SamplingParams], use_tqdm: bool,
-             loras: Optional[list[Optional[LoRARequest]]] = None) -> list[RequestOutput]:
+             loras: Optional[list[Optional[LoRARequest]]] = None,
+             priorities: Optional[list[int]] = None) -> list[RequestOutput]:
         assigned: list[list[str]] = [[] for _ in self.engines]
         keys = []
-        for prompt, sp, lora in zip(prompts, params, loras or [None] * len(prompts)):
+        for prompt, sp, lora, priority in zip(prompts, params, loras or [None] * len(prompts),
+                                              priorities or [0] * len(prompts)):
             rank = min(range(len(self.engines)), key=lambda r: len(assigned[r]))
-            assigned[rank].append(self.engines[rank].add_request(prompt, sp, lora_request=lora))
+            assigned[rank].append(self.engines[rank].add_request(prompt, sp, lora_request=lora, priority=priority))
             keys.append((rank, assigned[rank][-1]))
         results: dict[tuple[int, str], RequestOutput] = {}
         try:
@@ -389,6 +395,25 @@ def _per_prompt_lora(lora: Any, n: int) -> Optional[list[Optional[LoRARequest]]]
     if len(lora) != n:
         raise InvalidArgumentError("lora_request", f"has {len(lora)} entries for {n} prompts")
     return list(lora)
+
+
+def _per_prompt_priority(priority: Any, n: int, policy: str) -> Optional[list[int]]:
+    """``generate``'s ``priority``: one integer per prompt (vLLM's), within int32; any but 0 needs
+    the priority policy (checked before any prompt reaches the engine)."""
+    if priority is None:
+        return None
+    if not isinstance(priority, (list, tuple)):
+        raise InvalidArgumentError("priority", f"must be a list of integers, one per prompt, got {type(priority).__name__}")
+    if len(priority) != n:
+        raise InvalidArgumentError("priority", f"has {len(priority)} entries for {n} prompts")
+    for value in priority:
+        if isinstance(value, bool) or not isinstance(value, int) or not INT32_MIN <= value <= INT32_MAX:
+            raise InvalidArgumentError("priority", f"each must be an integer in [{INT32_MIN}, {INT32_MAX}], "
+                                                   f"got {value!r}")
+    if policy != PRIORITY and any(priority):
+        raise InvalidArgumentError("priority", f"must be 0 with scheduling_policy={policy!r} (build the LLM with "
+                                               "scheduling_policy=\"priority\")")
+    return list(priority)
 
 
 def _truncated(ids: list[int], truncate: Optional[int]) -> list[int]:

@@ -58,9 +58,10 @@ class LLMEngine:
         self._pooling: dict[str, list[int]] = {}  # pooling requests in flight -> their prompt
 
     def add_request(self, prompt: PromptType, params: SamplingParams, request_id: Optional[str] = None,
-                    lora_request: Optional[LoRARequest] = None) -> str:
+                    lora_request: Optional[LoRARequest] = None, priority: int = 0) -> str:
         """Validate and tokenize, then queue one engine request per sample (``n``), on the base model
-        or on ``lora_request``'s adapter (loaded on the workers the first time it is named)."""
+        or on ``lora_request``'s adapter (loaded on the workers the first time it is named), with
+        ``priority`` (lower runs first; only with ``scheduling_policy="priority"``)."""
         request_id = request_id if request_id is not None else str(next(self._ids))
         if lora_request is not None:
             if not isinstance(lora_request, LoRARequest):
@@ -80,6 +81,7 @@ class LLMEngine:
                     eos_token_id=self.config.model.eos_token_id,
                     mm_features=processed.mm_features,
                     lora_request=lora_request,
+                    priority=priority,
                 )
             )
         return request_id

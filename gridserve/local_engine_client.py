@@ -71,7 +71,7 @@ class LocalEngineClient:
                           mm_features: Optional[list[ImageFeature]] = None,
                           output_token_ids: Optional[list[int]] = None, continuation: bool = False,
                           lora_name: Optional[str] = None, pooling_params: Optional[PoolingParams] = None,
-                          token_type_ids: Optional[list[int]] = None) -> None:
+                          token_type_ids: Optional[list[int]] = None, priority: int = 0) -> None:
         """``traceparent`` is not used: an in-process engine records no spans of its own."""
         lora = adapter_for(self.engine_loop.core.lora, lora_name) if lora_name else None
         if params is None and pooling_params is not None:  # a pooling request: one step, no tokens (as the servicer)
@@ -79,7 +79,7 @@ class LocalEngineClient:
         request = Request(request_id, token_ids, params, eos_token_id=self.config.model.eos_token_id,
                           parent_request_id=parent_request_id or None, mm_features=mm_features or [],
                           admit_always=continuation, output_token_ids=output_token_ids, lora_request=lora,
-                          **_pooling_kw(pooling_params, token_type_ids))
+                          priority=priority, **_pooling_kw(pooling_params, token_type_ids))
         await asyncio.wrap_future(self.engine_loop.add_request(request, GATEWAY_ID))
 
     async def abort(self, request_ids: list[str]) -> None:

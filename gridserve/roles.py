@@ -80,6 +80,10 @@ ENGINE_OPTIONS: list[EngineOption] = [
     _engine_option("--max-model-len", int, None, "maximum tokens per sequence (default: the model's)"),
     _engine_option("--max-num-seqs", int, 256, "sequence cap per step"),
     _engine_option("--max-num-batched-tokens", int, None, "token budget per step"),
+    _engine_option("--scheduling-policy", str, "fcfs",
+                   "which request runs first: fcfs (arrival) or priority (each request's priority, lower first, "
+                   "ties by arrival; a better request preempts a worse running one when slots or KV blocks run "
+                   "out); fcfs refuses a nonzero priority"),
     _engine_option("--max-waiting-requests", int, None,
                    "admission control: refuse new requests (RESOURCE_EXHAUSTED; HTTP 429 when every engine "
                    "is full) while this many wait (default: max(1024, 4 x --max-num-seqs))"),
@@ -259,3 +263,19 @@ def require(value: Optional[str], flag: str, what: str) -> str:
     if not value:
         raise ConfigError(flag.lstrip("-"), f"{what} is required: pass {flag} or set {env_name(flag)}")
     return value
+
+
+def add_routing_argument(parser: argparse.ArgumentParser) -> None:
+    """``--routing-policy`` (``gridserve gateway`` and ``gridserve serve``): how a gateway picks the
+    engine of a request with data parallelism (``services/gateway/router.py``)."""
+    from gridserve.services.gateway.router import ROUTING_POLICIES
+
+    add_option(parser, "--routing-policy", choices=ROUTING_POLICIES, default="load",
+               help="how a gateway picks an engine (DP > 1): load (the least loaded) or prefix (the one "
+                    "holding the longest cached prefix of the prompt, unless its load is too far above the "
+                    "least loaded one's)")
+
+
+def routing_argv(args: argparse.Namespace) -> list[str]:
+    """``--routing-policy`` of ``args`` as a ``gridserve gateway`` flag (``serve`` passes it on)."""
+    return [] if args.routing_policy == "load" else ["--routing-policy", args.routing_policy]

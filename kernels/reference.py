@@ -19,6 +19,10 @@ Score modifiers (Hugging Face semantics; every attention path takes them as keyw
 - ``sliding_window`` (0 = none): the query at absolute position ``i`` sees key ``j`` iff
   ``j <= i`` and ``i - j < sliding_window`` (transformers' ``sliding_window_overlay``:
   ``kv_idx > q_idx - sliding_window``; Mistral, Gemma 2/3, Qwen 2).
+- ``causal`` (True unless said): False lets a query see keys on both sides (an encoder, a decoder
+  embedder with bidirectional attention); a window then reaches ``|i - j| < sliding_window``
+  (transformers' bidirectional window overlay of Gemma 3). Only whole sequences attend so, on the
+  no-cache path (``attend_positions`` / ``query_chunks``); the paged kernels are causal.
 - ``soft_cap`` (0 = none): the scaled score ``s = scale * q.k`` becomes ``soft_cap * tanh(s / soft_cap)``
   (Gemma 2's ``attn_logit_softcapping``).
 - ``alibi_slopes`` ([num_heads] float, None = none): ``s += slope[head] * (j - i)`` after the scale
@@ -92,9 +96,11 @@ class ScoreMods:
     sliding_window: int = 0
     soft_cap: float = 0.0
     alibi_slopes: torch.Tensor | None = None  # [num_heads], float32
+    causal: bool = True  # False: keys on both sides of the query (the window too)
 
     @property
     def plain(self) -> bool:
+        """No window, soft cap or bias (causal or not: that is the attention, not a modifier)."""
         return self.sliding_window <= 0 and self.soft_cap <= 0 and self.alibi_slopes is None
 
     @property
@@ -108,11 +114,11 @@ PLAIN = ScoreMods()
 
 
 def score_mods(sliding_window: int = 0, soft_cap: float = 0.0,
-               alibi_slopes: torch.Tensor | None = None) -> ScoreMods:
+               alibi_slopes: torch.Tensor | None = None, causal: bool = True) -> ScoreMods:
     """The keywords of a kernel call as one ``ScoreMods`` (slopes as float32)."""
     if alibi_slopes is not None:
         alibi_slopes = alibi_slopes.detach().to(torch.float32)
-    return ScoreMods(int(sliding_window or 0), float(soft_cap or 0.0), alibi_slopes)
+    return ScoreMods(int(sliding_window or 0), float(soft_cap or 0.0), alibi_slopes, bool(causal))
 
 
 def alibi_slopes(num_heads: int) -> torch.Tensor:
@@ -136,13 +142,12 @@ def _powers(base: float, exponents: range) -> torch.Tensor:
 def attend_positions(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
                      k_pos: torch.Tensor, scale: float, mods: ScoreMods) -> torch.Tensor:
     """Attention of ``q`` ([b, heads, lq, d]) over ``k`` / ``v`` ([b, kv_heads, lk, d]) whose rows
-    sit at absolute positions ``q_pos`` ([b, lq]) and ``k_pos`` ([b, lk]): causal, windowed,
-    soft-capped and biased by ``mods``. Keys past a query's position are masked (how padding is
-    hidden). The soft cap and ALiBi run in float32 by hand; otherwise SDPA with a boolean mask."""
+    sit at absolute positions ``q_pos`` ([b, lq]) and ``k_pos`` ([b, lk]): causal (unless
+    ``mods.causal`` is False), windowed, soft-capped and biased by ``mods``. Causal: keys past a
+    query's position are masked (how padding is hidden); bidirectional: every key given is one of
+    the sequence's. The soft cap and ALiBi run in float32 by hand; otherwise SDPA with a boolean mask."""
     rel = k_pos[:, None, None, :] - q_pos[:, None, :, None]  # [b, 1, lq, lk]: j - i
-    visible = rel <= 0
-    if mods.sliding_window > 0:
-        visible &= rel > -mods.sliding_window
+    visible = _visible(rel, mods)
     gqa = q.shape[1] != k.shape[1]
     if not mods.explicit:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale, enable_gqa=gqa)
@@ -159,17 +164,33 @@ def attend_positions(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: t
     return torch.matmul(torch.softmax(s, dim=-1), v).to(q.dtype)
 
 
+def _visible(rel: torch.Tensor, mods: ScoreMods) -> torch.Tensor:
+    """Which keys each query sees, from ``rel = j - i``: causal, nothing ahead and, with a window,
+    less than it behind; bidirectional, less than the window away either way (everything without one)."""
+    reach = -rel if mods.causal else rel.abs()  # how far behind (causal) or away (bidirectional) the key is
+    visible = reach >= 0
+    if mods.sliding_window > 0:
+        visible &= reach < mods.sliding_window
+    return visible
+
+
 def query_chunks(first_pos: int, q_len: int, heads: int, mods: ScoreMods):
     """``(a, b, lo, hi)`` per chunk of a sequence's queries ``[a, b)`` (positions ``first_pos + a``
-    on): the keys ``[lo, hi)`` they can see. Chunks keep ``heads x queries x keys`` near
+    on): the keys ``[lo, hi)`` they can see (causal: up to the chunk's last query; bidirectional:
+    up to the sequence's end, ``first_pos + q_len``). Chunks keep ``heads x queries x keys`` near
     ``_SCORE_BUDGET`` so a long prompt never materializes all its scores at once."""
-    window = mods.sliding_window
-    span = min(first_pos + q_len, window + 64) if window > 0 else first_pos + q_len
+    window, end = mods.sliding_window, first_pos + q_len
+    sides = 1 if mods.causal else 2
+    span = min(end, sides * window + 64) if window > 0 else end
     rows = max(16, _SCORE_BUDGET // max(heads * span, 1))
     for a in range(0, q_len, rows):
         b = min(a + rows, q_len)
         lo = max(0, first_pos + a - window + 1) if window > 0 else 0
-        yield a, b, lo, first_pos + b
+        if mods.causal:
+            hi = first_pos + b
+        else:
+            hi = min(end, first_pos + b + window - 1) if window > 0 else end
+        yield a, b, lo, hi
 
 
 def paged_attention(

@@ -40,6 +40,9 @@ KV_DTYPE_BYTES = {**DTYPE_BYTES, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
 QUANTIZATION_METHODS = ("int8", "int4")
 DEVICES = ("auto", "cpu", "cuda")
 EXECUTORS = ("uni", "grpc", "ray")
+# --scheduling-policy: first come first served, or by each request's priority (lower first).
+FCFS, PRIORITY = "fcfs", "priority"
+SCHEDULING_POLICIES = (FCFS, PRIORITY)
 
 
 
@@ -355,8 +358,14 @@ class SchedulerConfig:
     max_waiting_requests: Optional[int] = None
     # Speculative decoding, vLLM's dict (``SpeculativeConfig``; empty: off). A JSON string is parsed.
     speculative_config: dict = field(default_factory=dict)
+    # Which request runs first: "fcfs" (arrival) or "priority" (each request's priority, lower first;
+    # a better request preempts a worse running one). ``services/engine/scheduling_policy.py``.
+    scheduling_policy: str = FCFS
 
     def __post_init__(self) -> None:
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ConfigError("scheduler.scheduling_policy",
+                              f"must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}")
         _positive("scheduler", "max_num_seqs", self.max_num_seqs, allow_none=False)
         _positive("scheduler", "max_waiting_requests", self.max_waiting_requests)
         _positive("scheduler", "max_num_batched_tokens", self.max_num_batched_tokens)

@@ -72,10 +72,12 @@ class EngineClientProtocol(Protocol):
                           mm_features: Optional[list[ImageFeature]] = None,
                           output_token_ids: Optional[list[int]] = None, continuation: bool = False,
                           lora_name: Optional[str] = None, pooling_params: Optional[PoolingParams] = None,
-                          token_type_ids: Optional[list[int]] = None) -> None:
+                          token_type_ids: Optional[list[int]] = None, priority: int = 0) -> None:
         """Start ``request_id`` on the engine: ``parent_request_id`` is the id the client sees,
         ``traceparent`` the caller's span (W3C), ``mm_features`` the prompt's preprocessed images,
-        ``lora_name`` the LoRA adapter it runs on (the engine's table resolves it; None: the base model).
+        ``lora_name`` the LoRA adapter it runs on (the engine's table resolves it; None: the base model),
+        ``priority`` its rank under the engine's priority scheduling (lower first; an FCFS engine
+        refuses any value but 0 with ``InvalidArgumentError`` / INVALID_ARGUMENT naming it).
         A pooling request (a pooling model's embedding or scores) gives ``pooling_params`` and no
         ``params`` (None), and ``token_type_ids`` for a BERT pair (None: all 0); it finishes in one
         output carrying ``pooler_output``."""

@@ -6,14 +6,27 @@ the publish interval passes (then they republish the same snapshot, so a gateway
 coordinator). ``bump`` wakes them for a change kept elsewhere (the MoE wave state). Everything but
 ``snapshot`` runs on the coordinator's event loop; ``snapshot`` may also be read from the metrics
 thread (it copies the table in one step).
+
+A report may carry a prefix-cache digest update: the table keeps a copy of each engine's digest
+(``PrefixDigest``, a new one when the engine's report stream starts over), and a change to it is a
+new version too; ``digest_since`` gives a watcher what its copy lacks. An update that does not
+follow the copy (a gap) raises ``DigestGapError``: the engine's stream ends, and its next one
+starts with the whole digest.
 """
 
 from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
+from typing import Optional
 
+from gridserve.shared.errors import InvalidArgumentError
 from gridserve.shared.load import EngineLoad
+from gridserve.shared.prefix_digest import Cursor, DigestUpdate, PrefixDigest
+
+
+class DigestGapError(InvalidArgumentError):
+    """A digest update that does not start where the coordinator's copy is."""
 
 
 @dataclass(frozen=True)
@@ -31,18 +44,35 @@ class LoadTable:
 
     def __init__(self) -> None:
         self._entries: dict[int, Entry] = {}
+        self._digests: dict[int, PrefixDigest] = {}  # the copy of each engine's prefix-cache digest
         self._version = 0
         self._changed = asyncio.Event()  # set (and replaced) on every new version
 
-    def update(self, entry: Entry) -> None:
+    def update(self, entry: Entry, digest: Optional[DigestUpdate] = None) -> None:
         old = self._entries.get(entry.dp_rank)
         self._entries[entry.dp_rank] = entry
-        if old is None or _key(old) != _key(entry):
+        changed = old is None or _key(old) != _key(entry)
+        if digest is not None:
+            copy = self._digests.get(entry.dp_rank)
+            if copy is None:
+                copy = self._digests[entry.dp_rank] = PrefixDigest(digest.block_size, digest.capacity)
+            if not copy.apply(digest):
+                raise DigestGapError("load.prefix_digest", f"engine {entry.dp_rank}: version {digest.base_seq} "
+                                     f"does not follow {copy.source} or exceeds {digest.capacity} blocks")
+            changed = True
+        if changed:
             self._bump()
 
     def remove(self, dp_rank: int) -> None:
+        self._digests.pop(dp_rank, None)
         if self._entries.pop(dp_rank, None) is not None:
             self._bump()
+
+    def digest_since(self, dp_rank: int, cursor: Optional[Cursor]) -> Optional[DigestUpdate]:
+        """What a watcher's copy of engine ``dp_rank``'s digest at ``cursor`` lacks (None: nothing,
+        or the engine publishes none)."""
+        copy = self._digests.get(dp_rank)
+        return None if copy is None else copy.since(cursor)
 
     def bump(self) -> None:
         """Wake every watcher (something they publish besides the loads changed)."""

@@ -2,7 +2,9 @@
 (gateways and MoE engines, server stream) and the wave calls; protobuf <-> ``LoadTable`` /
 ``Waves`` only. Every handler is ``async``: the whole coordinator is one event loop. A report
 stream keeps the rank it started with, and with a certificate per instance (``engine-<rank>``,
-``shared.rpc.authz``) an engine speaks only for its own rank."""
+``shared.rpc.authz``) an engine speaks only for its own rank. Each watch stream keeps the version
+of every engine's prefix-cache digest it sent, and sends each engine's changes since (the whole
+digest first)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator
+from typing import Optional
 
 import grpc
 
@@ -19,15 +22,20 @@ from gridserve.services.coordinator.waves import WaveError, Waves
 from gridserve.shared import envs
 from gridserve.shared.errors import InvalidArgumentError
 from gridserve.shared.load import EngineLoad
+from gridserve.shared.prefix_digest import Cursor, DigestUpdate
 from gridserve.shared.rpc.authz import check_rank
+from gridserve.shared.rpc.digest_convert import digest_from_pb, digest_to_pb
 
 logger = logging.getLogger(__name__)
 
 
-def entry_to_pb(entry: Entry) -> coordinator_pb2.EngineLoad:
+def entry_to_pb(entry: Entry, digest: Optional[DigestUpdate] = None) -> coordinator_pb2.EngineLoad:
     load = entry.load
-    return coordinator_pb2.EngineLoad(dp_rank=entry.dp_rank, address=entry.address, num_waiting=load.num_waiting,
-                                      num_running=load.num_running, kv_cache_usage=load.kv_cache_usage)
+    msg = coordinator_pb2.EngineLoad(dp_rank=entry.dp_rank, address=entry.address, num_waiting=load.num_waiting,
+                                     num_running=load.num_running, kv_cache_usage=load.kv_cache_usage)
+    if digest is not None:
+        msg.prefix_digest.CopyFrom(digest_to_pb(digest))
+    return msg
 
 
 def entry_from_pb(msg: coordinator_pb2.EngineLoad, reported_at: float) -> Entry:
@@ -53,7 +61,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                 elif request.load.dp_rank != rank:
                     raise InvalidArgumentError("load.dp_rank", f"changed from {rank} to {request.load.dp_rank} "
                                                                "within one report stream")
-                self.table.update(entry_from_pb(request.load, time.monotonic()))
+                self.table.update(entry_from_pb(request.load, time.monotonic()), digest_from_pb(request.load))
         except grpc.RpcError:
             pass  # the engine went away: a cancelled stream, not an error
         finally:
@@ -66,12 +74,18 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                         context: grpc.aio.ServicerContext) -> AsyncIterator[coordinator_pb2.WatchLoadResponse]:
         logger.info("%s watches the load", request.subscriber_id or "?")
         version = -1
+        cursors: dict[int, Cursor] = {}  # the version of each engine's digest this watcher has
         while not self.stopping.is_set():
             version, entries = await self.table.wait_for_change(
                 version, envs.GRIDSERVE_COORDINATOR_PUBLISH_INTERVAL_S)  # at least this often
             wave, running = self.waves.state()
-            yield coordinator_pb2.WatchLoadResponse(engines=[entry_to_pb(x) for x in entries], wave=wave,
-                                                    wave_running=running)
+            engines = []
+            for entry in entries:
+                digest = self.table.digest_since(entry.dp_rank, cursors.get(entry.dp_rank))
+                if digest is not None:
+                    cursors[entry.dp_rank] = digest.cursor
+                engines.append(entry_to_pb(entry, digest))
+            yield coordinator_pb2.WatchLoadResponse(engines=engines, wave=wave, wave_running=running)
 
     async def StartWave(self, request: coordinator_pb2.StartWaveRequest,
                         context: grpc.aio.ServicerContext) -> coordinator_pb2.StartWaveResponse:

@@ -15,14 +15,31 @@ The model (the contract the KV-cache manager and the worker rely on):
   while their KV lives in different blocks, so the cache key names the group: the hash itself for
   group 0 (a model of one layer kind has only that group, and pays nothing), ``(hash, group)``
   for the others.
+* A ``PrefixCacheListener`` (``listener``), when set, hears each group-0 hash enter the cache (its
+  first block cached), leave it (its last block evicted) and the whole cache cleared (reset): the
+  prefix-cache digest the engine publishes for cache-aware routing.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Sequence
+from typing import Optional, Protocol
 
 logger = logging.getLogger(__name__)
+
+
+class PrefixCacheListener(Protocol):
+    """Hears the prefix cache of KV cache group 0 change, on the thread that changes it."""
+
+    def block_stored(self, block_hash: bytes) -> None:
+        """``block_hash`` is cached now (a first block holds it)."""
+
+    def block_removed(self, block_hash: bytes) -> None:
+        """``block_hash`` is cached no more (its last block was evicted)."""
+
+    def cache_cleared(self) -> None:
+        """Every hash was dropped (a prefix-cache reset)."""
 
 
 def cache_key(block_hash: bytes, group: int) -> bytes | tuple[bytes, int]:
@@ -124,6 +141,7 @@ class BlockPool:
         # hash -> {block_id: block}; several blocks may hold the same content when two requests
         # computed the same prefix at the same time.
         self.cached_block_hash_to_block: dict[bytes | tuple[bytes, int], dict[int, KVCacheBlock]] = {}
+        self.listener: Optional[PrefixCacheListener] = None
 
     @property
     def num_usable_blocks(self) -> int:
@@ -159,6 +177,8 @@ class BlockPool:
             holders.pop(block.block_id, None)
             if not holders:
                 del self.cached_block_hash_to_block[block.block_hash]
+                if self.listener is not None and isinstance(block.block_hash, bytes):  # group 0's key
+                    self.listener.block_removed(block.block_hash)
         block.block_hash = None
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
@@ -206,7 +226,12 @@ class BlockPool:
             if block.block_hash is not None or block.is_null:
                 continue
             block.block_hash = cache_key(block_hashes[i], group)
-            self.cached_block_hash_to_block.setdefault(block.block_hash, {})[block.block_id] = block
+            holders = self.cached_block_hash_to_block.get(block.block_hash)
+            if holders is None:
+                holders = self.cached_block_hash_to_block[block.block_hash] = {}
+                if self.listener is not None and group == 0:
+                    self.listener.block_stored(block_hashes[i])
+            holders[block.block_id] = block
 
     def get_cached_block(self, block_hash: bytes, group: int = 0) -> KVCacheBlock | None:
         """A block of group ``group`` holding the content with ``block_hash``, or None on a miss."""
@@ -224,5 +249,7 @@ class BlockPool:
         self.cached_block_hash_to_block.clear()
         for block in self.blocks:
             block.block_hash = None
+        if self.listener is not None:
+            self.listener.cache_cleared()
         logger.info("prefix cache reset")
         return True

@@ -28,17 +28,18 @@ The model (the contract the scheduler relies on):
   block's extra keys, so they reach every block;
   a block that covers image tokens has each such image's content hash (and where the block cuts
   it) in its extra keys, so the same image hits and a different image at the same place misses.
-  The hashes are stable across processes (no Python ``hash()``, no pickle).
+  The hashes are stable across processes (``gridserve.shared.prefix_hash``, which a gateway that
+  routes by cached prefix computes them with too).
+* ``watch_prefix_cache(listener)`` tells a ``PrefixCacheListener`` which hashes enter and leave the
+  prefix cache (the pool's events; the DP load report publishes them).
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import struct
 from collections.abc import Sequence
 
-from gridserve.services.engine.block_pool import BlockPool, KVCacheBlock
+from gridserve.services.engine.block_pool import BlockPool, KVCacheBlock, PrefixCacheListener
 from gridserve.services.engine.request import Request
 from gridserve.shared.kv_cache_spec import (
     FULL,
@@ -46,41 +47,11 @@ from gridserve.shared.kv_cache_spec import (
     num_blocks_for_memory,
     num_skipped_blocks,
 )
+from gridserve.shared.prefix_hash import extend_block_hashes
 
-__all__ = ["KVCacheManager", "hash_block_tokens", "num_blocks_for_memory"]
+__all__ = ["KVCacheManager", "num_blocks_for_memory"]
 
 logger = logging.getLogger(__name__)
-
-
-def hash_block_tokens(
-    parent_hash: bytes | None, token_ids: Sequence[int], extra_keys: tuple | None = None
-) -> bytes:
-    """SHA-256 of (parent hash, token ids, extra keys) over a deterministic byte encoding."""
-    h = hashlib.sha256()
-    # Length-prefix each field so that different splits can never produce the same bytes.
-    parent = parent_hash or b""
-    h.update(len(parent).to_bytes(4, "little"))
-    h.update(parent)
-    tokens = struct.pack(f"<{len(token_ids)}q", *token_ids)  # little endian: same on every host
-    h.update(len(token_ids).to_bytes(4, "little"))
-    h.update(tokens)
-    extra = repr(tuple(extra_keys)).encode("utf-8") if extra_keys else b""
-    h.update(len(extra).to_bytes(4, "little"))
-    h.update(extra)
-    return h.digest()
-
-
-def _extra_keys(request: Request, start: int, end: int) -> tuple | None:
-    """What besides its tokens keys the block ``[start, end)``: the salt (first block) and the
-    content hash of every image whose tokens it covers, with the offset of the block's first one
-    inside the image (an image split across blocks keys each block by its own part)."""
-    keys: list = [request.cache_salt] if start == 0 and request.cache_salt is not None else []
-    if start == 0 and request.lora_request is not None:  # one prompt under two adapters: two KVs
-        keys.append(("lora", *request.lora_request.cache_key))
-    for image in request.mm_features:
-        if image.overlaps(start, end):
-            keys.append((image.identifier, max(start, image.offset) - image.offset))
-    return tuple(keys) or None
 
 
 class KVCacheManager:
@@ -140,14 +111,10 @@ class KVCacheManager:
 
     def _update_block_hashes(self, request: Request) -> None:
         """Extend ``request.block_hashes`` to cover every full block of ``all_token_ids``."""
-        bs = self.block_size
-        hashes = request.block_hashes
-        num_full = request.num_tokens // bs
-        while len(hashes) < num_full:
-            i = len(hashes)
-            parent = hashes[-1] if hashes else None
-            extra = _extra_keys(request, i * bs, (i + 1) * bs)
-            hashes.append(hash_block_tokens(parent, request.all_token_ids[i * bs:(i + 1) * bs], extra))
+        if len(request.block_hashes) < request.num_tokens // self.block_size:
+            lora = request.lora_request.cache_key if request.lora_request is not None else None
+            extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, request.cache_salt,
+                                lora, request.mm_features)
 
     # ---- the scheduler's interface ---------------------------------------------------------
 
@@ -335,3 +302,8 @@ class KVCacheManager:
     def reset_prefix_cache(self) -> bool:
         """Drop every cached hash; fails (False) while any block is in use."""
         return self.block_pool.reset_prefix_cache()
+
+    def watch_prefix_cache(self, listener: PrefixCacheListener) -> None:
+        """Tell ``listener`` every (group 0) hash that enters or leaves the prefix cache from now on.
+        Set it before the first request: the hashes cached before are not replayed."""
+        self.block_pool.listener = listener

@@ -31,6 +31,7 @@ from gridserve.shared.load import EngineLoad
 from gridserve.shared.observability.metrics import start_metrics_server
 from gridserve.shared.observability.tracing import Tracing
 from gridserve.shared.plugins import load_general_plugins
+from gridserve.shared.prefix_digest import PrefixDigest
 from gridserve.shared.readiness import State
 from gridserve.shared.rpc.server import RpcServer
 
@@ -72,9 +73,15 @@ def serve(config: GridserveConfig, host: str, port: int, grace_s: float = 10.0, 
     if waves is not None and metrics_server is not None:
         registry.register(_WaveMetrics(waves, str(data_parallel_rank)))
     # DP: the engine loop offers its load after every change; the reporter streams it to the coordinator.
+    # With prefix caching its digest goes along: the blocks cached and evicted (cache-aware routing).
     reporter = None
     if coordinator:
-        reporter = server.call(lambda: LoadReporter(coordinator, data_parallel_rank, server.address))
+        digest = None
+        kv = core.kv_cache_manager
+        if kv.enable_caching and config.model.runner != "pooling":
+            digest = PrefixDigest(kv.block_size, kv.num_total_blocks)
+            kv.watch_prefix_cache(digest)
+        reporter = server.call(lambda: LoadReporter(coordinator, data_parallel_rank, server.address, digest=digest))
     loop = EngineLoop(core, server.readiness, observer=observer, waves=waves,
                       on_load=reporter.offer if reporter is not None else None,
                       recovery_timeout_s=worker_recovery_timeout_s)

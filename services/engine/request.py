@@ -62,6 +62,7 @@ class Request:
         lora_request: Optional[LoRARequest] = None,
         pooling_params: Optional[PoolingParams] = None,
         token_type_ids: Optional[list[int]] = None,
+        priority: int = 0,
     ) -> None:
         self.request_id = request_id
         # The id the client sees (the gateway's request id): logs and spans name the request by it.
@@ -84,6 +85,8 @@ class Request:
         # A pooling request: its prompt runs once, whole, and it ends with its pooler output.
         self.pooling_params = pooling_params
         self.token_type_ids = token_type_ids
+        # Its rank under --scheduling-policy priority: lower runs first (fcfs: always 0).
+        self.priority = priority
         self.num_computed_tokens = 0
         # Tokens a step still in flight will sample: the next step may already compute them (the
         # worker holds their value), so the scheduler counts them as known but not yet here.

@@ -4,9 +4,13 @@ There are no separate prefill and decode phases. Every request has ``num_compute
 already in the cache) and ``num_tokens`` (prompt + output so far); each step lets requests catch
 up under a token budget (``max_num_batched_tokens``) and a sequence cap (``max_num_seqs``). A long
 prompt is therefore prefilled in chunks, interleaved with other requests' decodes. Running
-requests go first (in arrival order), then waiting ones (FCFS). When the KV cache runs out of
-blocks, the most recently admitted running request is preempted: its blocks are freed and it
-rejoins the front of the queue, to be recomputed later (its prefix may still hit the cache).
+requests go first, then waiting ones, each in the order of the ``SchedulingPolicy``
+(``scheduling_policy.py``: FCFS, or by priority). When the KV cache runs out of blocks, the running
+batch's last request (FCFS: the most recently admitted; priority: the worst) is preempted: its
+blocks are freed and it rejoins the queue, to be recomputed later (its prefix may still hit the
+cache). Under the priority policy a waiting request that finds no slot (``max_num_seqs``) or too few
+blocks preempts the worst running request if that one is strictly worse; what the victim had
+scheduled in this step is taken back.
 
 Speculative decoding (``speculative_config``): a decoding request whose worker proposed drafts
 runs its next token and the drafts in one step (``scheduled_spec_tokens``, within the token
@@ -30,6 +34,7 @@ from typing import Optional
 
 from gridserve.services.engine.kv_cache_manager import KVCacheManager
 from gridserve.services.engine.request import Request, RequestStatus
+from gridserve.services.engine.scheduling_policy import make_policy
 from gridserve.shared.config import GridserveConfig
 from gridserve.shared.errors import ResourceExhaustedError
 from gridserve.shared.load import EngineLoad
@@ -78,7 +83,7 @@ class StepStats:
 
 
 class Scheduler:
-    """FCFS continuous-batching scheduler with chunked prefill and preemption by recompute."""
+    """Continuous-batching scheduler with chunked prefill and preemption by recompute."""
 
     def __init__(self, config: GridserveConfig, kv_cache_manager: KVCacheManager) -> None:
         self.kv = kv_cache_manager
@@ -87,6 +92,7 @@ class Scheduler:
         self.chunked_prefill = config.scheduler.enable_chunked_prefill
         self.max_model_len = config.max_model_len
         self.max_waiting_requests = config.scheduler.waiting_limit
+        self.policy = make_policy(config.scheduler.scheduling_policy)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -110,24 +116,17 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in the engine")
+        self.policy.check(request)
         if request.admit_always:
             self.requests[request.request_id] = request
-            self.waiting.insert(self._first_new_waiting(), request)
+            self.policy.queue_continuation(self.waiting, request)
             return
         if len(self.waiting) >= self.max_waiting_requests:
             raise ResourceExhaustedError(
                 f"the engine's waiting queue is full ({len(self.waiting)} of --max-waiting-requests "
                 f"{self.max_waiting_requests})")
         self.requests[request.request_id] = request
-        self.waiting.append(request)
-
-    def _first_new_waiting(self) -> int:
-        """Where a continuation joins the queue: behind preempted requests and earlier
-        continuations, ahead of every new request."""
-        for i, request in enumerate(self.waiting):
-            if request.status is RequestStatus.WAITING and not request.admit_always:
-                return i
-        return len(self.waiting)
+        self.policy.queue(self.waiting, request)
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[str]:
         """Abort requests that are still alive; unknown or finished ids are ignored (idempotent)."""
@@ -226,12 +225,16 @@ class Scheduler:
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int, loras: Optional[set[int]],
                        passed_over: list[Request]) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and budget > 0:
+            if len(self.running) >= self.max_num_seqs and not self.policy.preemptive:
+                break
             request = self.waiting[0]
             if self.pipelined and request.num_output_placeholders:
                 break  # preempted while its sample is still in the pipeline: resume once it is back
+            if request.request_id in self._forget:
+                break  # preempted while this step was planned: it may resume from the next one
             if request.pooling_params is not None:
-                if request.num_tokens > budget:
+                if request.num_tokens > budget or len(self.running) >= self.max_num_seqs:
                     break  # a pooling input runs whole, in one step: it waits for a step with room
                 self._admit_pooling(out, request)
                 budget -= request.num_tokens
@@ -243,6 +246,11 @@ class Scheduler:
                         break  # bounded work per step: the rest wait for the next one
                     passed_over.append(self.waiting.popleft())
                     continue
+            if len(self.running) >= self.max_num_seqs:  # the priority policy: take a worse one's slot
+                freed = self._preempt_for(request, out, loras)
+                if freed is None:
+                    break
+                budget += freed
             if request.sampling_params.prompt_logprobs is None:
                 hit_blocks, num_hit = self.kv.get_computed_blocks(request)
             else:  # every prompt position must be computed to report its logprob
@@ -251,10 +259,13 @@ class Scheduler:
             if n > budget and not self.chunked_prefill:
                 break
             n = min(n, budget)
-            if self.kv.allocate_slots(request, n, hit_blocks, num_hit) is None:
-                break
+            while self.kv.allocate_slots(request, n, hit_blocks, num_hit) is None:
+                freed = self._preempt_for(request, out, loras)  # the priority policy: a worse one's blocks
+                if freed is None:
+                    return
+                budget += freed
             self.waiting.popleft()
-            self.running.append(request)
+            self.policy.run(self.running, request)
             if loras is not None and lora is not None:
                 loras.add(lora.lora_int_id)
             if self.pipelined:
@@ -285,7 +296,7 @@ class Scheduler:
         """A pooling request runs its whole prompt in this step, with no KV blocks (nothing of it is
         kept after) and no prefix cache; it finishes when the step's pooler output comes back."""
         self.waiting.popleft()
-        self.running.append(request)
+        self.policy.run(self.running, request)
         request.status = RequestStatus.RUNNING
         if request.scheduled_time is None:
             request.scheduled_time = time.monotonic()
@@ -339,6 +350,33 @@ class Scheduler:
         out.num_scheduled_tokens[request.request_id] = n
         out.total_num_scheduled_tokens += n
 
+    def _preempt_for(self, request: Request, out: SchedulerOutput, loras: Optional[set[int]]) -> Optional[int]:
+        """Preempt the running batch's last (worst) request for the waiting ``request`` when the
+        policy lets ``request`` outrank it; what the victim had scheduled in this step is taken out
+        of ``out``. Returns the tokens that go back to the budget, or None when nothing is preempted
+        (FCFS never preempts for a waiting request; pooling requests neither take nor give a slot)."""
+        if not self.policy.preemptive or not self.running or request.pooling_params is not None:
+            return None
+        victim = self.running[-1]
+        if victim.pooling_params is not None or not self.policy.outranks(request, victim):
+            return None
+        self.running.pop()
+        freed = self._unschedule(out, victim)
+        self._preempt(victim)
+        if loras is not None:  # its adapter may no longer run
+            loras.intersection_update(self.running_loras())
+        return freed
+
+    @staticmethod
+    def _unschedule(out: SchedulerOutput, request: Request) -> int:
+        """Take ``request`` out of the step being planned; returns the tokens it had there."""
+        n = out.num_scheduled_tokens.pop(request.request_id, 0)
+        out.total_num_scheduled_tokens -= n
+        out.scheduled_spec_tokens.pop(request.request_id, None)
+        out.scheduled_cached_reqs = [c for c in out.scheduled_cached_reqs if c.req_id != request.request_id]
+        out.scheduled_new_reqs = [r for r in out.scheduled_new_reqs if r.req_id != request.request_id]
+        return n
+
     def _preempt(self, request: Request) -> None:
         logger.debug("preempting %s", request.request_id)
         self.kv.free(request)
@@ -346,7 +384,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self.policy.requeue(self.waiting, request)
         self._forget.add(request.request_id)
         self._worker_tokens.pop(request.request_id, None)
 

@@ -111,6 +111,7 @@ class EngineServicer(engine_pb2_grpc.EngineCoreServicer):
             lora_request=self._lora_of(request),
             pooling_params=pooling,
             token_type_ids=list(request.token_type_ids) or None,
+            priority=request.priority,
         )
         domain.admit_always = request.continuation
         if self.tracing:
@@ -185,6 +186,7 @@ class EngineServicer(engine_pb2_grpc.EngineCoreServicer):
             num_waiting=load.num_waiting, num_running=load.num_running, kv_cache_usage=load.kv_cache_usage,
             kv_free_blocks=load.kv_free_blocks, kv_total_blocks=load.kv_total_blocks,
             num_preemptions=load.num_preemptions, sleeping=load.sleeping, state=load.state,
+            prefix_cache_queries=load.prefix_cache_queries, prefix_cache_hits=load.prefix_cache_hits,
             kv_cache_groups=[engine_pb2.KVCacheGroupLoad(
                 name=name, num_blocks=blocks, usage=blocks / load.kv_total_blocks if load.kv_total_blocks else 0.0)
                 for name, blocks in load.kv_cache_groups],

@@ -225,17 +225,18 @@ def as_request_output(request_id: str, prompt: Optional[str], search: BeamSearch
 
 async def search_all(service: GatewayService, prompts: list[Any], params: BeamSearchParams, traceparent: str = "",
                      data_parallel_rank: Optional[int] = None, timeout: Optional[float] = None,
-                     lora_name: Optional[str] = None) -> list[RequestOutput]:
+                     lora_name: Optional[str] = None, priority: int = 0) -> list[RequestOutput]:
     """A REST request's beam searches, one per prompt, side by side (``n`` = width sequences each,
-    counted against ``--max-sequences-per-request``); ``lora_name``: the LoRA adapter they run on."""
+    counted against ``--max-sequences-per-request``); ``lora_name``: the LoRA adapter they run on,
+    ``priority`` their rank on a priority-scheduling engine."""
     service.limits.open_request(len(prompts), params.beam_width)
-    return await gather_or_cancel(beam_search(service, p, params, traceparent, data_parallel_rank, timeout, lora_name)
-                                  for p in prompts)
+    return await gather_or_cancel(beam_search(service, p, params, traceparent, data_parallel_rank, timeout, lora_name,
+                                              priority) for p in prompts)
 
 
 async def beam_search(service: GatewayService, prompt: Any, params: BeamSearchParams, traceparent: str = "",
                       data_parallel_rank: Optional[int] = None, timeout: Optional[float] = None,
-                      lora_name: Optional[str] = None) -> RequestOutput:
+                      lora_name: Optional[str] = None, priority: int = 0) -> RequestOutput:
     """One prompt's beam search through the gateway's engines: each step, one one-token request per
     live beam, all at once. ``timeout`` (or ``--request-timeout``) bounds the whole search."""
     if isinstance(prompt, dict) and "multi_modal_data" in prompt:
@@ -244,7 +245,9 @@ async def beam_search(service: GatewayService, prompt: Any, params: BeamSearchPa
     limit = min([t for t in (timeout, service.limits.request_timeout or None) if t is not None], default=None)
     deadline = None if limit is None else loop.time() + limit
     step = params.step_params()
-    adapter = {"lora_name": lora_name} if lora_name else {}
+    adapter: dict[str, Any] = {"lora_name": lora_name} if lora_name else {}
+    if priority:
+        adapter["priority"] = priority
 
     async def one_token(beam_prompt: Any) -> RequestOutput:
         left = None if deadline is None else deadline - loop.time()

@@ -28,6 +28,7 @@ from gridserve.services.gateway.responses_store import (
     ResponsesStoreOptions,
     add_responses_arguments,
 )
+from gridserve.shared.envs import add_option
 from gridserve.shared.errors import InvalidArgumentError
 
 BLOCKING_THREADS = 8
@@ -55,6 +56,8 @@ class RequestLimits:
     template_render_timeout_s: float = 2.0
     request_timeout: float = 3600.0
     trust_request_chat_template: bool = False
+    # A request's nonzero ``priority`` is accepted (for engines with --scheduling-policy priority).
+    allow_client_priority: bool = False
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> RequestLimits:
@@ -152,6 +155,9 @@ def add_limit_arguments(parser: argparse.ArgumentParser) -> None:
         group.add_argument(flag, type=kind, default=f.default, help=f"{_HELP[f.name]} (default {f.default})")
     group.add_argument("--trust-request-chat-template", action="store_true",
                        help="let requests carry their own chat_template (refused with 400 otherwise)")
+    add_option(group, "--allow-client-priority", action="store_true",
+               help="let requests set a nonzero priority (lower runs first on engines with --scheduling-policy "
+                    "priority; refused with 400 naming it otherwise)")
     group.add_argument("--blocking-threads", type=int, default=BLOCKING_THREADS,
                        help="gateway threads that tokenize and render chat templates off its event loop "
                             f"(default {BLOCKING_THREADS})")

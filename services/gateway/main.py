@@ -49,11 +49,13 @@ def serve(engine_addresses: list[str], host: str, port: int, grace_s: float = 10
           otlp_traces_endpoint: Optional[str] = None, coordinator: Optional[str] = None,
           limits: Optional[RequestLimits] = None, blocking_workers: int = 8,
           media: Optional[MediaConfig] = None, health_port: Optional[int] = None,
-          chat: Optional[ChatOptions] = None, responses: Optional[ResponsesStoreOptions] = None) -> int:
+          chat: Optional[ChatOptions] = None, responses: Optional[ResponsesStoreOptions] = None,
+          routing_policy: str = "load") -> int:
     """``limits``: the per-request caps; ``blocking_workers``: the threads that tokenize and render
     chat templates off the event loop; ``media``: where images may come from, how big and slow;
     ``chat``: the tool-call and reasoning parsers of chat replies; ``responses``: whether (and
-    how much) the Responses API keeps for ``previous_response_id``."""
+    how much) the Responses API keeps for ``previous_response_id``; ``routing_policy``: how the
+    router picks an engine (``load`` or ``prefix``: cache-aware, from the engines' digests)."""
     load_general_plugins()  # plugins register in every process (lazy strings: no torch here)
     interceptors = [ApiKeyInterceptor(api_key)] if api_key else []
     # asyncio server: every RPC is ``async`` and shares its loop.
@@ -74,7 +76,8 @@ def serve(engine_addresses: list[str], host: str, port: int, grace_s: float = 10
     service = GatewayService(GatewayTokenizer(info.tokenizer_path, renderer), engines, info.model,
                              info.max_model_len, info.vocab_size, info.max_logprobs, metrics, tracing,
                              limits, blocking_workers, MultiModalProcessor.from_model_folder(info.model_path),
-                             MediaLoader(media), _sampling_defaults(info), chat, ModelInfo.from_engine_info(info))
+                             MediaLoader(media), _sampling_defaults(info), chat, ModelInfo.from_engine_info(info),
+                             routing_policy)
     metrics_server = None
     if metrics is not None:
         # The edge's GET /metrics shows these, with every engine's metrics merged in.

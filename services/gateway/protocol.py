@@ -40,7 +40,7 @@ from gridserve.shared.errors import InvalidArgumentError
 from gridserve.shared.lora import MAX_LORA_NAME
 from gridserve.shared.sampling_params import SamplingParams, StructuredOutputsParams
 
-INT32_MAX = 2**31 - 1
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 UINT32_MAX = 2**32 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 DEFAULT_LIMITS = RequestLimits()
@@ -112,6 +112,15 @@ def unsupported(why: str) -> AfterValidator:
 Unsupported = Optional[Any]
 
 
+def _client_priority(value: int, info: ValidationInfo) -> int:
+    """A nonzero priority only where the gateway lets clients set one (``--allow-client-priority``)."""
+    if value and not limits_of(info).allow_client_priority:
+        raise ValueError("setting a priority needs the gateway's --allow-client-priority (send 0 or leave it out)")
+    return value
+
+
+# vLLM's ``priority``: lower runs first on an engine with --scheduling-policy priority (an int32 there).
+Priority = Annotated[int, Field(ge=INT32_MIN, le=INT32_MAX), AfterValidator(_client_priority)]
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
 Count32 = Annotated[int, Field(ge=0, le=UINT32_MAX)]
 Probability = Annotated[float, Field(ge=0.0, le=1.0)]
@@ -194,6 +203,7 @@ class SamplingFields(OpenAIBaseModel):
     stream_options: Optional[StreamOptions] = None
     user: Annotated[Optional[str], Field(max_length=256)] = None  # who asks: logged with the request id
     data_parallel_rank: Optional[Annotated[int, Field(ge=0, le=INT32_MAX)]] = None
+    priority: Priority = 0
     # vLLM's beam search (width n, the gateway's loop: beam_search.py); early_stopping is transformers'
     use_beam_search: bool = False
     length_penalty: Optional[Annotated[float, Field(ge=-10.0, le=10.0)]] = None
@@ -855,6 +865,17 @@ class GrpcSamplingFields(SamplingFields):
     prompt: Annotated[Optional[str], capped("max_content_chars", what="characters")] = None
 
 
+class PriorityField(OpenAIBaseModel):
+    """The typed gRPC API's ``priority``, checked as the REST bodies' (``--allow-client-priority``)."""
+
+    priority: Priority = 0
+
+
+def check_priority(priority: int, limits: RequestLimits) -> int:
+    """``priority`` if this gateway accepts it, else ``InvalidArgumentError`` naming it."""
+    return validate_as(PriorityField, {"priority": priority}, limits).priority
+
+
 def check_sampling_params(params: SamplingParams, limits: RequestLimits, prompt: Optional[str] = None) -> None:
     """Validate the typed gRPC API's ``SamplingParams`` (and text prompt) with the REST models;
     a refusal is ``InvalidArgumentError`` naming the field (INVALID_ARGUMENT)."""
@@ -877,5 +898,5 @@ def validate_as(model: type[BaseModel], fields: dict[str, Any], limits: RequestL
     except ValidationError as exc:
         error = exc.errors(include_url=False, include_input=False)[0]
         path = ".".join(str(part) for part in error["loc"])
-        name = path if path.split(".")[0] in ("prompt", "messages", "chat_template") else prefix + path
+        name = path if path.split(".")[0] in ("prompt", "messages", "chat_template", "priority") else prefix + path
         raise InvalidArgumentError(name, str(error["msg"]).removeprefix("Value error, ")) from None

@@ -42,6 +42,7 @@ from gridserve.services.gateway.routes import (
     HttpResponse,
     OpenAIRoutes,
     answers_errors,
+    engine_keywords,
     ignored_fields_header,
     log_user,
 )
@@ -160,15 +161,15 @@ class ResponsesAPI:
                               lora or self.routes.model, keep, _echo(request, params))
         headers = ignored_fields_header(request.ignored_fields())
         run = (prompt, params, shape.id, traceparent, None, timeout)
-        adapter = {"lora_name": lora} if lora else {}
+        engine_kw = engine_keywords(lora, request.priority)
         if request.stream:
-            stream = self.service.generate(*run, **adapter)
+            stream = self.service.generate(*run, **engine_kw)
             first = await anext(stream)  # validation errors surface here, before the status is sent
             log_user(request.user or request.safety_identifier, shape.id)
             events = ResponseEvents(shape, plan.choice() if plan is not None else None)
             remember = (owner, messages) if keep else None
             return HttpResponse(200, SSE, self._events(events, stream, first, remember), headers)
-        out = await self.service.complete(*run, **adapter)
+        out = await self.service.complete(*run, **engine_kw)
         log_user(request.user or request.safety_identifier, shape.id)
         reply = out.outputs[0]
         parts = _split(plan, reply.text)

@@ -18,6 +18,7 @@ from gridserve.services.gateway.protocol import (
     INT32_MAX,
     UINT32_MAX,
     ClosedModel,
+    Priority,
     ResponseModel,
     TolerantModel,
     Unsupported,
@@ -224,6 +225,7 @@ class ResponsesRequest(ClosedModel):
     logit_bias: Annotated[Optional[dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]]],
                           AfterValidator(_token_id_keys), capped("max_logit_bias", what="entries")] = None
     skip_special_tokens: Optional[bool] = None
+    priority: Priority = 0
 
     @model_validator(mode="after")
     def _stream_only(self) -> ResponsesRequest:

@@ -261,7 +261,7 @@ class OpenAIRoutes:
         request = self.parse_body(CompletionRequest, data)
         lora = await self.adapter_for(request.model)
         self.check_generates()
-        served, adapter = lora or self.model, _adapter_kw(lora)
+        served, engine_kw = lora or self.model, engine_keywords(lora, request.priority)
         prompts = request.prompts()
         shape = CompletionShape(await self._echo_texts(prompts) if request.echo else None,
                                 self._decode_one if request.echo and request.logprobs is not None else None,
@@ -272,7 +272,7 @@ class OpenAIRoutes:
         if request.use_beam_search:  # the gateway's loop of one-token requests (beam_search.py)
             beam = request.to_beam_search_params(request.max_tokens, self.service.max_model_len)
             outs = await search_all(self.service, [_prompt_arg(p) for p in prompts], beam, traceparent,
-                                    request.data_parallel_rank, timeout, **adapter)
+                                    request.data_parallel_rank, timeout, **engine_kw)
             log_user(request.user, outs[0].request_id)
             return HttpResponse(200, JSON, [completion_response(served, shape, outs, beam.as_sampling()).dumps()])
         params = request.to_sampling_params(request.max_tokens, request.logprobs, self.sampling_defaults)
@@ -281,7 +281,7 @@ class OpenAIRoutes:
             params = replace(params, prompt_logprobs=request.logprobs)
         rank = request.data_parallel_rank  # vLLM's extension: pin an engine
         generate = functools.partial(self.service.generate, params=params, traceparent=traceparent,
-                                     data_parallel_rank=rank, timeout=timeout, **adapter)
+                                     data_parallel_rank=rank, timeout=timeout, **engine_kw)
         if request.stream:
             streams = [generate(_prompt_arg(p)) for p in prompts]
             first = await anext(streams[0])  # validation errors surface here, before the status is sent
@@ -290,7 +290,7 @@ class OpenAIRoutes:
                                       request.continuous_usage())
             return HttpResponse(200, SSE, _with_inband_errors(_completion_events(events, streams, first), streams))
         outs = await gather_or_cancel(self.service.complete(_prompt_arg(p), params, "", traceparent, rank, timeout,
-                                                            **adapter) for p in prompts)
+                                                            **engine_kw) for p in prompts)
         log_user(request.user, outs[0].request_id)
         return HttpResponse(200, JSON, [completion_response(served, shape, outs, params).dumps()])
 
@@ -310,7 +310,7 @@ class OpenAIRoutes:
         request = self.parse_body(ChatCompletionRequest, data)
         lora = await self.adapter_for(request.model)
         self.check_generates()
-        served, adapter = lora or self.model, _adapter_kw(lora)
+        served, engine_kw = lora or self.model, engine_keywords(lora, request.priority)
         params = request.to_params(self.sampling_defaults)
         options = getattr(self.service, "chat_options", None) or ChatOptions()
         choice = request.tool_choice.model_dump() if isinstance(request.tool_choice, BaseModel) else request.tool_choice
@@ -323,20 +323,20 @@ class OpenAIRoutes:
             beam = request.to_beam_search_params(request.max_completion_tokens or request.max_tokens,
                                                  self.service.max_model_len)
             out = (await search_all(self.service, [prompt], beam, traceparent, request.data_parallel_rank, timeout,
-                                    **adapter))[0]
+                                    **engine_kw))[0]
             log_user(request.user or request.safety_identifier, out.request_id)
             response = chat_response(served, out, beam.as_sampling(), 0, plan, False)
             return HttpResponse(200, JSON, [response.dumps()], headers)
         if request.stream:
             stream = self.service.generate(prompt, params, "", traceparent, request.data_parallel_rank, timeout,
-                                           **adapter)
+                                           **engine_kw)
             first = await anext(stream)
             log_user(request.user or request.safety_identifier, first.request_id)
             events = ChatEvents(served, first.request_id, params, top_n, request.include_usage(),
                                 request.continuous_usage(), plan)
             return HttpResponse(200, SSE, _with_inband_errors(_chat_events(events, stream, first), [stream]), headers)
         out = await self.service.complete(prompt, params, "", traceparent, request.data_parallel_rank, timeout,
-                                          **adapter)
+                                          **engine_kw)
         log_user(request.user or request.safety_identifier, out.request_id)
         response = chat_response(served, out, params, top_n, plan, request.prompt_logprobs is not None)
         return HttpResponse(200, JSON, [response.dumps()], headers)
@@ -356,9 +356,12 @@ def log_user(user: Optional[str], request_id: str) -> None:
         logger.info("request %s for user %s", request_id, json.dumps(user))
 
 
-def _adapter_kw(lora_name: Optional[str]) -> dict[str, str]:
-    """The LoRA adapter as the service's keyword (none for the base model)."""
-    return {"lora_name": lora_name} if lora_name else {}
+def engine_keywords(lora_name: Optional[str], priority: int = 0) -> dict[str, Any]:
+    """The LoRA adapter and the priority as the service's keywords (none for the base model and 0)."""
+    kw: dict[str, Any] = {"lora_name": lora_name} if lora_name else {}
+    if priority:
+        kw["priority"] = priority
+    return kw
 
 
 def _prompt_arg(prompt: Union[str, list[int]]) -> Any:

@@ -1,7 +1,8 @@
 """``GatewayService``: the gateway's request handling, free of protobuf.
 
 A request is validated and tokenized (``InputProcessor``), fanned out into ``n`` engine requests
-(``child_requests``), sent to the engine the ``Router`` picks by load among the ready ones, and
+(``child_requests``), sent to the engine the ``Router`` picks by load (and, with ``--routing-policy
+prefix``, by the prompt blocks each engine has cached) among the ready ones, and
 followed step by step: each engine batch goes through an ``OutputProcessor`` (incremental
 detokenization, stop strings, logprobs) and yields a ``StreamChunk`` with what every sample added.
 Text that might still turn out to be the start of a stop string is held back until it cannot. When
@@ -35,7 +36,7 @@ import logging
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional, TypeVar
@@ -68,6 +69,7 @@ from gridserve.shared.errors import (
 from gridserve.shared.observability.tracing import Tracing
 from gridserve.shared.outputs import EngineCoreOutput, FinishReason, Logprob, RequestOutput
 from gridserve.shared.pooling import PoolingParams
+from gridserve.shared.prefix_hash import digest_key, prompt_block_hashes
 from gridserve.shared.rpc.engine_client import EngineLostError
 from gridserve.shared.sampling_params import SamplingParams
 
@@ -127,8 +129,9 @@ class GatewayService:
                  limits: Optional[RequestLimits] = None, blocking_workers: int = 8,
                  multimodal: Optional[MultiModalProcessor] = None, media: Optional[MediaLoader] = None,
                  sampling_defaults: Optional[dict[str, Any]] = None, chat_options: Optional[ChatOptions] = None,
-                 model_info: Optional[ModelInfo] = None) -> None:
-        """``model_info``: the model's runner and tasks (default: a generative model);
+                 model_info: Optional[ModelInfo] = None, routing_policy: str = "load") -> None:
+        """``routing_policy``: how the ``Router`` picks an engine (``load`` or ``prefix``);
+        ``model_info``: the model's runner and tasks (default: a generative model);
         ``multimodal``: a vision-language model's image preprocessing (None: text only);
         ``media``: the pool that loads images by URL; ``sampling_defaults``: what a request gets
         for a sampling field it leaves out (the model's generation config, from the engine);
@@ -149,7 +152,7 @@ class GatewayService:
         self._in_flight = 0
         self._idle: Optional[asyncio.Event] = None
         self.draining = False
-        self.router = Router(len(engines))
+        self.router = Router(len(engines), routing_policy)
         self.metrics = metrics
         self.tracing = tracing
         self._engine_labels = {id(e): str(i) for i, e in enumerate(engines)}  # index in --engines
@@ -169,13 +172,15 @@ class GatewayService:
         data_parallel_rank: Optional[int] = None,
         timeout: Optional[float] = None,
         lora_name: Optional[str] = None,
+        priority: int = 0,
     ) -> AsyncIterator[StreamChunk]:
         """Stream one request: the engine client hands each step's outputs to the loop, so one
         thread serves every stream; ``traceparent`` (W3C) makes the request's spans part of the
         caller's trace. Cancelling the task (the caller went away) aborts the engine requests.
         ``timeout``: the caller's deadline in seconds from now (the earlier of it and
         ``--request-timeout`` ends the request). ``lora_name``: the LoRA adapter it runs on (the
-        caller checked the name; None: the base model)."""
+        caller checked the name; None: the base model). ``priority``: its rank on engines with
+        ``--scheduling-policy priority`` (lower first; the caller checked ``--allow-client-priority``)."""
         if self.draining:
             raise EngineDeadError("the gateway is shutting down")
         self.model_info.check_generates(self.model_name)
@@ -201,7 +206,7 @@ class GatewayService:
         # From here to the ``try`` nothing awaits: a cancellation cannot fall between the counts
         # going up and the ``finally`` that brings them down.
         try:
-            stream = _Stream(request, processed, data_parallel_rank, asyncio.Queue(), lora_name)
+            stream = _Stream(request, processed, data_parallel_rank, asyncio.Queue(), lora_name, priority)
         except BaseException:
             budget.give_back(tokens)
             raise
@@ -226,11 +231,12 @@ class GatewayService:
 
     async def complete(self, prompt: PromptType, params: SamplingParams, request_id: str = "",
                        traceparent: str = "", data_parallel_rank: Optional[int] = None,
-                       timeout: Optional[float] = None, lora_name: Optional[str] = None) -> RequestOutput:
+                       timeout: Optional[float] = None, lora_name: Optional[str] = None,
+                       priority: int = 0) -> RequestOutput:
         """The whole result of one request."""
         final = None
         async for chunk in self.generate(prompt, params, request_id, traceparent, data_parallel_rank, timeout,
-                                         lora_name):
+                                         lora_name, priority):
             final = chunk.final or final
         if final is None:
             raise EngineDeadError("the request ended without a result")
@@ -289,15 +295,31 @@ class GatewayService:
 
     # ---- engines and draining -------------------------------------------------------------------
     def _pick_engine(self, data_parallel_rank: Optional[int] = None,
-                     refused: frozenset[int] = frozenset()) -> EngineClientProtocol:
-        """The engine for a new request: the ``Router``'s choice by load (or the explicit rank)
-        among the engines that are reachable, READY and did not just refuse it. When none is READY
-        (all asleep, say) a reachable one gets it and answers why it cannot serve."""
+                     refused: frozenset[int] = frozenset(), prefix_keys: Sequence[int] = ()) -> EngineClientProtocol:
+        """The engine for a new request: the ``Router``'s choice by load (or the explicit rank; with
+        ``prefix_keys``, by the cached prefix too) among the engines that are reachable, READY and
+        did not just refuse it. When none is READY (all asleep, say) a reachable one gets it and
+        answers why it cannot serve."""
         reachable = [i not in refused and e.ready.is_set() for i, e in enumerate(self.engines)]
         ready = [r and e.serving for r, e in zip(reachable, self.engines)]
         candidates = ready if data_parallel_rank is None and any(ready) else reachable
         in_flight = [e.num_in_flight for e in self.engines]
-        return self.engines[self.router.choose(candidates, in_flight, data_parallel_rank)]
+        return self.engines[self.router.choose(candidates, in_flight, data_parallel_rank, prefix_keys)]
+
+    def _prefix_keys(self, processed: ProcessedPrompt, lora_name: Optional[str]) -> list[int]:
+        """The prompt's full blocks as the engines' digests name them (prefix routing; empty when the
+        router does not route by prefix, or the adapter's engine id is not known here)."""
+        block_size = self.router.block_size
+        if block_size is None:
+            return []
+        lora_key = None
+        if lora_name is not None:
+            adapter = self.loras.table.adapters.get(lora_name)
+            if adapter is None or not adapter.int_id:
+                return []
+            lora_key = (adapter.name, adapter.int_id)
+        hashes = prompt_block_hashes(processed.prompt_token_ids, block_size, None, lora_key, processed.mm_features)
+        return [digest_key(h) for h in hashes]
 
     def is_ready(self) -> bool:
         """Whether some engine can take a new request now: reachable and READY, or RECOVERING (it
@@ -486,16 +508,18 @@ class _Stream:
     awaiting; ``close`` undoes everything it registers."""
 
     def __init__(self, request: _Request, processed: ProcessedPrompt, data_parallel_rank: Optional[int],
-                 outputs: asyncio.Queue, lora_name: Optional[str] = None) -> None:
+                 outputs: asyncio.Queue, lora_name: Optional[str] = None, priority: int = 0) -> None:
         service = request.service
         self.lora_name = lora_name
+        self.priority = priority
         self.service = service
         self.request_id, self.parent_id = request.request_id, request.parent_id
         self.observation = request.observation
         self.processed = processed
         self.outputs = outputs
         try:
-            self.engine = service._pick_engine(data_parallel_rank)
+            self.prefix_keys = service._prefix_keys(processed, lora_name)
+            self.engine = service._pick_engine(data_parallel_rank, prefix_keys=self.prefix_keys)
         except Exception as exc:
             self.observation.end({}, 0, exc)
             raise
@@ -530,7 +554,7 @@ class _Stream:
                 if self.data_parallel_rank is not None:
                     raise  # pinned to this engine: nowhere else to go
                 try:
-                    engine = self.service._pick_engine(None, frozenset(refused))
+                    engine = self.service._pick_engine(None, frozenset(refused), self.prefix_keys)
                 except EngineDeadError:
                     self.refused = True  # nothing of it is in any engine
                     raise ResourceExhaustedError(f"every engine's queue is full ({exc})",
@@ -571,6 +595,8 @@ class _Stream:
         continued = {} if output_token_ids is None else {"output_token_ids": output_token_ids, "continuation": True}
         if self.lora_name is not None:  # only then: an engine client without LoRA serves the base model
             continued["lora_name"] = self.lora_name
+        if self.priority:  # likewise: 0 is every engine's default
+            continued["priority"] = self.priority
         try:
             await engine.add_request(child_id, self.processed.prompt_token_ids, params,
                                      parent_request_id=self.request_id,

@@ -6,7 +6,7 @@ import dataclasses
 import logging
 import uuid
 from collections.abc import AsyncIterator
-from typing import Optional
+from typing import Any, Optional
 
 import grpc
 from google.api import httpbody_pb2
@@ -27,12 +27,18 @@ from gridserve.services.gateway.pooling_api import PoolingAPI
 from gridserve.services.gateway.pooling_protocol import ScoreTexts
 from gridserve.services.gateway.protocol import (
     ChatTemplateFields,
+    check_priority,
     check_sampling_params,
     validate_as,
 )
 from gridserve.services.gateway.responses_api import ResponsesAPI
 from gridserve.services.gateway.responses_store import ResponseStore, owner_of
-from gridserve.services.gateway.routes import REFUSED_TEMPLATE, HttpResponse, OpenAIRoutes
+from gridserve.services.gateway.routes import (
+    REFUSED_TEMPLATE,
+    HttpResponse,
+    OpenAIRoutes,
+    engine_keywords,
+)
 from gridserve.services.gateway.service import GatewayService
 from gridserve.services.gateway.status import StatusCollector, snapshot_to_pb
 from gridserve.services.gateway.tool_choice import plan_tools
@@ -68,10 +74,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                        context: grpc.aio.ServicerContext) -> AsyncIterator[gateway_pb2.GenerateResponse]:
         params = self._params(request, request.text if request.WhichOneof("prompt") == "text" else None)
         request_id = request.request_id or uuid.uuid4().hex
-        adapter = await self._adapter(request)
+        engine_kw = await self._engine_kw(request)
         async for chunk in self.service.generate(prompt_from_pb(request), params, request_id,
                                                  self._traceparent(context), _dp_rank(request),
-                                                 context.time_remaining(), **adapter):
+                                                 context.time_remaining(), **engine_kw):
             for message in chunk_to_pb(chunk):
                 yield message
 
@@ -79,16 +85,16 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                        context: grpc.aio.ServicerContext) -> gateway_pb2.CompleteResponse:
         params = self._params(request, request.text if request.WhichOneof("prompt") == "text" else None)
         request_id = request.request_id or uuid.uuid4().hex
-        adapter = await self._adapter(request)
+        engine_kw = await self._engine_kw(request)
         out = await self.service.complete(prompt_from_pb(request), params, request_id,
                                           self._traceparent(context), _dp_rank(request), context.time_remaining(),
-                                          **adapter)
+                                          **engine_kw)
         return completion_to_pb(request_id, out)
 
     async def Chat(self, request: gateway_pb2.ChatRequest, context: grpc.aio.ServicerContext) -> gateway_pb2.ChatResponse:
         """A conversation (with tools, tool results and reasoning, as the REST chat route) to its reply."""
         params = self._params(request)
-        adapter = await self._adapter(request)
+        engine_kw = await self._engine_kw(request)
         chat = validate_as(ChatTemplateFields, chat_fields_from_pb(request), self.service.limits)
         if chat.chat_template is not None and not self.service.limits.trust_request_chat_template:
             raise InvalidArgumentError("chat_template", REFUSED_TEMPLATE)
@@ -101,16 +107,17 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         plan, params = await plan_chat(self.service, options, tools, prompt["prompt_token_ids"], params)
         request_id = request.request_id or uuid.uuid4().hex
         out = await self.service.complete(prompt, params, request_id, self._traceparent(context), _dp_rank(request),
-                                          context.time_remaining(), **adapter)
+                                          context.time_remaining(), **engine_kw)
         return chat_to_pb(request_id, out, plan)
 
-    async def _adapter(self, request) -> dict[str, str]:
-        """The LoRA adapter the request's ``model`` names, as the service's keyword (none for the
-        served model, the model as ``ListModels`` names it, or no name; NOT_FOUND for another name)."""
+    async def _engine_kw(self, request) -> dict[str, Any]:
+        """The LoRA adapter the request's ``model`` names (none for the served model, the model as
+        ``ListModels`` names it, or no name; NOT_FOUND for another name) and its ``priority``
+        (INVALID_ARGUMENT without ``--allow-client-priority``), as the service's keywords."""
+        priority = check_priority(request.priority, self.service.limits) if request.HasField("priority") else 0
         if not request.HasField("model") or request.model == self.service.model_name:
-            return {}
-        lora = await self.openai.adapter_for(request.model)
-        return {"lora_name": lora} if lora else {}
+            return engine_keywords(None, priority)
+        return engine_keywords(await self.openai.adapter_for(request.model), priority)
 
     def _params(self, request, text_prompt: Optional[str] = None) -> SamplingParams:
         """The request's sampling params, through the same checks as the REST routes; a field it

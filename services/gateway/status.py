@@ -1,7 +1,7 @@
 """``StatusCollector``: the gateway's ``GET /v1/status`` — every role's health and every engine's load.
 
 One snapshot asks, in parallel and with one short deadline, each engine for its ``grpc.health.v1``
-status, its load (``GetLoad``) and its own status (``GetStatus``: its workers' health, asked by the
+status, its load (``GetLoad``: queues, KV-cache use, prefix-cache hit rate) and its own status (``GetStatus``: its workers' health, asked by the
 engine, which alone knows and may reach them; its cumulative token counts), and the coordinator for
 its health. The gateway reports itself from its own state. A snapshot serves every caller for
 ``cache_s`` (1 s) after it was taken, and callers that ask while one is being taken share it: however
@@ -63,6 +63,10 @@ class EngineState:
     # One dict per KV cache group, in group index order: name (full, sliding_window_<window>, ...;
     # not unique), num_blocks (blocks it holds now), usage (num_blocks / the pool's blocks).
     kv_cache_groups: list[dict] = field(default_factory=list)
+    # Prompt tokens looked up in its prefix cache since it started, those found, and their ratio.
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    prefix_cache_hit_rate: float = 0.0
 
 
 @dataclass
@@ -156,6 +160,9 @@ class StatusCollector:
             engine.kv_cache_usage, engine.sleeping = load.kv_cache_usage, load.sleeping
             engine.kv_cache_groups = [{"name": g.name, "num_blocks": g.num_blocks, "usage": g.usage}
                                       for g in load.kv_cache_groups]
+            engine.prefix_cache_queries, engine.prefix_cache_hits = load.prefix_cache_queries, load.prefix_cache_hits
+            if load.prefix_cache_queries:
+                engine.prefix_cache_hit_rate = load.prefix_cache_hits / load.prefix_cache_queries
         detail = _detail(health)
         if status is None:
             alive = False

@@ -3,7 +3,8 @@
 C++ CPU, Triton) are the kernels' (``gridserve.kernels.attention_backend``).
 
 Score modifiers follow Hugging Face transformers exactly (``gridserve.kernels.reference``):
-``sliding_window`` (query ``i`` sees key ``j`` iff ``j <= i`` and ``i - j < sliding_window``),
+``sliding_window`` (query ``i`` sees key ``j`` iff ``j <= i`` and ``i - j < sliding_window``; in a
+non-causal layer iff ``|i - j| < sliding_window``),
 ``logits_soft_cap`` (``s = cap * tanh(s / cap)`` on the scaled scores, Gemma 2) and
 ``alibi_slopes`` (``s += slope[head] * (j - i)``, not scaled: Bloom; Falcon passes
 ``alibi_slopes(n) * scale``). Under tensor parallelism each rank passes the slopes of its own query
@@ -36,17 +37,19 @@ class PagedAttention(nn.Module):
     slopes are kept in float32 on the CPU (a plain attribute, so neither the meta-device build nor
     ``model.to(dtype)`` touches them) and copied once to each device that attends.
 
-    ``causal=False`` (an encoder: BERT, XLM-R) lets every token of a sequence see every other one.
-    Such a layer keeps no KV cache: it attends on the no-cache path only, each packed sequence
-    whole (``query_start_loc``, no padding), and takes no score modifiers.
+    ``causal=False`` (an encoder: BERT, XLM-R; a decoder embedder with bidirectional attention:
+    EmbeddingGemma) lets every token of a sequence see every other one, or those less than
+    ``sliding_window`` away on either side. Such a layer keeps no KV cache: it attends on the
+    no-cache path only, each packed sequence whole (``query_start_loc``, no padding). It takes a
+    window and a soft cap, not ALiBi (whose sign ahead of the query no model here defines).
     """
 
     def __init__(self, num_heads: int, head_size: int, num_kv_heads: int, scale: float, *,
                  sliding_window: int | None = None, logits_soft_cap: float | None = None,
                  alibi_slopes: torch.Tensor | None = None, causal: bool = True) -> None:
         super().__init__()
-        if not causal and (sliding_window or logits_soft_cap or alibi_slopes is not None):
-            raise ValueError("PagedAttention: non-causal attention takes no sliding window, soft cap or ALiBi")
+        if not causal and alibi_slopes is not None:
+            raise ValueError("PagedAttention: non-causal attention takes no ALiBi slopes")
         self.causal = causal
         self.num_heads = num_heads
         self.head_size = head_size
@@ -105,30 +108,31 @@ class PagedAttention(nn.Module):
 
     def _no_cache(self, q, k, v, meta: AttentionMetadata, mods: dict) -> torch.Tensor:
         """Each sequence as a fresh prefill (positions from 0), without the cache; causal unless
-        the layer is not (then each token sees its whole sequence)."""
+        the layer is not (then each token sees its whole sequence, or its window either side)."""
         out = torch.empty_like(q)
         bounds = meta.query_start_loc.tolist()
-        plain = score_mods(**mods)
+        seq_mods = score_mods(**mods, causal=self.causal)
         for start, end in zip(bounds[:-1], bounds[1:]):
-            if not self.causal:  # 4-D, so that the CPU takes SDPA's flash kernel (3-D: its math path)
+            if not seq_mods.plain:
+                self._no_cache_mods(q[start:end], k[start:end], v[start:end], seq_mods, out[start:end])
+            elif not self.causal:  # 4-D, so that the CPU takes SDPA's flash kernel (3-D: its math path)
                 o = F.scaled_dot_product_attention(
                     q[start:end].transpose(0, 1)[None], k[start:end].transpose(0, 1)[None],
                     v[start:end].transpose(0, 1)[None], scale=self.scale,
                     enable_gqa=self.num_heads != self.num_kv_heads,
                 )
                 out[start:end] = o[0].transpose(0, 1)
-            elif plain.plain:
+            else:
                 o = F.scaled_dot_product_attention(
                     q[start:end].transpose(0, 1), k[start:end].transpose(0, 1), v[start:end].transpose(0, 1),
                     is_causal=True, scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads,
                 )
                 out[start:end] = o.transpose(0, 1)
-            else:
-                self._no_cache_mods(q[start:end], k[start:end], v[start:end], plain, out[start:end])
         return out
 
     def _no_cache_mods(self, q, k, v, mods, out) -> None:
-        """One fresh sequence with score modifiers, in chunks of queries over the keys they see."""
+        """One fresh sequence with score modifiers (causal or not, as ``mods`` says), in chunks of
+        queries over the keys they see."""
         device = q.device
         for a, b, lo, hi in query_chunks(0, q.shape[0], self.num_heads, mods):
             o = attend_positions(

@@ -130,12 +130,13 @@ class EngineClient:
                           mm_features: Optional[list[ImageFeature]] = None,
                           output_token_ids: Optional[list[int]] = None, continuation: bool = False,
                           lora_name: Optional[str] = None, pooling_params: Optional[PoolingParams] = None,
-                          token_type_ids: Optional[list[int]] = None) -> None:
+                          token_type_ids: Optional[list[int]] = None, priority: int = 0) -> None:
         """``parent_request_id``: the id the client sees; ``traceparent``: the gateway span (W3C),
         sent as gRPC metadata; ``mm_features``: the prompt's preprocessed images; ``continuation``:
         a failover from a dead engine, which had already generated ``output_token_ids``;
         ``lora_name``: the LoRA adapter it runs on (None: the base model; an unknown one is NOT_FOUND);
-        ``pooling_params`` (with ``params`` None): a pooling request, ``token_type_ids`` its segment ids."""
+        ``pooling_params`` (with ``params`` None): a pooling request, ``token_type_ids`` its segment ids;
+        ``priority``: its rank under the engine's priority scheduling (lower first)."""
         if not self.ready.is_set():
             raise EngineDeadError(f"engine {self.address} is not reachable")
         message = engine_pb2.AddRequestRequest(
@@ -150,6 +151,7 @@ class EngineClient:
             output_token_ids=output_token_ids or [],
             continuation=continuation,
             lora_request=common_pb2.LoraRequest(lora_name=lora_name) if lora_name else None,
+            priority=priority,
         )
         _check_size(message)
         try:

@@ -74,3 +74,34 @@ def test_reports_reach_the_gateways_router_promptly_and_a_silent_engine_leaves(c
         for client in [*reporters, watcher]:
             clients.run(client.close())
         clients.stop()
+
+
+def test_prefix_digests_reach_the_gateways_router_and_follow_evictions(coordinator):
+    from gridserve.shared.prefix_digest import PrefixDigest
+
+    server, servicer = coordinator
+    router = Router(2, "prefix")
+    clients = LoopThread("test-clients")
+    digests = [PrefixDigest(16, 64), PrefixDigest(16, 64)]
+    watcher = clients.call(lambda: LoadWatcher(server.address, "gw-digest", router))
+    reporters = clients.call(lambda: [LoadReporter(server.address, r, f"127.0.0.1:{9100 + r}", interval_s=5.0,
+                                                   digest=digests[r]) for r in range(2)])
+    try:
+        for reporter in reporters:
+            reporter.offer(EngineLoad(0, 0, 0.0))
+        _wait(lambda: all(d is not None and d.known for d in router.digests))
+        assert router.block_size == 16
+        for n in (1, 2, 3):
+            digests[1].block_stored(n.to_bytes(8, "little"))  # the engine cached three blocks
+        reporters[1].offer(EngineLoad(0, 0, 0.0))  # the same load: sent for the digest alone
+        _wait(lambda: router.digests[1].keys == {1, 2, 3})
+        assert router.choose([True, True], [0, 0], prefix_keys=[1, 2, 3, 4]) == 1
+        digests[1].block_removed((1).to_bytes(8, "little"))  # evicted
+        reporters[1].offer(EngineLoad(0, 0, 0.0))
+        _wait(lambda: router.digests[1].keys == {2, 3})
+        reporters[1].offer(None)  # engine 1 dies: its digest is forgotten with it
+        _wait(lambda: router.digests[1] is None)
+    finally:
+        for client in [*reporters, watcher]:
+            clients.run(client.close())
+        clients.stop()

@@ -35,6 +35,7 @@ function renderEngines(engines) {
     tr.dataset.name = e.name;
     tr.append(cell(e.name), cell(e.address), cell(e.num_waiting, "num"), cell(e.num_running, "num running"),
               cell((100 * e.kv_cache_usage).toFixed(1) + " %", "num"),
+              cell((100 * (e.prefix_cache_hit_rate || 0)).toFixed(1) + " %", "num prefix-hits"),
               cell(e.generation_tokens_per_second.toFixed(1), "num"), cell(e.num_workers, "num"));
     return tr;
   }));

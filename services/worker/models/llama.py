@@ -87,6 +87,9 @@ class DecoderSpec:
     is_neox: bool = True  # RoPE on each head's two halves; False: on interleaved pairs (GLM-4, Cohere)
     rope: tuple[Optional[dict], ...] = ()  # per layer: its RoPE parameters; None: no RoPE (SmolLM3)
     windows: tuple[Optional[int], ...] = ()  # per layer: its sliding window; None: full attention
+    # False: bidirectional (a decoder embedder: EmbeddingGemma): every token sees its whole input (or
+    # its window either side), so no KV cache is kept and the model pools only, never generates
+    causal: bool = True
     # ---- norms and residuals
     norm: str = "rms"  # "rms", "gemma_rms" (scales by 1 + w), "layer" (LayerNorm without bias)
     norm_eps: float = 1e-6
@@ -228,7 +231,7 @@ class LlamaAttention(nn.Module):
         self.rotary_emb = rotary  # shared by the layers with the same RoPE (it holds no parameters)
         scale = spec.attention_scale if spec.attention_scale is not None else d**-0.5
         self.attn = PagedAttention(self.num_heads, d, self.num_kv_heads, scale, sliding_window=spec.windows[layer],
-                                   logits_soft_cap=spec.attn_soft_cap)
+                                   logits_soft_cap=spec.attn_soft_cap, causal=spec.causal)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split(self.qkv_proj.output_sizes, dim=-1)
@@ -440,7 +443,8 @@ class LlamaForCausalLM(nn.Module):
         self.vocab_size = hf.vocab_size
         spec = self.decoder_spec(hf)
         self.spec = replace(spec, windows=effective_windows(spec.windows, config.model.max_model_len))
-        announce_windows(type(self).__name__, self.spec.windows)
+        if self.spec.causal:  # a bidirectional model keeps no KV cache, windowed or not
+            announce_windows(type(self).__name__, self.spec.windows)
         self.model = LlamaModel(hf, self.spec, self.state, self.layer_class, add_prefix(prefix, "model"))
         self.tie_word_embeddings = bool(getattr(hf, "tie_word_embeddings", False))
         layout = self.state.layout
@@ -479,6 +483,9 @@ class LlamaForCausalLM(nn.Module):
         return torch.sigmoid(logits * (2.0 / cap)).mul_(2.0 * cap).sub_(cap)
 
     def attention_layers(self) -> list[PagedAttention]:
+        """The layers that keep a KV cache: none in a bidirectional model (it attends without one)."""
+        if not self.spec.causal:
+            return []
         return [layer.self_attn.attn for layer in self.model.layers if isinstance(layer, LlamaDecoderLayer)]
 
     # checkpoint names -> parameters (``weight_loader``); a subclass may extend it

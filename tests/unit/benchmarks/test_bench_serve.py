@@ -543,3 +543,24 @@ def test_probes_still_stalled_after_the_load_fail_after_the_drain(fake_server):
     assert len(probes) >= 2 and time.perf_counter() - t0 < duration + 0.3 + SLACK_S
     assert {r.error for r in probes} == {"not finished within 0.3s after the load ended"}
     assert [r.sent_at for r in probes] == sorted(r.sent_at for r in probes)
+
+
+def test_probe_priorities_run_the_load_once_each_and_only_the_probes_carry_theirs(tmp_path, fake_server, capsys):
+    server = fake_server(tokens=3, ttft_s=0.05, gap_s=0.05, ttft_for=lambda b: 0.01 if _is_probe(b) else 0.05)
+    rc, report = _bench(tmp_path, server, "--probe-rate", "10", "--probe-max-tokens", str(PROBE_TOKENS),
+                        "--probe-priority", "0,-1")
+    assert rc == 0 and [r["probe_priority"] for r in report["runs"]] == [0, -1]
+    assert all(r["probe_completed"] == r["probe_sent"] > 0 for r in report["runs"])
+    probes = [b for b in server.bodies if _is_probe(b)]
+    assert {b.get("priority") for b in probes} == {None, -1}  # 0 is not sent
+    assert all("priority" not in b for b in server.bodies if not _is_probe(b))
+    loads = [b["prompt"] for b in server.bodies if not _is_probe(b)][1:]  # after the check request
+    assert not set(loads[:4]) & set(loads[4:])  # each run its own prompts: no prefix-cache help
+    assert "| probe priority |" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("value", ["x", "", "2147483648"])
+def test_a_bad_probe_priority_is_a_clear_error(tmp_path, fake_server, capsys, value):
+    server = fake_server(tokens=2, ttft_s=0.02, gap_s=0.02)
+    rc, report = _bench(tmp_path, server, "--probe-rate", "1", "--probe-priority", value)
+    assert rc == 2 and report == {} and "--probe-priority" in capsys.readouterr().err

@@ -6,14 +6,11 @@ import struct
 
 import pytest
 
-from gridserve.services.engine.kv_cache_manager import (
-    KVCacheManager,
-    hash_block_tokens,
-    num_blocks_for_memory,
-)
+from gridserve.services.engine.kv_cache_manager import KVCacheManager, num_blocks_for_memory
 from gridserve.services.engine.request import Request
 from gridserve.shared.errors import ConfigError
 from gridserve.shared.multimodal import ImageFeature
+from gridserve.shared.prefix_hash import hash_block_tokens
 from gridserve.shared.sampling_params import SamplingParams
 
 BS = 4

@@ -98,6 +98,8 @@ CASES: list[tuple[str, str, dict, Check]] = [
     ("both", "user", {"user": "alice"}, lambda r: r.status == 200),
     ("both", "data_parallel_rank", {"data_parallel_rank": 0}, lambda r: r.status == 200),
     ("both", "data_parallel_rank", {"data_parallel_rank": 1}, REFUSED),
+    ("both", "priority", {"priority": 0}, lambda r: r.status == 200),
+    ("both", "priority", {"priority": -1}, REFUSED),  # no --allow-client-priority (test_priority_field.py)
     # beam search: one-token steps with 2 x n logprobs (tests/unit/gateway/test_beam_search.py: the results)
     ("both", "use_beam_search", {"use_beam_search": True, "n": 2, "max_tokens": 2},
      lambda r: params(r).max_tokens == 1 and params(r).logprobs == 4),
@@ -193,7 +195,7 @@ def test_every_field_is_honoured_or_refused_naming_it(folder, route, field, frag
 
 
 @pytest.mark.parametrize("route", ["completions", "chat_completions"])
-@pytest.mark.parametrize("field", ["no_such_field", "guided_json", "priority"])
+@pytest.mark.parametrize("field", ["no_such_field", "guided_json", "guided_regex"])
 def test_an_unknown_top_level_field_is_refused_as_openai_does(folder, route, field):
     result = _call(folder, route, {field: 1})
     assert result.status == 400 and result.body["error"]["param"] == field
@@ -304,6 +306,8 @@ RESPONSES_CASES: list[tuple[str, dict, Check]] = [
     ("top_k", {"top_k": 5}, lambda r: params(r).top_k == 5),
     ("logit_bias", {"logit_bias": {"5": 2.0}}, lambda r: params(r).logit_bias == {5: 2.0}),
     ("skip_special_tokens", {"skip_special_tokens": False}, lambda r: params(r).skip_special_tokens is False),
+    ("priority", {"priority": 0}, ok),
+    ("priority", {"priority": 2}, REFUSED),  # no --allow-client-priority (test_priority_field.py)
 ]
 
 
@@ -339,7 +343,7 @@ def test_every_responses_field_is_honoured_or_refused_naming_it(folder, field, f
 
 
 def test_an_unknown_top_level_responses_field_is_refused_as_openai_does(folder):
-    for field in ("no_such_field", "request_id", "priority", "chat_template_kwargs"):
+    for field in ("no_such_field", "request_id", "guided_json", "chat_template_kwargs"):
         result = _respond(folder, {field: 1})
         assert result.status == 400 and result.body["error"]["param"] == field
         assert "unrecognized request argument supplied" in result.body["error"]["message"]

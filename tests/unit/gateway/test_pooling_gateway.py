@@ -409,7 +409,7 @@ def test_a_request_whose_engine_is_lost_is_sent_again_to_a_live_one(tokenizer):
     lost.serving = True
 
     async def go():
-        servicer.service.router.choose = lambda candidates, in_flight, rank: 0 if not lost.added else 1
+        servicer.service.router.choose = lambda candidates, in_flight, rank, prefix_keys=(): 0 if not lost.added else 1
         return await servicer.pooling.embeddings(json.dumps({"input": "hi"}).encode())
 
     response = _run(go())

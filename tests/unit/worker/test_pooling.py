@@ -121,7 +121,9 @@ def test_sentence_transformers_files_give_the_pooling(tmp_path):
 
 
 @pytest.mark.parametrize(("types", "pooling", "field"), [
-    (("x.Transformer", "x.Pooling", "x.Dense"), {"pooling_mode": "mean"}, "modules.json[2] (x.Dense)"),
+    (("x.Transformer", "x.Dense", "x.Pooling"), {"pooling_mode": "mean"}, "modules.json[1] (x.Dense)"),
+    (("x.Transformer", "x.Pooling", "x.Normalize", "x.Dense"), {"pooling_mode": "mean"}, "modules.json[3] (x.Dense)"),
+    (("x.Transformer", "x.Pooling", "x.LayerNorm"), {"pooling_mode": "mean"}, "modules.json[2] (x.LayerNorm)"),
     (("x.Transformer", "x.Pooling"), {"pooling_mode_max_tokens": True}, "1_Pooling/config.json pooling_mode"),
     (("x.Transformer", "x.Pooling"), {"pooling_mode": ["mean", "cls"]}, "1_Pooling/config.json pooling_mode"),
     (("x.Transformer", "x.Pooling"), {"pooling_mode": "mean", "include_prompt": False},
@@ -183,7 +185,47 @@ def test_non_causal_attention_sees_each_whole_sequence_and_nothing_else():
     torch.testing.assert_close(causal[-1], out[-1])  # a sequence's last row sees all of it either way
     assert not torch.allclose(causal[0], out[0])  # its first row sees only itself when causal
     with pytest.raises(ValueError, match="non-causal"):
-        PagedAttention(heads, d, heads, 1.0, causal=False, sliding_window=4)
+        PagedAttention(heads, d, heads, 1.0, causal=False, alibi_slopes=torch.ones(heads))
     layer.kv_cache = torch.zeros(2, 1, 16, heads, d)
     with pytest.raises(RuntimeError, match="without a KV cache"):
         layer(q, k, v, _meta(lens))
+
+
+def _dense_bidirectional(q, k, v, lens, heads, kv_heads, d, scale, window=0, cap=0.0) -> torch.Tensor:
+    """Float64, written out: each token over its whole sequence, keys ``|i - j| >= window`` masked,
+    scores soft-capped (``cap * tanh(s / cap)``), K/V heads shared by ``heads / kv_heads`` queries."""
+    out, start = [], 0
+    for n in lens:
+        qs = q[start:start + n].double().view(n, heads, d).transpose(0, 1)
+        ks, vs = (t[start:start + n].double().view(n, kv_heads, d).transpose(0, 1)
+                  .repeat_interleave(heads // kv_heads, 0) for t in (k, v))
+        s = qs @ ks.transpose(-1, -2) * scale
+        if cap:
+            s = cap * torch.tanh(s / cap)
+        if window:
+            idx = torch.arange(n)
+            s = s.masked_fill((idx[:, None] - idx[None, :]).abs() >= window, float("-inf"))
+        out.append((torch.softmax(s, -1) @ vs).transpose(0, 1).reshape(n, heads * d))
+        start += n
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize(("window", "cap"), [(5, 3.0), (5, None), (None, 3.0), (64, 3.0)],
+                         ids=["window-and-cap", "window", "cap", "wide-window"])
+def test_non_causal_window_and_soft_cap_see_the_window_either_side(monkeypatch, window, cap):
+    """A bidirectional decoder's layer (EmbeddingGemma): query ``i`` sees key ``j`` iff
+    ``|i - j| < window``, soft-capped scores, GQA; a small score budget splits the long sequence
+    into query chunks, each over only the keys its window reaches."""
+    from gridserve.kernels import reference
+
+    monkeypatch.setattr(reference, "_SCORE_BUDGET", 4 * 6 * 20)  # 16-row chunks
+    heads, kv_heads, d, lens = 6, 2, 8, [37, 1, 4, 70]
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(sum(lens), heads * d, generator=gen) * 2
+    k, v = (torch.randn(sum(lens), kv_heads * d, generator=gen) * 2 for _ in range(2))
+    layer = PagedAttention(heads, d, kv_heads, 0.3, sliding_window=window, logits_soft_cap=cap, causal=False)
+    out = layer(q, k, v, _meta(lens))
+    want = _dense_bidirectional(q, k, v, lens, heads, kv_heads, d, 0.3, window or 0, cap or 0.0)
+    torch.testing.assert_close(out.double(), want, atol=2e-6, rtol=2e-6)
+    causal = PagedAttention(heads, d, kv_heads, 0.3, sliding_window=window, logits_soft_cap=cap)(q, k, v, _meta(lens))
+    assert not torch.allclose(causal, out)  # the tokens ahead count
