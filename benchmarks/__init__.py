@@ -48,6 +48,8 @@ BENCHMARKS = {
                       "add_arguments", "run"),
     "layer-ops": ("layer_ops_bench", "C++ CPU layer ops (norms, RoPE, SiLU, KV write) vs the torch reference",
                   "add_arguments", "run"),
+    "bf16": ("bf16_bench", "bf16 weights on the CPU vs fp32: packed / plain GEMMs per SmolLM2 shape, offline "
+             "prefill and decode throughput", "add_arguments", "run"),
     "int8-gemm": ("int8_gemm_bench", "int8-weight CPU GEMM (int16 / group-32 / oneDNN) vs fp32 F.linear",
                   "add_arguments", "run"),
     "spec-decode": ("spec_decode_bench", "n-gram speculative decoding vs plain, one request at a time and a batch",

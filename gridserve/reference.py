@@ -156,11 +156,14 @@ def supported_models_page() -> str:
              "which gives blocks back once the window has passed them; `--disable-hybrid-kv-cache-manager` "
              "keeps every token instead), `mla` (a compressed latent).", "",
              markdown_table(generative, source=False).rstrip(), "",
-             "## Encoders for embeddings and scores (not served yet)", "",
-             "These pooling models load and compute what sentence-transformers / transformers compute "
-             "(bidirectional attention, no KV cache; `tests/integration/test_pooling_models.py`), but "
-             "nothing serves them yet: the pooling runner and `/v1/embeddings`, `/score`, `/rerank` are "
-             "still to come, and the engine refuses to start on one, naming `model.runner`.", "",
+             "## Pooling models: embeddings and scores", "",
+             "These architectures are served by the pooling runner (`--runner pooling`, chosen for "
+             "them by default): each input runs whole in one step, without a KV cache, and comes back "
+             "as a vector or scores from `/v1/embeddings`, `/score`, `/rerank`, `/classify` and "
+             "offline `LLM.embed` / `score` / `classify`, equal to what sentence-transformers / "
+             "transformers compute; a generate request to one is refused, naming the runner "
+             "([pooling models](pooling.md)). `Gemma3TextModel` is EmbeddingGemma's bare Gemma 3 "
+             "decoder. A generative decoder above embeds too, converted by `--runner pooling`.", "",
              markdown_table(pooling, source=False).rstrip(), "",
              "## Out-of-tree models", "",
              "A plugin registers its own class for an architecture, by `module:Class` string "

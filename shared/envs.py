@@ -148,7 +148,8 @@ _TABLE = [
     EnvVar("GRIDSERVE_CPU_MALLOC_TUNING", _bool, True,
            "keep large allocations mapped between steps (glibc malloc tuning) on CPU workers", "worker"),
     EnvVar("GRIDSERVE_CPU_PACKED_LINEAR", _bool, True,
-           "fp32 CPU linears on oneDNN-packed weights (0: plain F.linear, for A/B runs)", "worker"),
+           "fp32 (and, with native bf16, bf16) CPU linears on oneDNN-packed weights (0: plain "
+           "F.linear, for A/B runs)", "worker"),
     EnvVar("GRIDSERVE_KERNELS", _choice("auto", "reference", "triton", "cpu"), "auto",
            "kernel family: auto (C++ on CPU, Triton on CUDA), reference (torch), triton, cpu (C++ "
            "required)", "worker"),

@@ -54,9 +54,9 @@ def _arch(name: str, module: str, *examples: str, **features) -> ArchitectureInf
 
 
 def _pooling(name: str, module: str, tasks: tuple[str, ...], *examples: str) -> ArchitectureInfo:
-    """An encoder (issue 37): bidirectional attention over whole inputs, no KV cache, pooled outputs.
-    Tensor parallel; no pipeline stages (a model this size never needs them) and no quantization
-    (untested)."""
+    """A pooling-only architecture (issue 37: an encoder, or a decoder that is an embedder by name):
+    whole inputs, no KV cache, pooled outputs. Tensor parallel; no pipeline stages (a model this
+    size never needs them) and no quantization (untested)."""
     return ArchitectureInfo(name, module, tuple(examples), pipeline_parallel=False, quantization=False,
                             kv_kind="none", runner="pooling", tasks=tasks)
 
@@ -118,6 +118,9 @@ ARCHITECTURES: dict[str, ArchitectureInfo] = {a.name: a for a in (
              "intfloat/multilingual-e5-base"),
     _pooling("XLMRobertaForSequenceClassification", "bert:XLMRobertaForSequenceClassification",
              ("classify", "score"), "BAAI/bge-reranker-v2-m3"),
+    # a decoder that is an embedder by name (EmbeddingGemma's config.json): the bare Gemma 3 text
+    # model, bidirectional when its config says so, served by the pooling runner without --convert
+    _pooling("Gemma3TextModel", "gemma:Gemma3TextModel", ("embed",), "google/embeddinggemma-300m"),
 )}
 
 # Every built-in architecture name.

@@ -11,14 +11,17 @@
   (``dimensions`` of a model without Matryoshka support, as vLLM does).
 
 Sentence-transformers folders hold ``modules.json`` (the module list: Transformer, Pooling,
-Normalize, ...) and each module's ``config.json`` in its own folder (``1_Pooling/config.json``);
+Dense, Normalize, ...) and each module's ``config.json`` in its own folder (``1_Pooling/config.json``);
 both the legacy ``pooling_mode_*_token(s)`` booleans and sentence-transformers 5+'s ``pooling_mode``
-are read. A module gridserve cannot reproduce (``Dense``, ``max`` pooling, ...) is refused at load,
-naming it, rather than served with different vectors.
+are read. ``Dense`` modules between Pooling and Normalize (EmbeddingGemma's 768 -> 3072 -> 768
+projection) are ``DenseModule``s (``read_dense_modules``), which the worker applies to the pooled
+rows. A module gridserve cannot reproduce (``max`` pooling, a Dense module before pooling, ...)
+is refused at load, naming it, rather than served with different vectors.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -47,6 +50,10 @@ _ST_LEGACY_MODES = {"pooling_mode_cls_token": "cls", "pooling_mode_max_tokens": 
                     "pooling_mode_weightedmean_tokens": "weightedmean", "pooling_mode_lasttoken": "lasttoken"}
 # modules that change nothing the worker computes (the tokenizer's side, or no-ops at inference)
 _ST_NEUTRAL = ("Transformer", "Dropout")
+# a Dense module's ``activation_function``: the ``torch.nn`` classes (built without arguments, as
+# sentence-transformers builds them) gridserve applies; Tanh when the config names none
+DENSE_ACTIVATIONS = ("Identity", "Tanh", "ReLU", "GELU", "Sigmoid", "SiLU")
+_DENSE_DEFAULT_ACTIVATION = "torch.nn.modules.activation.Tanh"
 # activation_fn class names (sentence-transformers' CrossEncoder config) -> the head's activation
 _ST_ACTIVATIONS = {"Sigmoid": SIGMOID, "Softmax": SOFTMAX, "Identity": NO_ACTIVATION}
 
@@ -100,6 +107,32 @@ class PoolerConfig:
         return replace(base, **{k: v for k, v in self.__dict__.items() if v is not None})
 
 
+@dataclass(frozen=True)
+class DenseModule:
+    """A sentence-transformers ``Dense`` module after pooling: ``activation(x @ weight.T + bias)``
+    from ``in_features`` to ``out_features`` values; ``activation`` is a ``torch.nn`` class name
+    (``DENSE_ACTIVATIONS``). Its weights (``linear.weight``, ``linear.bias``) are ``weights_file``."""
+
+    folder: Path
+    in_features: int
+    out_features: int
+    bias: bool
+    activation: str
+
+    @property
+    def weights_file(self) -> Path:
+        return self.folder / "model.safetensors"
+
+
+@dataclass(frozen=True)
+class _Pipeline:
+    """What a ``modules.json`` asks after the Transformer: pool, project, normalise."""
+
+    pooling_type: Optional[str]
+    dense: tuple[DenseModule, ...]
+    normalize: bool
+
+
 def read_sentence_transformers_config(model_path: Union[str, Path]) -> Optional[PoolerConfig]:
     """The pooling a sentence-transformers folder declares (``modules.json`` and its Pooling module's
     ``config.json``; a ``Normalize`` module -> ``normalize``), or None when there is no ``modules.json``.
@@ -107,7 +140,35 @@ def read_sentence_transformers_config(model_path: Union[str, Path]) -> Optional[
     Without a Normalize module ``normalize`` is False, as sentence-transformers computes it. A module
     the worker cannot reproduce is refused (``ConfigError`` naming it).
     """
-    folder = Path(model_path)
+    pipeline = _read_pipeline(Path(model_path))
+    if pipeline is None:
+        return None
+    return PoolerConfig(pooling_type=pipeline.pooling_type, normalize=pipeline.normalize)
+
+
+def read_dense_modules(model_path: Union[str, Path]) -> tuple[DenseModule, ...]:
+    """The ``Dense`` modules a sentence-transformers folder applies to the pooled vector, in
+    ``modules.json`` order (none without the file). Each one's ``in_features`` is the previous
+    one's ``out_features``; its weights are a ``model.safetensors`` (a ``pytorch_model.bin`` alone
+    is refused, naming it: a pickle is never loaded)."""
+    pipeline = _read_pipeline(Path(model_path))
+    return () if pipeline is None else pipeline.dense
+
+
+def embedding_size(model_path: Optional[Union[str, Path]], hidden_size: int) -> int:
+    """The size of an embedder's vectors before ``dimensions``: its last Dense module's
+    ``out_features``, else ``hidden_size`` (the vectors are pooled hidden states). Read once per
+    checkpoint (the engine asks for every request)."""
+    return _embedding_size(str(model_path) if model_path else "", hidden_size)
+
+
+@functools.lru_cache(maxsize=16)
+def _embedding_size(model_path: str, hidden_size: int) -> int:
+    dense = read_dense_modules(model_path) if model_path else ()
+    return dense[-1].out_features if dense else hidden_size
+
+
+def _read_pipeline(folder: Path) -> Optional[_Pipeline]:
     modules_file = folder / "modules.json"
     if not modules_file.is_file():
         return None
@@ -118,6 +179,7 @@ def read_sentence_transformers_config(model_path: Union[str, Path]) -> Optional[
     if not isinstance(modules, list):
         raise ConfigError("modules.json", "must be a list of modules")
     pooling_type: Optional[str] = None
+    dense: list[DenseModule] = []
     normalize = False
     for module in sorted(modules, key=lambda m: m.get("idx", 0)):
         kind = str(module.get("type", "")).rsplit(".", 1)[-1]
@@ -130,18 +192,64 @@ def read_sentence_transformers_config(model_path: Union[str, Path]) -> Optional[
             if pooling_type is not None:
                 raise ConfigError(where, "a second Pooling module is not supported")
             pooling_type = _st_pooling_type(folder / str(module.get("path", "")), where)
+        elif kind == "Dense":
+            if pooling_type is None or normalize:
+                raise ConfigError(where, "a Dense module is supported after Pooling and before Normalize only")
+            dense.append(_st_dense(folder / str(module.get("path", "")), where, dense[-1] if dense else None))
         else:
             raise ConfigError(where, f"sentence-transformers module {kind!r} is not supported "
-                                     "(supported: Transformer, Pooling, Normalize)")
-    return PoolerConfig(pooling_type=pooling_type, normalize=normalize)
+                                     "(supported: Transformer, Pooling, Dense, Normalize)")
+    return _Pipeline(pooling_type, tuple(dense), normalize)
 
 
-def _st_pooling_type(folder: Path, where: str) -> str:
+def _st_module_config(folder: Path, where: str) -> dict:
     path = folder / "config.json"
     try:
         config = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
         raise ConfigError(where, f"its {path.name} cannot be read: {e}") from e
+    if not isinstance(config, dict):
+        raise ConfigError(f"{folder.name}/config.json", "must be a mapping")
+    return config
+
+
+def _st_dense(folder: Path, where: str, previous: Optional[DenseModule]) -> DenseModule:
+    """One Dense module, as sentence-transformers' ``Dense.load`` reads it."""
+    config = _st_module_config(folder, where)
+    name = f"{folder.name}/config.json"
+    sizes = []
+    for key in ("in_features", "out_features"):
+        value = config.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{name} {key}", f"must be a positive integer, got {value!r}")
+        sizes.append(value)
+    if previous is not None and sizes[0] != previous.out_features:
+        raise ConfigError(f"{name} in_features", f"{sizes[0]} differs from the previous Dense module's "
+                                                 f"out_features {previous.out_features}")
+    path = str(config.get("activation_function") or _DENSE_DEFAULT_ACTIVATION)
+    activation = path.rsplit(".", 1)[-1]
+    if not path.startswith("torch.") or activation not in DENSE_ACTIVATIONS:
+        raise ConfigError(f"{name} activation_function",
+                          f"{path!r} is not supported (supported: torch.nn's {', '.join(DENSE_ACTIVATIONS)})")
+    if config.get("use_residual"):
+        raise ConfigError(f"{name} use_residual", "a residual Dense module is not supported")
+    for key in ("module_input_name", "module_output_name"):
+        if config.get(key) not in (None, "sentence_embedding"):
+            raise ConfigError(f"{name} {key}", f"{config[key]!r} is not supported (only the sentence embedding "
+                                               "is projected)")
+    module = DenseModule(folder, sizes[0], sizes[1], bool(config.get("bias", True)), activation)
+    if not module.weights_file.is_file():
+        pickled = folder / "pytorch_model.bin"
+        if pickled.is_file():
+            raise ConfigError(f"{folder.name}/{pickled.name}",
+                              "gridserve reads a Dense module's weights from model.safetensors only (a .bin "
+                              "file is a pickle, never loaded): save the module again with safetensors")
+        raise ConfigError(f"{folder.name}/model.safetensors", "is missing: the Dense module has no weights")
+    return module
+
+
+def _st_pooling_type(folder: Path, where: str) -> str:
+    config = _st_module_config(folder, where)
     if "pooling_mode" in config:
         modes = config["pooling_mode"]
         modes = [modes] if isinstance(modes, str) else list(modes)

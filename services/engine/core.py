@@ -25,6 +25,7 @@ from gridserve.shared.errors import FailedPreconditionError, InvalidArgumentErro
 from gridserve.shared.kv_cache_spec import KVCacheConfig, plan_kv_cache, single_group
 from gridserve.shared.load import EngineLoad
 from gridserve.shared.outputs import EngineCoreOutput
+from gridserve.shared.pooling import embedding_size
 from gridserve.shared.scheduler_output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -171,7 +172,8 @@ def check_runner(config: GridserveConfig, request: Request) -> None:
     if request.pooling_params is None:
         raise InvalidArgumentError("sampling_params", f"{model.model} is a pooling model (runner pooling: "
                                    f"{', '.join(config.pooling_tasks)}): it generates no text")
-    request.pooling_params.verify(config.pooling_tasks, int(model.text_config.get("hidden_size", 0)), model.hf_config)
+    size = embedding_size(model.model_path, int(model.text_config.get("hidden_size", 0)))  # after Dense modules
+    request.pooling_params.verify(config.pooling_tasks, size, model.hf_config)
     if request.num_prompt_tokens == 0:
         raise InvalidArgumentError("prompt_token_ids", "a pooling input needs at least one token")
     if request.num_prompt_tokens > config.max_model_len:

@@ -35,6 +35,7 @@ from gridserve.shared.errors import (
 )
 from gridserve.shared.lora import LoRARequest
 from gridserve.shared.observability.tracing import traceparent_from_metadata
+from gridserve.shared.pooling import embedding_size
 from gridserve.shared.rpc.authz import stream_owner
 from gridserve.shared.rpc.convert import (
     engine_output_to_pb,
@@ -168,7 +169,9 @@ class EngineServicer(engine_pb2_grpc.EngineCoreServicer):
             kv_cache_groups=self._kv_cache_groups(),
             runner=model.runner,
             supported_tasks=list(self.config.pooling_tasks),
-            hidden_size=int(model.text_config.get("hidden_size", 0)) if model.runner == "pooling" else 0,
+            # a pooling model's vector size (its last sentence-transformers Dense module's, if any)
+            hidden_size=(embedding_size(model.model_path, int(model.text_config.get("hidden_size", 0)))
+                         if model.runner == "pooling" else 0),
         )
 
     def _kv_cache_groups(self) -> list[engine_pb2.KVCacheGroupInfo]:

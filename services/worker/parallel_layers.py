@@ -17,7 +17,8 @@ to the whole one, as the partial products do).
 Every layer carries its checkpoint ``prefix``; after loading, ``quantization.quantize_model`` may
 swap a layer's float weight for a ``QuantizedWeight`` (int8 / int4) chosen by that prefix. Each
 rank quantizes only the shard it holds. On the CPU, ``cpu_packed_linear.pack_model`` then holds each
-remaining fp32 weight in oneDNN's blocked layout (``pack_for_cpu``) instead of the plain one.
+remaining fp32 (or, with native bf16, bf16) weight in oneDNN's blocked layout (``pack_for_cpu``) instead of
+the plain one.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ class QuantizableLinear(nn.Module):
         self.qweight: Optional[QuantizedWeight] = None
         self.keeps_float_weight = False  # True where the float weight has another use (tied embedding)
         self.batch_invariant = False  # GEMMs on fixed row blocks (``batch_invariant.enable``)
-        self.cpu_packed = False  # the fp32 weight is held in oneDNN's layout (``pack_for_cpu``)
+        self.cpu_packed = False  # the float weight is held in oneDNN's layout (``pack_for_cpu``)
         self._packed_head: Optional[torch.Tensor] = None  # a tied head's packed copy (its table stays plain)
 
     def quantize(self, method: str, group_size: int = 128, activations: bool = True,
@@ -72,7 +73,7 @@ class QuantizableLinear(nn.Module):
             self.weight = None
 
     def pack_for_cpu(self) -> bool:
-        """Hold the fp32 weight in oneDNN's blocked layout (``cpu_packed_linear``), replacing the
+        """Hold the fp32 (or bf16) weight in oneDNN's blocked layout (``cpu_packed_linear``), replacing the
         plain one; False (nothing changed) for a quantized, batch-invariant or looked-up weight."""
         if (self.qweight is not None or self.batch_invariant or self.keeps_float_weight
                 or not cpu_packed_linear.packable(self.weight)):

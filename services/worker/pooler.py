@@ -4,8 +4,10 @@ The step's sequences are packed as the decoders' are (``query_start_loc``, no pa
 ``pool_hidden`` reduces each sequence's rows to one (``LAST``: its last token, ``CLS``: its first,
 ``MEAN``: the mean of all of them, accumulated in float32, then in the activations' dtype). Then:
 
-- ``EmbeddingPooler`` (task ``embed``): each request's Matryoshka ``dimensions`` (the leading
-  values kept, then) and ``normalize`` (L2, as sentence-transformers' ``Normalize``), float32 out;
+- ``EmbeddingPooler`` (task ``embed``): the checkpoint's sentence-transformers ``Dense`` modules
+  when it has them (``projection``: the model's ``DenseStack``), then each request's Matryoshka
+  ``dimensions`` (the leading values kept, then) and ``normalize`` (L2, as sentence-transformers'
+  ``Normalize``), float32 out;
 - ``ClassifierPooler`` (tasks ``classify`` / ``score``): the model's head over the pooled row
   (BERT's pooler + classifier, RoBERTa's classification head), then sigmoid / softmax / none per
   ``PoolerConfig.activation`` unless the request turns it off (``activation=False``: raw logits).
@@ -30,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gridserve.services.worker.attention import AttentionMetadata
+from gridserve.services.worker.dense_stack import DenseStack
 from gridserve.shared.errors import InvalidArgumentError
 from gridserve.shared.pooling import (
     CLASSIFY,
@@ -109,7 +112,8 @@ class Pooler:
 
 
 class EmbeddingPooler(Pooler):
-    """Task ``embed``: the pooled row, truncated to ``dimensions`` and L2-normalised as asked.
+    """Task ``embed``: the pooled row, through ``projection`` (the model's Dense modules, if any),
+    truncated to ``dimensions`` and L2-normalised as asked.
 
     ``config`` is resolved (``pooling_type`` and ``normalize`` set); a request's ``dimensions`` /
     ``normalize`` override its defaults, once ``PoolingParams.verify`` has accepted them.
@@ -117,13 +121,17 @@ class EmbeddingPooler(Pooler):
 
     supported_tasks = (EMBED,)
 
-    def __init__(self, config: PoolerConfig) -> None:
+    def __init__(self, config: PoolerConfig,
+                 projection: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> None:
         if config.pooling_type is None or config.normalize is None:
             raise ValueError(f"EmbeddingPooler needs a resolved config, got {config}")
         self.config = config
         self.pooling_type = config.pooling_type
+        self.projection = projection
 
     def finish(self, pooled: torch.Tensor, params: Sequence[PoolingParams]) -> list[torch.Tensor]:
+        if self.projection is not None:
+            pooled = self.projection(pooled)
         pooled = pooled.float()
         settings = [(p.dimensions or self.config.dimensions,
                      self.config.normalize if p.normalize is None else p.normalize) for p in params]
@@ -172,7 +180,7 @@ class ChunkedPool:
     scheduler chunked): ``add`` each chunk's rows in order, ``result`` after the last; then
     ``Pooler.finish`` over the stacked results. ``MEAN`` keeps a float32 sum and a count, ``CLS``
     the first chunk's first row, ``LAST`` the latest chunk's last row (so the runner may pool
-    only the last chunk). An encoder is never chunked."""
+    only the last chunk). An encoder or a bidirectional decoder is never chunked."""
 
     def __init__(self, pooling_type: str) -> None:
         if pooling_type not in (LAST, MEAN, CLS):
@@ -197,14 +205,17 @@ class ChunkedPool:
         return self._row / self.count if self.pooling_type == MEAN else self._row
 
 
-def embedding_pooler(config: Any, hidden_size: int, default: PoolerConfig) -> EmbeddingPooler:
+def embedding_pooler(config: Any, hidden_size: int, default: PoolerConfig,
+                     dense: Optional[DenseStack] = None) -> EmbeddingPooler:
     """The ``embed`` pooler of a model loaded from ``config`` (a ``GridserveConfig``): the operator's
     ``model.pooler_config`` (when the config has one), the checkpoint's sentence-transformers files,
-    then the architecture's ``default``; a default ``dimensions`` checked against the model."""
+    then the architecture's ``default``; ``dense``: the model's Dense modules (``dense_stack``),
+    applied to the pooled rows; a default ``dimensions`` checked against the vectors' size."""
     model = config.model
     resolved = resolve_pooler_config(model.model_path, default, getattr(model, "pooler_config", None))
-    check_default_dimensions(resolved, hidden_size, model.hf_config)
-    return EmbeddingPooler(resolved)
+    size = hidden_size if dense is None else dense.out_features
+    check_default_dimensions(resolved, size, model.hf_config)
+    return EmbeddingPooler(resolved, dense)
 
 
 def classifier_pooler(config: Any, head: Callable[[torch.Tensor], torch.Tensor],

@@ -53,7 +53,9 @@ ELSEWHERE = {"LlamaForCausalLM", "Qwen2ForCausalLM", "OPTForCausalLM", "MixtralF
              "GptOssForCausalLM",
              # the encoders (issue 37): TP=2 vectors and scores in process in test_pooling_models
              "BertModel", "BertForSequenceClassification", "XLMRobertaModel",
-             "XLMRobertaForSequenceClassification"}
+             "XLMRobertaForSequenceClassification",
+             # EmbeddingGemma's architecture: TP=2 vectors in test_embeddinggemma_dense
+             "Gemma3TextModel"}
 PROMPTS = [list(range(100, 140)), [7, 300, 301, 302, 4000, 9, 11]]  # 40 tokens: past every window (24, 32)
 
 

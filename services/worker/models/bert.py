@@ -18,7 +18,8 @@ MLP as it does a decoder's), the loader's ``WeightMap`` from Hugging Face names 
 Sequences are packed without padding (``query_start_loc``) and attend without a KV cache
 (``attention_layers`` is empty: the runner allocates none). Pooling-only: ``pooler`` turns the
 final hidden states into embeddings (``*Model``: CLS pooling, normalised, unless the checkpoint's
-sentence-transformers files say otherwise) or scores (``*ForSequenceClassification``).
+sentence-transformers files say otherwise; their ``Dense`` modules, if any, in ``sentence_dense``)
+or scores (``*ForSequenceClassification``).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from torch import nn
 
 from gridserve.services.worker.attention import AttentionMetadata, PagedAttention
 from gridserve.services.worker.checkpoint import CheckpointTensor
+from gridserve.services.worker.dense_stack import dense_stack, load_dense_weights
 from gridserve.services.worker.models.hf_config import hf_config_of
 from gridserve.services.worker.models.layernorm_decoder import (
     Activation,
@@ -248,7 +250,9 @@ class EncoderModel(nn.Module):
 
     def make_pooler(self, config: GridserveConfig) -> Pooler:
         # vLLM's BERT embedder default: the [CLS] row, normalised
-        return embedding_pooler(config, self.spec.hidden_size, PoolerConfig(pooling_type=CLS, normalize=True))
+        self.sentence_dense = dense_stack(config, self.spec.hidden_size)
+        return embedding_pooler(config, self.spec.hidden_size, PoolerConfig(pooling_type=CLS, normalize=True),
+                                self.sentence_dense)
 
     def skipped(self) -> tuple[str, ...]:
         """Checkpoint tensors this model does not read."""
@@ -269,8 +273,9 @@ class EncoderModel(nn.Module):
                            "(use its pooler)")
 
     def load_weights(self, weights: Iterable[tuple[str, CheckpointTensor]]) -> set[str]:
-        """Copy this rank's part of each checkpoint tensor; return the names of parameters loaded."""
-        return load_weights(self, weights, self.weight_map)
+        """Copy this rank's part of each checkpoint tensor (and the Dense modules' weights, read
+        from their folders); return the names of parameters loaded."""
+        return load_weights(self, weights, self.weight_map) | load_dense_weights(self)
 
 
 class BertModel(EncoderModel):
