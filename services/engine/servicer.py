@@ -91,9 +91,7 @@ class EngineServicer(engine_pb2_grpc.EngineCoreServicer):
             raise InvalidArgumentError("mm_features", f"{self.config.model.architecture} takes text only")
         prompt = list(request.prompt_token_ids)
         pooling = pooling_params_from_pb(request.pooling_params) if request.HasField("pooling_params") else None
-        if pooling is not None:  # checked against the model by the core (check_runner)
-            if request.HasField("sampling_params"):
-                raise InvalidArgumentError("sampling_params", "a pooling request sets pooling_params only")
+        if pooling is not None:  # checked against the model by the core (check_runner); a oneof with sampling_params
             params = SamplingParams(max_tokens=1)
             check_prompt_ids(self.config, prompt)
         else:

@@ -24,6 +24,7 @@ from gridserve.shared.rpc.convert import (
     sampling_params_to_pb,
 )
 from gridserve.shared.rpc.tensors import pack, unpack
+from gridserve.shared.sampling_params import SamplingParams
 from gridserve.shared.scheduler_output import (
     CachedRequestData,
     ModelRunnerOutput,
@@ -114,7 +115,8 @@ def scheduler_output_to_pb(out: SchedulerOutput) -> worker_pb2.SchedulerOutput:
             worker_pb2.NewRequestData(
                 req_id=r.req_id,
                 prompt_token_ids=r.prompt_token_ids,
-                sampling_params=sampling_params_to_pb(r.sampling_params),
+                # one of the two (a oneof): a pooling request samples nothing
+                sampling_params=sampling_params_to_pb(r.sampling_params) if r.pooling_params is None else None,
                 block_ids=r.block_ids[0],
                 num_computed_tokens=r.num_computed_tokens,
                 output_token_ids=r.output_token_ids,
@@ -148,7 +150,8 @@ def scheduler_output_from_pb(msg: worker_pb2.SchedulerOutput) -> SchedulerOutput
             NewRequestData(
                 req_id=r.req_id,
                 prompt_token_ids=list(r.prompt_token_ids),
-                sampling_params=sampling_params_from_pb(r.sampling_params),
+                sampling_params=(SamplingParams(max_tokens=1) if r.HasField("pooling_params")
+                                 else sampling_params_from_pb(r.sampling_params)),
                 block_ids=(list(r.block_ids), *(list(g.ids) for g in r.more_group_block_ids)),
                 num_computed_tokens=r.num_computed_tokens,
                 output_token_ids=list(r.output_token_ids),

@@ -12,6 +12,7 @@ from gridserve.shared.config import GridserveConfig
 from gridserve.shared.errors import InvalidArgumentError
 from gridserve.shared.multimodal import ImageFeature
 from gridserve.shared.outputs import EngineCoreOutput, FinishReason
+from gridserve.shared.pooling import PoolingParams
 from gridserve.shared.rpc.convert import (
     engine_output_from_pb,
     engine_output_to_pb,
@@ -95,6 +96,19 @@ def test_a_new_request_s_images_travel_as_typed_float32_tensors():
     assert tensor.dtype == common_pb2.DTYPE_FLOAT32 and list(tensor.shape) == [3, 2, 2]
     back = scheduler_output_from_pb(msg)
     assert back == sched and back.scheduled_new_reqs[0].mm_features[0].identifier == image.identifier
+
+
+def test_a_pooling_request_carries_pooling_params_instead_of_sampling_params():
+    pooling = PoolingParams(task="embed", dimensions=8)
+    sched = SchedulerOutput(
+        scheduled_new_reqs=[NewRequestData("p", [1, 2], SamplingParams(max_tokens=1), [3], 0,
+                                           pooling_params=pooling, token_type_ids=[0, 1]),
+                            NewRequestData("g", [4], _rich_params(), [5], 0)],
+        num_scheduled_tokens={"p": 2, "g": 1}, total_num_scheduled_tokens=3)
+    msg = scheduler_output_to_pb(sched)
+    # the two are a oneof: a pooling request has no sampling parameters on the wire
+    assert [r.WhichOneof("params") for r in msg.scheduled_new_reqs] == ["pooling_params", "sampling_params"]
+    assert scheduler_output_from_pb(msg) == sched
 
 
 @pytest.mark.parametrize("offset, length, shape, field", [
