@@ -39,13 +39,14 @@ import logging
 import os
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Optional
+
+from gridserve.benchmarks.served_ab import logged_server
 
 logger = logging.getLogger(__name__)
 
@@ -176,27 +177,8 @@ def make_adapters(model: str, folder: Path, names: list[str], rank: int, targets
 @contextlib.contextmanager
 def served(model: str, extra: list[str], log: Path, timeout: float) -> Iterator[str]:
     """``gridserve serve model`` (this interpreter's) until the block ends: yields its base URL."""
-    from gridserve.launcher import free_port
-
-    port = free_port()
-    cmd = [sys.executable, "-m", "gridserve.cli", "serve", model, "--port", str(port), "--grace-period", "2", *extra]
-    with log.open("w") as out:
-        server = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        start = time.perf_counter()
-        while "gridserve ready" not in log.read_text(errors="replace"):
-            if server.poll() is not None or time.perf_counter() - start > timeout:
-                raise RuntimeError(f"{' '.join(cmd)} did not get ready (exit {server.poll()}); its log: {log}")
-            time.sleep(0.5)
-        logger.info("  ready in %.1f s", time.perf_counter() - start)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.send_signal(signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            server.wait(timeout=60)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(server.pid, signal.SIGKILL)  # whatever of the group outlived the leader
-        server.wait()
+    with logged_server(sys.executable, model, ["--grace-period", "2", *extra], log, timeout) as url:
+        yield url
 
 
 def served_w(url: str, model_file: str, args: argparse.Namespace, adapters: Optional[list[str]]) -> dict:

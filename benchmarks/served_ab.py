@@ -33,6 +33,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -71,17 +72,27 @@ def served_from(tree: Path, model: str, extra: list[str], log: Path, extensions_
     interpreter runs from the tree (``-m`` puts the working folder first on ``sys.path``), with the
     tree's own torch-extensions folder (its C++ kernels may differ), and its output goes to ``log``.
     """
-    from gridserve.launcher import free_port
-
-    port = free_port()
-    cmd = [str(_python(tree)), "-m", "gridserve.cli", "serve", model, "--port", str(port), *extra]
     venv_bin = str(tree / ".venv" / "bin")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env |= {"VIRTUAL_ENV": str(tree / ".venv"), "PATH": f"{venv_bin}{os.pathsep}{env.get('PATH', '')}",
             "TORCH_EXTENSIONS_DIR": str(extensions_dir)}
+    with logged_server(str(_python(tree)), model, extra, log, timeout, cwd=tree, env=env) as url:
+        yield url
+
+
+@contextlib.contextmanager
+def logged_server(python: str, model: str, extra: list[str], log: Path, timeout: float,
+                  **popen: Any) -> Iterator[str]:
+    """``python -m gridserve.cli serve model`` on a free port, its output in ``log``, until the block
+    ends: yields its base URL once its ``gridserve ready`` line is there; stopped with SIGTERM, then
+    SIGKILL of its process group. ``popen``: ``cwd`` / ``env`` for the server."""
+    from gridserve.launcher import free_port
+
+    port = free_port()
+    cmd = [python, "-m", "gridserve.cli", "serve", model, "--port", str(port), *extra]
     with log.open("w") as out:
-        server = subprocess.Popen(cmd, cwd=tree, stdout=out, stderr=subprocess.STDOUT, text=True,
-                                  start_new_session=True, env=env)
+        server = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, text=True,
+                                  start_new_session=True, **popen)
     try:
         start = time.perf_counter()
         while "gridserve ready" not in log.read_text(errors="replace"):
