@@ -12,24 +12,18 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import signal
 import subprocess
-import time
 from pathlib import Path
-from typing import IO, Optional
+from typing import Optional
 
+from gridserve.benchmarks.peer_server import PeerServer, PeerSetupError
 from gridserve.shared import envs
-from gridserve.shared.errors import GridserveError
 
 logger = logging.getLogger(__name__)
 
 GGUF_TYPES = ("f32", "f16", "q8_0")
 BUILD_TIMEOUT_S = 3600.0
 CONVERT_TIMEOUT_S = 1800.0
-
-
-class PeerSetupError(GridserveError, RuntimeError):
-    """llama-server cannot be found, built or started, or a checkpoint cannot be converted."""
 
 
 def default_scripts_dir() -> Path:
@@ -104,87 +98,25 @@ def ensure_gguf(model_dir: Path, outtype: str, work_dir: Path, scripts: Path) ->
     return out
 
 
-class LlamaServer:
+class LlamaServer(PeerServer):
     """One ``llama-server`` on a free loopback port: ``slots`` parallel sequences (``-np``) with
     continuous batching, ``ctx_per_slot`` tokens of context each, a ``kv_type`` KV cache, all of
-    the machine's cores unless ``threads``, then ``extra_args`` (e.g. ``-fa off``). ``start()`` waits until ``GET /health`` answers 200;
-    ``stop()`` sends SIGTERM, then SIGKILL after ``grace_s``. A context manager."""
+    the machine's cores unless ``threads``, then ``extra_args`` (e.g. ``-fa off``). ``start()`` waits
+    until ``GET /health`` answers 200; ``stop()`` sends SIGTERM, then SIGKILL after ``grace_s``. A
+    context manager."""
+
+    name = "llama-server"
 
     def __init__(self, binary: Path, gguf: Path, slots: int, *, ctx_per_slot: int = 512, kv_type: str = "f16",
                  threads: Optional[int] = None, log_path: Optional[Path] = None, host: str = "127.0.0.1",
                  grace_s: float = 10.0, extra_args: tuple[str, ...] = ()) -> None:
-        from gridserve.launcher import free_port
-
-        self.binary, self.gguf, self.slots, self.host = binary, gguf, slots, host
+        super().__init__(log_path=log_path, host=host, grace_s=grace_s)
+        self.binary, self.gguf, self.slots = binary, gguf, slots
         self.ctx_per_slot, self.kv_type = ctx_per_slot, kv_type
         self.threads = threads or os.cpu_count() or 1
-        self.log_path, self.grace_s, self.extra_args = log_path, grace_s, tuple(extra_args)
-        self.port = free_port(host)
-        self.process: Optional[subprocess.Popen] = None
-        self._log: Optional[IO] = None
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        self.extra_args = tuple(extra_args)
 
     def argv(self) -> list[str]:
         return [str(self.binary), "-m", str(self.gguf), "--host", self.host, "--port", str(self.port),
                 "-np", str(self.slots), "-c", str(self.slots * self.ctx_per_slot), "-t", str(self.threads),
                 "-ctk", self.kv_type, "-ctv", self.kv_type, "-cb", *self.extra_args]
-
-    def start(self, timeout_s: float = 600.0) -> LlamaServer:
-        if self.log_path is not None:
-            self.log_path.parent.mkdir(parents=True, exist_ok=True)
-            self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
-        setpriv = shutil.which("setpriv")  # the server gets SIGTERM if this process dies
-        argv = ([setpriv, "--pdeathsig", "TERM", "--"] if setpriv else []) + self.argv()
-        logger.info("starting %s", " ".join(self.argv()))
-        self.process = subprocess.Popen(argv, stdout=self._log or subprocess.DEVNULL, stderr=subprocess.STDOUT,
-                                        start_new_session=True)
-        try:
-            self._wait_ready(timeout_s)
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def _wait_ready(self, timeout_s: float) -> None:
-        import httpx2
-
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                hint = f"; see {self.log_path}" if self.log_path else ""
-                raise PeerSetupError(f"llama-server exited with {self.process.returncode} at start{hint}")
-            try:
-                if httpx2.get(self.url + "/health", timeout=2.0, trust_env=False).status_code == 200:
-                    return
-            except httpx2.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise PeerSetupError(f"llama-server on {self.url} not ready within {timeout_s:g}s")
-
-    def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self._signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=self.grace_s)
-            except subprocess.TimeoutExpired:
-                logger.warning("llama-server (pid %d) ignored SIGTERM: killing it", self.process.pid)
-                self._signal(signal.SIGKILL)
-                self.process.wait()
-        if self._log is not None:
-            self._log.close()
-            self._log = None
-
-    def _signal(self, sig: int) -> None:
-        try:
-            os.killpg(self.process.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
-
-    def __enter__(self) -> LlamaServer:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()

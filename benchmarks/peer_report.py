@@ -4,22 +4,26 @@ tables, the JSON and the plot. Pure logic (no servers), so it is tested on its o
 A variant is one server setting measured on workload W:
 
 ``gridserve-fp32``            gridserve, fp32 weights and KV cache
+``gridserve-bf16``            gridserve, ``--dtype bfloat16`` (bf16 weights and KV cache)
 ``gridserve-int8``            gridserve, ``--quantization int8 --kv-cache-dtype bfloat16``
+``vllm-bf16``, ``vllm-fp32``  vLLM's CPU build (``vllm serve --dtype bfloat16|float32``)
 ``lcpp-<weights>-np<N>``      llama.cpp's ``llama-server`` with ``<weights>`` (f32, f16, q8_0) GGUF
                               weights, its default f16 KV cache and ``-np N`` slots
 ``lcpp-<weights>-kv<T>-np<N>`` the same with a ``T`` (f32, f16, q8_0) KV cache
 
-Variants form precision pairs: ``fp32`` (gridserve-fp32 against llama.cpp's f32 weights) and
-``int8`` (gridserve-int8 against llama.cpp's q8_0 weights); llama.cpp's f16 weights have no
-gridserve counterpart (pair ``f16``). A pair's ratio is gridserve's output throughput over the
-best llama.cpp variant of the pair (its best ``-np`` setting).
+Variants form precision pairs: ``fp32`` (gridserve-fp32 against vllm-fp32 and llama.cpp's f32
+weights), ``bf16`` (gridserve-bf16 against vllm-bf16; llama.cpp has no bf16 CPU path here) and
+``int8`` (gridserve-int8 against llama.cpp's q8_0 weights, and against vllm-bf16: vLLM's CPU build
+has no int8 path for an unquantized checkpoint, bf16 is its fastest); llama.cpp's f16 weights have
+no gridserve counterpart (pair ``f16``). A pair's ratios are gridserve's output throughput over the
+best variant of each peer in it (llama.cpp's best ``-np`` setting; vLLM's variant).
 """
 
 from __future__ import annotations
 
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -28,20 +32,26 @@ from gridserve.shared.errors import GridserveError
 
 GRIDSERVE = "gridserve"
 LLAMA_CPP = "llama.cpp"
+VLLM = "vllm"
 
 #: gridserve's variants: (pair, weights, KV cache dtype, extra engine flags).
 GRIDSERVE_VARIANTS = {
     "gridserve-fp32": ("fp32", "fp32", "fp32", ()),
+    "gridserve-bf16": ("bf16", "bf16", "bfloat16", ("--dtype", "bfloat16")),
     "gridserve-int8": ("int8", "int8", "bfloat16", ("--quantization", "int8", "--kv-cache-dtype", "bfloat16")),
 }
 #: llama.cpp's GGUF weight types and the pair each belongs to.
 LLAMA_CPP_WEIGHTS = {"f32": "fp32", "f16": "f16", "q8_0": "int8"}
 LLAMA_CPP_KV = ("f32", "f16", "q8_0")
+#: vLLM's variants: (pair, weights and KV cache dtype).
+VLLM_VARIANTS = {"vllm-bf16": ("bf16", "bf16"), "vllm-fp32": ("fp32", "fp32")}
+#: The vLLM variant's pair each gridserve pair is compared with (int8: vLLM's fastest, bf16).
+VLLM_PEER_PAIR = {"fp32": "fp32", "bf16": "bf16", "int8": "bf16"}
 _LCPP = re.compile(r"lcpp-(?P<weights>f32|f16|q8_0)(?:-kv(?P<kv>f32|f16|q8_0))?-np(?P<slots>[0-9]+)")
 
 DEFAULT_VARIANTS = ("gridserve-fp32", "lcpp-f32-np64", "lcpp-f32-np256",
                     "gridserve-int8", "lcpp-q8_0-np64", "lcpp-q8_0-np256")
-PAIRS = ("fp32", "int8", "f16")
+PAIRS = ("fp32", "bf16", "int8", "f16")
 
 
 class VariantError(GridserveError, ValueError):
@@ -53,7 +63,7 @@ class Variant:
     """One server setting: which server, its precision pair, weights, KV cache and slots."""
 
     name: str
-    server: str  # GRIDSERVE or LLAMA_CPP
+    server: str  # GRIDSERVE, VLLM or LLAMA_CPP
     pair: str
     weights: str
     kv: str
@@ -67,12 +77,15 @@ def parse_variant(name: str) -> Variant:
     if name in GRIDSERVE_VARIANTS:
         pair, weights, kv, flags = GRIDSERVE_VARIANTS[name]
         return Variant(name, GRIDSERVE, pair, weights, kv, engine_args=flags)
+    if name in VLLM_VARIANTS:
+        pair, dtype = VLLM_VARIANTS[name]
+        return Variant(name, VLLM, pair, dtype, dtype)
     match = _LCPP.fullmatch(name)
     if match and int(match["slots"]) >= 1:
         weights = match["weights"]
         return Variant(name, LLAMA_CPP, LLAMA_CPP_WEIGHTS[weights], weights, match["kv"] or "f16",
                        slots=int(match["slots"]))
-    raise VariantError(f"--variants: unknown variant {name!r}; expected {', '.join(GRIDSERVE_VARIANTS)} "
+    raise VariantError(f"--variants: unknown variant {name!r}; expected {', '.join([*GRIDSERVE_VARIANTS, *VLLM_VARIANTS])} "
                        "or lcpp-<f32|f16|q8_0>[-kv<f32|f16|q8_0>]-np<N> (e.g. lcpp-q8_0-np64)")
 
 
@@ -110,27 +123,40 @@ def _throughput(result: dict[str, Any]) -> float:
 
 
 def pair_ratios(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per precision pair present in ``results`` (one dict per measured variant, ``variant`` its
-    :class:`Variant` as a dict and ``run`` its ``bench serve`` summary): gridserve's output tok/s,
-    llama.cpp's best variant and its tok/s, and their ratio (``None`` when a side is missing or
-    failed). A variant whose run failed entirely does not count as anyone's best."""
+    """Per precision pair with a gridserve variant in ``results`` (one dict per measured variant,
+    ``variant`` its :class:`Variant` as a dict and ``run`` its ``bench serve`` summary): gridserve's
+    output tok/s, llama.cpp's best variant of the pair and vLLM's variant for it (``VLLM_PEER_PAIR``),
+    their tok/s, and gridserve's ratio over each (``ratio``: llama.cpp, ``vllm_ratio``: vLLM; ``None``
+    when a side is missing or failed). A variant whose run failed entirely is nobody's best. A pair
+    with peers but no gridserve variant (llama.cpp's f16) is listed with its best peer only."""
     rows = []
     for pair in PAIRS:
-        mine = [r for r in results if r["variant"]["pair"] == pair]
-        if not mine:
+        ours = next((r for r in results if r["variant"]["pair"] == pair and r["variant"]["server"] == GRIDSERVE),
+                    None)
+        lcpp = _best(r for r in results if r["variant"]["pair"] == pair and r["variant"]["server"] == LLAMA_CPP)
+        vllm = _best(r for r in results
+                     if r["variant"]["server"] == VLLM and r["variant"]["pair"] == VLLM_PEER_PAIR.get(pair))
+        if not any(r["variant"]["pair"] == pair for r in results):
             continue
-        ours = next((r for r in mine if r["variant"]["server"] == GRIDSERVE), None)
-        theirs = [r for r in mine if r["variant"]["server"] == LLAMA_CPP and not math.isnan(_throughput(r))]
-        best = max(theirs, key=_throughput, default=None)
         ours_tps = _throughput(ours) if ours else math.nan
-        best_tps = _throughput(best) if best else math.nan
-        ratio = ours_tps / best_tps if not (math.isnan(ours_tps) or math.isnan(best_tps)) else None
-        rows.append({"pair": pair, "gridserve": ours["variant"]["name"] if ours else None,
-                     "gridserve_tok_s": None if math.isnan(ours_tps) else ours_tps,
-                     "llama_cpp_best": best["variant"]["name"] if best else None,
-                     "llama_cpp_tok_s": None if math.isnan(best_tps) else best_tps,
-                     "ratio": ratio})
+        row: dict[str, Any] = {"pair": pair, "gridserve": ours["variant"]["name"] if ours else None,
+                               "gridserve_tok_s": _or_none(ours_tps)}
+        for key, ratio_key, best in (("llama_cpp", "ratio", lcpp), ("vllm", "vllm_ratio", vllm)):
+            best_tps = _throughput(best) if best else math.nan
+            row[f"{key}_best"] = best["variant"]["name"] if best else None
+            row[f"{key}_tok_s"] = _or_none(best_tps)
+            row[ratio_key] = None if math.isnan(ours_tps) or math.isnan(best_tps) else ours_tps / best_tps
+        rows.append(row)
     return rows
+
+
+def _best(results: Iterable[dict[str, Any]]) -> Optional[dict[str, Any]]:
+    """The result with the highest output throughput, ignoring failed runs."""
+    return max((r for r in results if not math.isnan(_throughput(r))), key=_throughput, default=None)
+
+
+def _or_none(value: float) -> Optional[float]:
+    return None if math.isnan(value) else value
 
 
 def greedy_agreement(tokens: dict[str, list[list[int]]], reference: str = "gridserve-fp32",
@@ -175,17 +201,19 @@ def variants_table(results: Sequence[dict[str, Any]]) -> str:
 
 
 def pairs_table(rows: Sequence[dict[str, Any]]) -> str:
-    """One Markdown row per precision pair: gridserve against llama.cpp's best."""
-    lines = ["| pair | gridserve | output tok/s | llama.cpp best | output tok/s | gridserve / llama.cpp |",
-             "|---|---|---|---|---|---|"]
+    """One Markdown row per precision pair: gridserve against vLLM's and llama.cpp's best."""
+    lines = ["| pair | gridserve | output tok/s | vLLM | output tok/s | gridserve / vLLM "
+             "| llama.cpp best | output tok/s | gridserve / llama.cpp |", "|" + "---|" * 9]
     for p in rows:
         lines.append(f"| {p['pair']} | {p['gridserve'] or '-'} | {_fmt(p['gridserve_tok_s'])} "
+                     f"| {p.get('vllm_best') or '-'} | {_fmt(p.get('vllm_tok_s'))} "
+                     f"| {_fmt(p.get('vllm_ratio'), '**{:.2f}x**')} "
                      f"| {p['llama_cpp_best'] or '-'} | {_fmt(p['llama_cpp_tok_s'])} "
                      f"| {_fmt(p['ratio'], '**{:.2f}x**')} |")
     return "\n".join(lines)
 
 
-CPU_ROLES = ("envoy", "gateway", "engine", "worker", "llama-server", "client", "other")
+CPU_ROLES = ("envoy", "gateway", "engine", "worker", "vllm", "llama-server", "client", "other")
 
 
 def cpu_table(results: Sequence[dict[str, Any]]) -> str:
@@ -232,7 +260,8 @@ def plot_peer(report: dict[str, Any], output: str) -> Path:
         raise PlotDependencyError("the plot needs matplotlib: pip install 'gridserve[bench]'") from None
     results = report["variants"]
     names = [r["variant"]["name"] for r in results]
-    colors = ["C0" if r["variant"]["server"] == GRIDSERVE else "C1" for r in results]
+    palette = {GRIDSERVE: "C0", LLAMA_CPP: "C1", VLLM: "C2"}
+    colors = [palette.get(r["variant"]["server"], "C7") for r in results]
     runs = [r.get("run") or {} for r in results]
 
     def values(key: str) -> list[float]:
@@ -243,8 +272,11 @@ def plot_peer(report: dict[str, Any], output: str) -> Path:
     throughput, ttft, probe = figure.subplots(1, 3)
     xs = list(range(len(names)))
     throughput.bar(xs, values("output_throughput"), color=colors)
-    ratios = ", ".join(f"{p['pair']} {p['ratio']:.2f}x" for p in report.get("pairs", []) if p.get("ratio"))
-    throughput.set_title("output throughput (tok/s)" + (f"\ngridserve / llama.cpp best: {ratios}" if ratios else ""))
+    ratios = "; ".join(
+        f"{p['pair']}" + "".join(f" {peer} {p[key]:.2f}x" for peer, key in (("vLLM", "vllm_ratio"), ("llama.cpp", "ratio"))
+                                 if p.get(key))
+        for p in report.get("pairs", []) if p.get("ratio") or p.get("vllm_ratio"))
+    throughput.set_title("output throughput (tok/s)" + (f"\ngridserve / peer: {ratios}" if ratios else ""))
     for ax, title, prefix in ((ttft, "W's TTFT (ms)", "ttft"), (probe, "latency probe's TTFT (ms)", "probe_ttft")):
         ax.bar([x - 0.2 for x in xs], values(f"median_{prefix}_ms"), width=0.4, color=colors, label="median")
         ax.bar([x + 0.2 for x in xs], values(f"p99_{prefix}_ms"), width=0.4, color=colors, alpha=0.5,
@@ -258,7 +290,7 @@ def plot_peer(report: dict[str, Any], output: str) -> Path:
     w = report["workload"]
     figure.suptitle(f"{w['num_prompts']} requests at once, prompts {w['input_lens'][0]}-{w['input_lens'][1]} "
                     f"tokens, outputs {w['output_lens'][0]}-{w['output_lens'][1]} (ignore_eos); "
-                    f"{Path(report['model']).name}; blue gridserve (Envoy), orange llama.cpp llama-server")
+                    f"{Path(report['model']).name}; blue gridserve (Envoy), green vLLM, orange llama.cpp")
     path = Path(output)
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=110)

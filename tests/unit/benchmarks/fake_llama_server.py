@@ -1,8 +1,9 @@
-"""A stand-in for llama.cpp's ``llama-server`` in ``bench peer``'s tests: takes its flags, answers
-``GET /health`` and ``/v1/models``, streams ``/v1/completions`` (one chunk per token, 10 ms apart,
-then usage and ``[DONE]``) and answers ``POST /completion`` with ``tokens``: the prompt's ids
-counting up from the last one (so a test knows the greedy tokens to expect). Writes its argv to
-``$FAKE_LLAMA_ARGV`` when set."""
+"""A stand-in for llama.cpp's ``llama-server`` and for ``vllm serve`` in ``bench peer``'s tests:
+takes their flags (``-m MODEL`` or ``serve MODEL``), answers ``GET /health`` and ``/v1/models``,
+streams ``/v1/completions`` (one chunk per token, 10 ms apart, then usage and ``[DONE]``), answers
+a non-streamed ``/v1/completions`` with vLLM's ``token_ids`` and ``POST /completion`` with
+llama.cpp's ``tokens``: the prompt's ids counting up from the last one (so a test knows the greedy
+tokens to expect). Writes its argv to ``$FAKE_LLAMA_ARGV`` when set."""
 
 from __future__ import annotations
 
@@ -45,6 +46,10 @@ class Handler(BaseHTTPRequestHandler):
         if self.path == "/completion":
             self._json(200, {"content": "x", "tokens": greedy_tokens(body["prompt"], body["n_predict"])})
             return
+        if not body.get("stream", True):  # vLLM's greedy check: /v1/completions with return_token_ids
+            tokens = greedy_tokens(body["prompt"], body["max_tokens"]) if body.get("return_token_ids") else None
+            self._json(200, {"choices": [{"index": 0, "text": "x", "token_ids": tokens}]})
+            return
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Transfer-Encoding", "chunked")
@@ -70,7 +75,11 @@ def main() -> int:
         with open(os.environ["FAKE_LLAMA_ARGV"], "a") as f:
             f.write(json.dumps(sys.argv[1:]) + "\n")
     parser = argparse.ArgumentParser()
-    parser.add_argument("-m", required=True)
+    if sys.argv[1:2] == ["serve"]:  # vllm serve MODEL ...
+        parser.add_argument("serve")
+        parser.add_argument("model")
+    else:
+        parser.add_argument("-m", required=True)
     parser.add_argument("--host", required=True)
     parser.add_argument("--port", type=int, required=True)
     args, _ = parser.parse_known_args()

@@ -17,7 +17,6 @@ import pytest
 from gridserve.benchmarks.cpu_by_process import cpu_used
 from gridserve.benchmarks.llama_server import (
     LlamaServer,
-    PeerSetupError,
     ensure_gguf,
     find_llama_server,
 )
@@ -36,6 +35,7 @@ from gridserve.benchmarks.peer_report import (
     parse_variants,
     variants_table,
 )
+from gridserve.benchmarks.peer_server import PeerSetupError
 from gridserve.cli import main
 
 FAKE_SERVER = Path(__file__).with_name("fake_llama_server.py")
@@ -99,8 +99,59 @@ def test_each_pair_compares_gridserve_with_llama_cpps_best_setting():
                                                                                  pytest.approx(1.5))
     assert (f16["gridserve"], f16["gridserve_tok_s"], f16["ratio"]) == (None, None, None)
     table = pairs_table([fp32, int8, f16])
-    assert "| fp32 | gridserve-fp32 | 180.0 | lcpp-f32-np64 | 90.0 | **2.00x** |" in table
-    assert "| f16 | - | - | lcpp-f16-np64 | 120.0 | - |" in table
+    assert "| fp32 | gridserve-fp32 | 180.0 | - | - | - | lcpp-f32-np64 | 90.0 | **2.00x** |" in table
+    assert "| f16 | - | - | - | - | - | lcpp-f16-np64 | 120.0 | - |" in table
+
+
+def test_each_pair_compares_gridserve_with_vllm_and_int8_with_vllms_bf16():
+    results = [_result("gridserve-fp32", 240.0), _result("vllm-fp32", 120.0), _result("gridserve-bf16", 300.0),
+               _result("vllm-bf16", 250.0), _result("gridserve-int8", 500.0), _result("lcpp-q8_0-np64", 200.0)]
+    fp32, bf16, int8 = pair_ratios(results)
+    assert (fp32["vllm_best"], fp32["vllm_ratio"], fp32["ratio"]) == ("vllm-fp32", pytest.approx(2.0), None)
+    assert (bf16["pair"], bf16["gridserve"], bf16["vllm_best"], bf16["vllm_ratio"]) == (
+        "bf16", "gridserve-bf16", "vllm-bf16", pytest.approx(1.2))
+    # vLLM's CPU build has no int8 path for an unquantized checkpoint: int8 is held to its bf16
+    assert (int8["vllm_best"], int8["vllm_ratio"], int8["ratio"]) == ("vllm-bf16", pytest.approx(2.0),
+                                                                      pytest.approx(2.5))
+    assert "| bf16 | gridserve-bf16 | 300.0 | vllm-bf16 | 250.0 | **1.20x** | - | - | - |" in pairs_table([bf16])
+    failed = {"variant": parse_variant("vllm-bf16").__dict__, "error": "PeerSetupError: no vllm"}
+    (bf16,) = pair_ratios([_result("gridserve-bf16", 300.0), failed])
+    assert bf16["vllm_best"] is None and bf16["vllm_ratio"] is None
+
+
+def test_vllm_variants_and_their_pinned_server_command(tmp_path):
+    from gridserve.benchmarks.vllm_server import VllmServer
+
+    bf16, fp32 = parse_variant("vllm-bf16"), parse_variant("gridserve-bf16")
+    assert (bf16.server, bf16.pair, bf16.weights, bf16.kv) == ("vllm", "bf16", "bf16", "bf16")
+    assert fp32.engine_args == ("--dtype", "bfloat16")
+    server = VllmServer(tmp_path / "vllm", tmp_path / "model", "bfloat16", kv_cache_gib=8)
+    argv = server.argv()
+    assert argv[:3] == [str(tmp_path / "vllm"), "serve", str(tmp_path / "model")]
+    assert argv[argv.index("--max-num-seqs") + 1] == "256" and argv[argv.index("--max-model-len") + 1] == "512"
+    assert argv[argv.index("--dtype") + 1] == "bfloat16"
+    env = server.env()
+    assert env["VLLM_TARGET_DEVICE"] == "cpu" and env["VLLM_CPU_KVCACHE_SPACE"] == "8"
+    assert not Path(server.cwd()).resolve().is_relative_to(Path(__file__).resolve().parents[3])
+    with pytest.raises(ValueError, match="dtype"):
+        VllmServer(tmp_path / "vllm", tmp_path / "model", "float16")
+
+
+def test_find_vllm_uses_the_venv_or_installs_it_with_the_shared_script(tmp_path):
+    from gridserve.benchmarks.vllm_server import find_vllm
+
+    with pytest.raises(PeerSetupError, match="--vllm"):
+        find_vllm(str(tmp_path / "missing"), tmp_path / "venv", tmp_path)
+    with pytest.raises(PeerSetupError, match="install.sh"):
+        find_vllm(None, tmp_path / "venv", tmp_path / "no-scripts")
+    scripts = tmp_path / "scripts"
+    scripts.mkdir()
+    _executable(scripts / "install.sh", '#!/bin/sh\nmkdir -p "$1/bin" && printf "#!/bin/sh\\n" > "$1/bin/vllm" '
+                '&& chmod +x "$1/bin/vllm"\n')
+    assert find_vllm(None, tmp_path / "venv", scripts) == tmp_path / "venv" / "bin" / "vllm"
+    (scripts / "install.sh").write_text("#!/bin/sh\nexit 3\n")
+    with pytest.raises(PeerSetupError, match="exit 3"):
+        find_vllm(None, tmp_path / "venv2", scripts)
 
 
 def test_a_pair_without_a_measured_peer_has_no_ratio():
@@ -324,3 +375,29 @@ def test_greedy_tokens_are_compared_with_gridserve_fp32s(tmp_path, llama_tiny, m
         fp32["gridserve_tok_s"] / fp32["llama_cpp_tok_s"])
     assert "probe_sent" not in report["variants"][0]["run"]  # --probe-rate 0: off
     assert "worker" in report["variants"][0]["cpu"]["by_role"]  # the server's processes, by role
+
+
+@pytest.mark.slow  # a whole run (make test; not make test-fast)
+def test_bench_peer_runs_vllm_variants_with_pinned_settings_and_greedy_tokens(tmp_path, llama_tiny, monkeypatch):
+    pytest.importorskip("matplotlib")
+    argv_log = tmp_path / "argv.jsonl"
+    monkeypatch.setenv("FAKE_LLAMA_ARGV", str(argv_log))
+    vllm = _executable(tmp_path / "vllm", f"#!/bin/sh\nexec {sys.executable} {FAKE_SERVER} \"$@\"\n")
+    out = tmp_path / "peer.json"
+    rc = main(["bench", "peer", "--model", str(llama_tiny), "--variants", "vllm-fp32,vllm-bf16", "--vllm", str(vllm),
+               "--num-prompts", "4", "--input-lens", "8-16", "--output-lens", "3-5", "--probe-rate", "0",
+               "--greedy-prompts", "2", "--greedy-tokens", "3", "--disable-tqdm", "--output-json", str(out),
+               "--plot", "", "--log-dir", str(tmp_path / "logs")])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    for r in report["variants"]:
+        assert (r["run"]["completed"], r["run"]["failed"]) == (4, 0)
+        assert "vllm" in r["cpu"]["by_role"]
+        assert all(t[1] == t[0] + 1 and len(t) == 3 for t in r["greedy_tokens"])
+    started = [json.loads(line) for line in argv_log.read_text().splitlines()]
+    assert [(a[0], a[1], a[a.index("--dtype") + 1], a[a.index("--max-num-seqs") + 1], a[a.index("--max-model-len") + 1])
+            for a in started] == [("serve", str(llama_tiny), "float32", "256", "512"),
+                                  ("serve", str(llama_tiny), "bfloat16", "256", "512")]
+    fp32, bf16 = report["pairs"]
+    assert (fp32["vllm_best"], bf16["vllm_best"]) == ("vllm-fp32", "vllm-bf16")
+    assert fp32["vllm_ratio"] is None  # no gridserve variant ran
