@@ -60,8 +60,6 @@ BENCHMARKS = {
               "uniform 128 / mixed 16-512 tokens)", "add_arguments", "run"),
     "fused-moe": ("fused_moe_bench", "the fused MoE layer vs the per-expert loop it replaced (batch 1 / 16 / 64)",
                   "add_arguments", "run"),
-    "mla": ("mla_bench", "MLA decode: latents expanded vs weights absorbed (torch, C++), context 256 / 1k / 4k",
-            "add_arguments", "run"),
     "batch-invariant": ("batch_invariant_bench", "decode step and prefill with batch-invariant mode vs without",
                         "add_arguments", "run"),
     "parallel": ("parallel_bench", "decode step per TPxPP layout and the gloo collectives inside a TP step",
@@ -79,4 +77,5 @@ BENCHMARKS = {
 
 # Modules that are not a command's own but libraries the commands import (a test keeps the
 # package to commands + these).
-LIBRARIES = ("datasets", "metrics", "probe", "llama_server", "peer_report", "step_model")
+LIBRARIES = ("datasets", "metrics", "probe", "llama_server", "vllm_server", "peer_server", "peer_report",
+             "step_model")
