@@ -28,6 +28,7 @@ from gridserve.shared.config import GridserveConfig
 from gridserve.shared.engine_client_protocol import EngineClientProtocol
 from gridserve.shared.errors import ConfigError, EngineDeadError, InvalidArgumentError
 from gridserve.shared.outputs import RequestOutput
+from gridserve.shared.request_checks import check_cache_salt
 from gridserve.shared.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -74,14 +75,18 @@ class AsyncLLM:
 
     # ---- the API ------------------------------------------------------------------------------------
     async def generate(self, prompt: PromptType, sampling_params: Optional[SamplingParams] = None,
-                       request_id: Optional[str] = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       request_id: Optional[str] = None, priority: int = 0,
+                       cache_salt: Optional[str] = None) -> AsyncIterator[RequestOutput]:
         """The request's output after every step that added tokens (cumulative), the last one
         ``finished``. Leaving the loop early (or cancelling) aborts the request. ``priority``: lower
-        runs first, on an engine with ``--scheduling-policy priority`` (any other refuses all but 0)."""
+        runs first, on an engine with ``--scheduling-policy priority`` (any other refuses all but 0).
+        ``cache_salt``: only requests with the same salt share prefix-cache blocks."""
         await self._start()
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._requests:
             raise InvalidArgumentError("request_id", f"{request_id!r} is already running")
+        if cache_salt is not None:
+            check_cache_salt(cache_salt)
         processed = self.input_processor.process(prompt, sampling_params or SamplingParams())
         children = child_requests(request_id, processed.sampling_params)
         engine = min(self.engines, key=lambda e: e.num_in_flight)
@@ -95,7 +100,8 @@ class AsyncLLM:
         try:
             for child_id, _, params in children:
                 await engine.add_request(child_id, processed.prompt_token_ids, params, parent_request_id=request_id,
-                                         mm_features=processed.mm_features, priority=priority)
+                                         mm_features=processed.mm_features, priority=priority,
+                                         cache_salt=cache_salt)
             while not finished:
                 item = await outputs.get()
                 if isinstance(item, Exception):

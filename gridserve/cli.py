@@ -64,6 +64,10 @@ def _parser() -> argparse.ArgumentParser:
                             "with --tls or --insecure-internal); public gRPC goes through the edge (default: free)")
     serve.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                        help="engines (DP), each with its own PP x TP workers; a coordinator when > 1")
+    serve.add_argument("--disaggregated", default=None, metavar="P:D",
+                       help="disaggregated prefill / decode: P prefill engines (--kv-role kv_producer) and D "
+                            "decode engines (kv_consumer) behind a coordinator; the gateway runs each prompt on a "
+                            "prefill engine and decodes on a decode engine that pulls its KV (one worker per engine)")
     serve.add_argument("--api-server-count", type=int, default=None,
                        help="number of gateway processes (A; default: DP)")
     add_option(serve, "--served-model-name", help="model name of the OpenAI API (default: the model argument)")
@@ -258,6 +262,22 @@ def _cors(args: argparse.Namespace) -> CorsPolicy:
         raise ConfigError("allowed-origins", str(exc)) from None
 
 
+def disaggregated_sizes(args: argparse.Namespace) -> Optional[tuple[int, int]]:
+    """``--disaggregated P:D`` as (P, D); None without it. Refused with ``-dp`` or ``--kv-role`` (the
+    launcher gives each engine its role) and with a malformed or non-positive size."""
+    if args.disaggregated is None:
+        return None
+    prefill, sep, decode = args.disaggregated.partition(":")
+    if not (sep and prefill.strip().isdigit() and decode.strip().isdigit()) or min(int(prefill), int(decode)) < 1:
+        raise ConfigError("disaggregated", f"must be P:D with P, D >= 1 (prefill and decode engines), "
+                                           f"got {args.disaggregated!r}")
+    if args.data_parallel_size != 1:
+        raise ConfigError("disaggregated", "replaces --data-parallel-size (P + D engines): give one of them")
+    if getattr(args, "kv_role", None):
+        raise ConfigError("disaggregated", "gives each engine its --kv-role: leave --kv-role out")
+    return int(prefill), int(decode)
+
+
 def _serve(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -266,6 +286,9 @@ def _serve(args: argparse.Namespace) -> int:
     check_parallel_sizes(args)
     if args.data_parallel_size < 1:
         raise ConfigError("parallel.data_parallel_size", f"must be a positive integer, got {args.data_parallel_size}")
+    if args.enable_expert_parallel and args.data_parallel_size < 2:
+        raise ConfigError("parallel.data_parallel_size",
+                          "--enable-expert-parallel splits the experts across DP engines: it needs 2 or more")
     if args.worker_recovery_timeout and args.stream_idle_timeout <= args.worker_recovery_timeout:
         # A stream pauses while its engine rebuilds a worker group; the edge must not cut it first.
         raise ConfigError("stream-idle-timeout", f"{args.stream_idle_timeout:g} s must exceed "
@@ -274,9 +297,10 @@ def _serve(args: argparse.Namespace) -> int:
     if bool(args.ssl_certfile) != bool(args.ssl_keyfile):
         raise ConfigError("ssl-keyfile" if args.ssl_certfile else "ssl-certfile",
                           "--ssl-certfile and --ssl-keyfile go together")
+    disaggregated = disaggregated_sizes(args)
     model, default_name = resolve_serve_model(args.model)
     launcher = Launcher(model, engine_argv(args), host=args.host, grpc_port=args.grpc_port,
-                        api_server_count=args.api_server_count or args.data_parallel_size,
+                        api_server_count=args.api_server_count or (1 if disaggregated else args.data_parallel_size),
                         data_parallel_size=args.data_parallel_size, grace_s=args.grace_period,
                         log_dir=Path(args.log_dir) if args.log_dir else None, edge_port=args.port,
                         served_model_name=args.served_model_name or default_name or model, api_key=args.api_key,
@@ -286,7 +310,7 @@ def _serve(args: argparse.Namespace) -> int:
                         gateway_args=gateway_argv(args) + routing_argv(args),
                         edge_limits=edge_limits, edge_cors=edge_cors,
                         tls=args.tls, ssl_files=(args.ssl_certfile, args.ssl_keyfile) if args.ssl_certfile else None,
-                        insecure_internal=args.insecure_internal)
+                        insecure_internal=args.insecure_internal, disaggregated=disaggregated)
     stopping = []
 
     def on_signal(signum: int, _frame) -> None:

@@ -24,10 +24,16 @@ engines, the coordinator, the gateways, every ``--metrics-port``) listens on 127
 ``tls`` or ``insecure_internal`` (``--insecure-internal``, handed on to each role) let them listen on
 ``host`` too; the workers' torch.distributed rendezvous always stays on 127.0.0.1 (it has no
 authentication, and every worker is on this machine).
+
+With ``disaggregated`` (P, D) (``serve --disaggregated P:D``) it starts P prefill engines
+(``--kv-role kv_producer``) and D decode engines (``--kv-role kv_consumer``) as DP ranks behind one
+coordinator; the gateways read each engine's role from ``GetInfo`` and split every request between
+the two pools (``services/gateway/disaggregation.py``).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -108,7 +114,8 @@ class Launcher:
                  data_parallel_size: int = 1,
                  observability_args: Optional[list[str]] = None, metrics: bool = True,
                  gateway_args: Optional[list[str]] = None, tls: bool = False,
-                 ssl_files: Optional[tuple[str, str]] = None, insecure_internal: bool = False) -> None:
+                 ssl_files: Optional[tuple[str, str]] = None, insecure_internal: bool = False,
+                 disaggregated: Optional[tuple[int, int]] = None) -> None:
         self.model = model
         self.engine_args = engine_args
         self.host = host
@@ -119,7 +126,10 @@ class Launcher:
         self.grpc_port = grpc_port
         self.api_server_count = api_server_count
         self.tensor_parallel_size = tensor_parallel_size
-        self.data_parallel_size = data_parallel_size
+        # Disaggregated prefill / decode (P, D): P kv_producer engines then D kv_consumer engines,
+        # DP ranks 0 .. P + D - 1 behind one coordinator; the gateways learn the roles from GetInfo.
+        self.disaggregated = disaggregated
+        self.data_parallel_size = sum(disaggregated) if disaggregated else data_parallel_size
         self.pipeline_parallel_size = pipeline_parallel_size
         self.num_workers = max(num_workers, tensor_parallel_size * pipeline_parallel_size)
         self.log_dir = log_dir
@@ -158,15 +168,19 @@ class Launcher:
                 self._wait_serving(coordinator)
             engines = []
             ray_workers = _flag_value(self.engine_args, "--distributed-executor-backend") == "ray"
+            expert_parallel = self._expert_parallel_args()
             for rank in range(self.data_parallel_size):
                 # With the Ray executor the engine has Ray place and start its workers.
                 workers = [] if ray_workers else self._start_workers(rank)
-                extra = ["--model", self.model, *self.engine_args, *self._parallel_args(rendezvous=not ray_workers)]
+                extra = ["--model", self.model, *self.engine_args, *self._parallel_args(rendezvous=not ray_workers),
+                         *expert_parallel]
                 if workers:
                     extra += ["--workers", ",".join(w.address for w in workers)]
                 if coordinator is not None:
                     extra += ["--data-parallel-rank", str(rank), "--data-parallel-size", str(self.data_parallel_size),
                               "--coordinator", coordinator.address]
+                if self.disaggregated:
+                    extra += ["--kv-role", self.kv_role(rank)]
                 engines.append(self._spawn("engine", rank, extra, group=rank))
             for engine in engines:  # they load their models at the same time
                 self._wait_serving(engine)
@@ -254,6 +268,35 @@ class Launcher:
         if rendezvous and "--distributed-init-address" not in self.engine_args:  # no authentication: loopback
             args += ["--distributed-init-address", f"{LOOPBACK}:{free_port(LOOPBACK)}"]
         return args
+
+    @property
+    def expert_parallel(self) -> bool:
+        return self.data_parallel_size > 1 and "--enable-expert-parallel" in self.engine_args
+
+    def _expert_parallel_args(self) -> list[str]:
+        """With expert parallelism, one DP-wide rendezvous address for every engine's workers (a free
+        loopback port, unless given)."""
+        if not self.expert_parallel or "--expert-parallel-init-address" in self.engine_args:
+            return []
+        return ["--expert-parallel-init-address", f"{LOOPBACK}:{free_port(LOOPBACK)}"]
+
+    def _experts_held(self, dp_rank: int) -> str:
+        """Which experts the workers of DP rank ``dp_rank`` hold (the process table), from the
+        model's config.json; empty without expert parallelism or a readable config."""
+        if not self.expert_parallel:
+            return ""
+        try:
+            config = json.loads((Path(self.model) / "config.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return f"  experts: 1/{self.data_parallel_size}"
+        count = next((config[k] for k in ("n_routed_experts", "num_experts", "num_local_experts")
+                      if config.get(k)), 0)
+        size = count // self.data_parallel_size
+        return f"  experts [{dp_rank * size}, {(dp_rank + 1) * size}) of {count}"
+
+    def kv_role(self, dp_rank: int) -> str:
+        """Disaggregated prefill / decode: the ``--kv-role`` of the engine of ``dp_rank``."""
+        return "kv_producer" if self.disaggregated and dp_rank < self.disaggregated[0] else "kv_consumer"
 
     def _spawn(self, role: str, index: int, extra: list[str], port: Optional[int] = None,
                env: Optional[dict[str, str]] = None, group: Optional[int] = None) -> RoleProcess:
@@ -404,9 +447,12 @@ class Launcher:
             if p.role == "worker" and self.num_workers * self.data_parallel_size > 1:
                 tp, rank = self.tensor_parallel_size, worker_index % self.num_workers
                 line += f"  dp {worker_index // self.num_workers}, rank {rank} (pp {rank // tp}, tp {rank % tp})"
+                line += self._experts_held(worker_index // self.num_workers)
                 worker_index += 1
             if p.role == "engine" and self.data_parallel_size > 1:
                 line += f"  dp {engine_index}"
+                if self.disaggregated:
+                    line += f", {self.kv_role(engine_index)}"
                 engine_index += 1
             lines.append(line)
         a, dp = self.api_server_count, self.data_parallel_size

@@ -22,7 +22,8 @@ from gridserve.services.engine.lora_adapters import adapter_for
 from gridserve.services.engine.request import Request
 from gridserve.shared.config import GridserveConfig
 from gridserve.shared.engine_client_protocol import OutputSink
-from gridserve.shared.errors import EngineDeadError
+from gridserve.shared.errors import EngineDeadError, InvalidArgumentError
+from gridserve.shared.kv_transfer import KVTransferParams
 from gridserve.shared.load import EngineLoad
 from gridserve.shared.multimodal import ImageFeature
 from gridserve.shared.pooling import PoolingParams
@@ -71,15 +72,21 @@ class LocalEngineClient:
                           mm_features: Optional[list[ImageFeature]] = None,
                           output_token_ids: Optional[list[int]] = None, continuation: bool = False,
                           lora_name: Optional[str] = None, pooling_params: Optional[PoolingParams] = None,
-                          token_type_ids: Optional[list[int]] = None, priority: int = 0) -> None:
-        """``traceparent`` is not used: an in-process engine records no spans of its own."""
+                          token_type_ids: Optional[list[int]] = None, priority: int = 0,
+                          kv_transfer_params: Optional[KVTransferParams] = None, prefill_only: bool = False,
+                          cache_salt: Optional[str] = None) -> None:
+        """``traceparent`` is not used: an in-process engine records no spans of its own. It takes no
+        part in disaggregated serving: ``kv_transfer_params`` / ``prefill_only`` are refused."""
+        if kv_transfer_params is not None or prefill_only:
+            raise InvalidArgumentError("kv_transfer_params" if kv_transfer_params is not None else "prefill_only",
+                                       "an in-process engine takes no part in disaggregated prefill / decode")
         lora = adapter_for(self.engine_loop.core.lora, lora_name) if lora_name else None
         if params is None and pooling_params is not None:  # a pooling request: one step, no tokens (as the servicer)
             params = SamplingParams(max_tokens=1)
         request = Request(request_id, token_ids, params, eos_token_id=self.config.model.eos_token_id,
                           parent_request_id=parent_request_id or None, mm_features=mm_features or [],
                           admit_always=continuation, output_token_ids=output_token_ids, lora_request=lora,
-                          priority=priority, **_pooling_kw(pooling_params, token_type_ids))
+                          priority=priority, cache_salt=cache_salt, **_pooling_kw(pooling_params, token_type_ids))
         await asyncio.wrap_future(self.engine_loop.add_request(request, GATEWAY_ID))
 
     async def abort(self, request_ids: list[str]) -> None:

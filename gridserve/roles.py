@@ -115,6 +115,12 @@ ENGINE_OPTIONS: list[EngineOption] = [
     _engine_option("--worker-extension-cls", str, None,
                    "module:Class mixed into every worker; its public methods are callable through "
                    "CollectiveRpc", helm=None),
+    _engine_option("--enable-expert-parallel", bool, False,
+                   "MoE with --data-parallel-size > 1: each engine's workers hold 1 / DP of every MoE "
+                   "layer's experts and exchange tokens with the other engines' (attention stays data-parallel)"),
+    _engine_option("--expert-parallel-init-address", str, None,
+                   "host:port of the DP-wide expert-parallel rendezvous, the same for every engine (DP rank "
+                   "0's first worker listens there; `serve` picks a free loopback port)", helm=None),
     _engine_option("--worker-recovery-timeout", float, 120.0,
                    "seconds a failed worker group may take to come back before in-flight requests fail "
                    "(0: a worker failure kills the engine)", config=None),
@@ -122,8 +128,18 @@ ENGINE_OPTIONS: list[EngineOption] = [
                    config="enable_prefix_caching", helm="engine.enablePrefixCaching", invert=True),
     _engine_option("--speculative-config", str, None,
                    "speculative decoding as JSON, vLLM's keys: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
-                   "\"prompt_lookup_min\": 2, \"prompt_lookup_max\": 4, \"disable_by_batch_size\": 8}' (outputs "
-                   "unchanged; n-gram drafts from the sequence itself)", helm="engine.speculativeConfig"),
+                   "\"prompt_lookup_min\": 2, \"prompt_lookup_max\": 4, \"disable_by_batch_size\": 8}' (n-gram "
+                   "drafts from the sequence itself) or '{\"model\": DRAFT_PATH, \"num_speculative_tokens\": 4}' "
+                   "(a small draft model of the target's vocabulary, run by the driver worker; sampled requests "
+                   "verified by rejection sampling). Greedy outputs unchanged, sampled ones keep the target's "
+                   "distribution", helm="engine.speculativeConfig"),
+    _engine_option("--kv-role", str, None,
+                   "disaggregated prefill / decode (gridserve serve --disaggregated P:D): kv_producer (prefill only; "
+                   "the prompt's KV blocks kept for a decode engine to pull), kv_consumer (pulls them and decodes) "
+                   "or kv_both", helm=None),
+    _engine_option("--kv-transfer-timeout", float, None,
+                   "seconds a kv_producer keeps a prefilled request's KV blocks for a consumer to pull (default 30)",
+                   config="kv_transfer_timeout_s", helm=None),
     _engine_option("--disable-hybrid-kv-cache-manager", bool, False,
                    "plan every layer's KV cache as full attention: sliding-window layers stay masked to their "
                    "window but keep every token (one KV cache group; to compare or rule the hybrid allocator out)",

@@ -19,6 +19,7 @@ from gridserve.shared import envs
 from gridserve.shared.errors import ConfigError
 from gridserve.shared.generation_config import check_generation_config, read_default_sampling_params
 from gridserve.shared.gguf_config import hf_config_from_gguf, is_gguf
+from gridserve.shared.kv_transfer import KV_ROLES
 from gridserve.shared.model_registry import (
     ARCHITECTURES,
     ModelRegistry,
@@ -43,6 +44,9 @@ EXECUTORS = ("uni", "grpc", "ray")
 # --scheduling-policy: first come first served, or by each request's priority (lower first).
 FCFS, PRIORITY = "fcfs", "priority"
 SCHEDULING_POLICIES = (FCFS, PRIORITY)
+# speculative_config's methods: prompt lookup, or a small draft model (vLLM's names).
+NGRAM, DRAFT_MODEL = "ngram", "draft_model"
+SPECULATIVE_METHODS = (NGRAM, DRAFT_MODEL)
 
 
 
@@ -288,9 +292,18 @@ class CacheConfig:
     # Plan every layer as full attention (one KV cache group), even window layers: they stay masked
     # to their window but keep every token (to compare, or to rule the hybrid allocator out).
     disable_hybrid_kv_cache_manager: bool = False
+    # Disaggregated prefill / decode (``shared/kv_transfer.py``): kv_producer runs prompts only and
+    # keeps their blocks for a consumer to pull (for ``kv_transfer_timeout_s``); kv_consumer pulls
+    # them and decodes; kv_both does either. None: neither.
+    kv_role: Optional[str] = None
+    kv_transfer_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         _positive("cache", "block_size", self.block_size, allow_none=False)
+        if self.kv_role is not None and self.kv_role not in KV_ROLES:
+            raise ConfigError("cache.kv_role", f"must be one of {KV_ROLES}, got {self.kv_role!r}")
+        if not self.kv_transfer_timeout_s > 0:
+            raise ConfigError("cache.kv_transfer_timeout_s", f"must be positive, got {self.kv_transfer_timeout_s}")
         if self.block_size not in (8, 16, 32, 64, 128):
             raise ConfigError("cache.block_size", f"must be one of 8, 16, 32, 64, 128, got {self.block_size}")
         _positive("cache", "kv_cache_memory_bytes", self.kv_cache_memory_bytes)
@@ -306,12 +319,17 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """Speculative decoding (vLLM's ``speculative_config``): n-gram prompt lookup proposes up to
+    """Speculative decoding (vLLM's ``speculative_config``): a proposer suggests up to
     ``num_speculative_tokens`` tokens that the target model verifies in one step.
 
-    ``prompt_lookup_max`` .. ``prompt_lookup_min``: the n-gram lengths tried, longest first, when
-    looking for the sequence's last n tokens earlier in it. ``disable_by_batch_size``: no drafts
-    while this many requests or more run (verifying costs compute a large batch has no room for).
+    ``method``: ``"ngram"`` (prompt lookup: the tokens that followed the sequence's last n tokens
+    earlier in it) or ``"draft_model"`` (a small model with the target's vocabulary, ``model``: a
+    folder or hub id; ``{"model": PATH}`` alone means ``draft_model``, as in vLLM). The draft runs
+    in the target's (driver) worker with the target's dtype, its layers in the same KV cache pool;
+    it proposes greedily for greedy requests and samples from its distribution for the others.
+    ``prompt_lookup_max`` .. ``prompt_lookup_min``: the n-gram lengths tried, longest first (n-gram
+    only). ``disable_by_batch_size``: no drafts while this many requests or more run (verifying
+    costs compute a large batch has no room for).
     """
 
     method: str = "ngram"
@@ -319,21 +337,27 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
     disable_by_batch_size: int = 8
+    model: Optional[str] = None  # the draft model (``draft_model`` only)
 
     @classmethod
     def from_dict(cls, values: dict) -> SpeculativeConfig:
         if not isinstance(values, dict):
             raise ConfigError("speculative_config", f"must be an object, got {type(values).__name__}")
-        known = {f.name for f in dataclasses.fields(cls)} | {"model"}
+        known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
             raise ConfigError(f"speculative_config.{unknown[0]}", f"unknown; known: {sorted(known)}")
-        if "model" in values:
-            raise ConfigError("speculative_config.model",
-                              "draft-model speculation is not supported yet: use {\"method\": \"ngram\"}")
+        if "model" in values and "method" not in values:
+            values = {**values, "method": DRAFT_MODEL}
         config = cls(**values)
-        if config.method != "ngram":
-            raise ConfigError("speculative_config.method", f"must be \"ngram\", got {config.method!r}")
+        if config.method not in SPECULATIVE_METHODS:
+            raise ConfigError("speculative_config.method",
+                              f"must be one of {SPECULATIVE_METHODS}, got {config.method!r}")
+        if config.method == DRAFT_MODEL and (not isinstance(config.model, str) or not config.model):
+            raise ConfigError("speculative_config.model",
+                              f"method \"draft_model\" needs the draft model's folder or hub id, got {config.model!r}")
+        if config.method != DRAFT_MODEL and config.model is not None:
+            raise ConfigError("speculative_config.model", f"applies to method \"draft_model\" only, not {config.method!r}")
         for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size"):
             value = getattr(config, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -345,6 +369,32 @@ class SpeculativeConfig:
             raise ConfigError("speculative_config.prompt_lookup_max",
                               f"must be >= prompt_lookup_min ({config.prompt_lookup_min}), got {config.prompt_lookup_max}")
         return config
+
+    @property
+    def num_lookahead_tokens(self) -> int:
+        """KV slots a request needs past its scheduled tokens: a draft model writes the K / V of the
+        tokens it proposes (the bonus token and ``k - 1`` drafts) in the request's own blocks."""
+        return self.num_speculative_tokens if self.method == DRAFT_MODEL else 0
+
+    def draft_model_config(self, target: ModelConfig) -> ModelConfig:
+        """The draft model's resolved config (the target's dtype and length), checked against the
+        target at start: the same vocabulary, room for ``max_model_len`` positions. (With tensor
+        parallelism the driver worker runs the whole draft.)"""
+        field_name = "speculative_config.model"
+        try:
+            draft = ModelConfig(model=self.model, dtype=target.resolved_dtype, generation_config="vllm").resolve()
+        except (OSError, ValueError) as exc:
+            raise ConfigError(field_name, f"cannot read the draft model {self.model!r}: {exc}") from None
+        if draft.vocab_size != target.vocab_size:
+            raise ConfigError(field_name, f"the draft's vocabulary has {draft.vocab_size} tokens, the target's "
+                                          f"{target.vocab_size}: a draft model must share the target's tokenizer")
+        if draft.max_model_len < target.max_model_len:
+            raise ConfigError(field_name, f"the draft holds {draft.max_model_len} positions, fewer than "
+                                          f"max_model_len={target.max_model_len}")
+        draft.max_model_len = target.max_model_len
+        if draft.quantization is not None or "vision_config" in draft.hf_config:
+            raise ConfigError(field_name, "the draft must be a plain (unquantized, text-only) checkpoint")
+        return draft
 
 
 @dataclass
@@ -424,10 +474,25 @@ class ParallelConfig:
     # "module:Class" mixed into every worker; its public methods are callable by name through
     # ``collective_rpc`` (e.g. RLHF weight sync). Imported only by the workers.
     worker_extension_cls: str = ""
+    # Expert parallelism (``--enable-expert-parallel``, DP > 1): each DP engine's workers hold
+    # 1 / DP of every MoE layer's experts and exchange tokens over a DP-wide torch.distributed
+    # group whose rendezvous (host:port, served by DP rank 0's first worker) is
+    # ``expert_parallel_init_address``; ``data_parallel_rank`` is this engine's place in it.
+    enable_expert_parallel: bool = False
+    expert_parallel_init_address: str = ""
+    data_parallel_rank: int = 0
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
             _positive("parallel", name, getattr(self, name), allow_none=False)
+        if not 0 <= self.data_parallel_rank < self.data_parallel_size:
+            raise ConfigError("parallel.data_parallel_rank",
+                              f"must be in [0, data_parallel_size={self.data_parallel_size}), "
+                              f"got {self.data_parallel_rank}")
+        if self.enable_expert_parallel and self.pipeline_parallel_size > 1:
+            raise ConfigError("parallel.pipeline_parallel_size",
+                              "expert parallelism (--enable-expert-parallel) needs 1 pipeline stage, "
+                              f"got {self.pipeline_parallel_size}")
         if self.worker_extension_cls and not _CLASS_TARGET.match(self.worker_extension_cls):
             raise ConfigError("parallel.worker_extension_cls",
                               f"must be 'package.module:Class', got {self.worker_extension_cls!r}")
@@ -439,6 +504,11 @@ class ParallelConfig:
     @property
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def expert_parallel_size(self) -> int:
+        """DP engines the experts are split across (1: every engine holds them all)."""
+        return self.data_parallel_size if self.enable_expert_parallel else 1
 
     def check_model(self, architecture: str, hf_config: dict) -> None:
         """Refuse, naming the field, a model this parallel layout cannot split."""
@@ -602,6 +672,14 @@ class GridserveConfig:
                                                     "is not supported")
         if self.lora.enable_lora and self.scheduler.speculative_config:
             raise ConfigError("enable_lora", "LoRA with speculative decoding is not supported yet")
+        spec = self.scheduler.speculative
+        if spec is not None and spec.method == DRAFT_MODEL:  # read now: a bad draft fails the start
+            spec.draft_model_config(self.model)
+        if self.cache.kv_role and self.parallel.tensor_parallel_size * self.parallel.pipeline_parallel_size > 1:
+            raise ConfigError("cache.kv_role", "disaggregated prefill / decode runs one worker per engine (-tp 1 "
+                                               "-pp 1): KV re-sharding between parallel shapes is not implemented")
+        if self.cache.kv_role and self.model.runner == "pooling":
+            raise ConfigError("cache.kv_role", "a pooling model keeps no KV cache to transfer")
         if self.lora.enable_lora and "vision_config" in self.model.hf_config:
             raise ConfigError("enable_lora", f"LoRA on a vision-language model ({self.model.architecture}) "
                                              "is not supported yet")

@@ -32,6 +32,7 @@ import asyncio
 import threading
 from typing import Any, Optional, Protocol, runtime_checkable
 
+from gridserve.shared.kv_transfer import KVTransferParams
 from gridserve.shared.multimodal import ImageFeature
 from gridserve.shared.pooling import PoolingParams
 from gridserve.shared.sampling_params import SamplingParams
@@ -72,7 +73,9 @@ class EngineClientProtocol(Protocol):
                           mm_features: Optional[list[ImageFeature]] = None,
                           output_token_ids: Optional[list[int]] = None, continuation: bool = False,
                           lora_name: Optional[str] = None, pooling_params: Optional[PoolingParams] = None,
-                          token_type_ids: Optional[list[int]] = None, priority: int = 0) -> None:
+                          token_type_ids: Optional[list[int]] = None, priority: int = 0,
+                          kv_transfer_params: Optional[KVTransferParams] = None, prefill_only: bool = False,
+                          cache_salt: Optional[str] = None) -> None:
         """Start ``request_id`` on the engine: ``parent_request_id`` is the id the client sees,
         ``traceparent`` the caller's span (W3C), ``mm_features`` the prompt's preprocessed images,
         ``lora_name`` the LoRA adapter it runs on (the engine's table resolves it; None: the base model),
@@ -80,7 +83,11 @@ class EngineClientProtocol(Protocol):
         refuses any value but 0 with ``InvalidArgumentError`` / INVALID_ARGUMENT naming it).
         A pooling request (a pooling model's embedding or scores) gives ``pooling_params`` and no
         ``params`` (None), and ``token_type_ids`` for a BERT pair (None: all 0); it finishes in one
-        output carrying ``pooler_output``."""
+        output carrying ``pooler_output``. Disaggregated prefill / decode: ``prefill_only`` asks a
+        kv_producer engine to run the prompt and hold its KV, ``kv_transfer_params`` (a producer's)
+        has a kv_consumer engine pull that KV instead of computing the prompt; an engine that takes
+        no part refuses either with ``InvalidArgumentError`` naming it. ``cache_salt``: only requests
+        with the same salt share prefix-cache blocks (None: no salt)."""
         ...
 
     async def abort(self, request_ids: list[str]) -> None:

@@ -10,6 +10,9 @@ running and KV-cache usage only).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
+
+from gridserve.shared.kv_transfer import KVTransferStats
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,8 @@ class EngineLoad:
     max_lora: int = 0
     running_lora_adapters: tuple[str, ...] = ()
     waiting_lora_adapters: tuple[str, ...] = ()
+    # Disaggregated prefill / decode: the KV transfer counters (None: the engine has no kv_role)
+    kv_transfers: Optional[KVTransferStats] = None
 
     def routing_key(self) -> tuple[int, int, float]:
         """What routing looks at; a new report is worth sending (and publishing) when it changes."""

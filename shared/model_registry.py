@@ -71,17 +71,15 @@ ARCHITECTURES: dict[str, ArchitectureInfo] = {a.name: a for a in (
     _arch("MixtralForCausalLM", "mixtral:MixtralForCausalLM", "mistralai/Mixtral-8x7B-Instruct-v0.1",
           kv_kind="sliding"),
     _arch("Qwen2ForCausalLM", "llama:Qwen2ForCausalLM", "Qwen/Qwen2.5-0.5B-Instruct", kv_kind="sliding"),
-    # mixture of experts (issue 32): the routed experts stay unquantized (``--quantization`` quantizes
-    # attention, dense MLPs and the shared expert only), hence quantization=False
-    _arch("Qwen2MoeForCausalLM", "qwen_moe:Qwen2MoeForCausalLM", "Qwen/Qwen1.5-MoE-A2.7B", quantization=False,
-          kv_kind="sliding"),
-    _arch("Qwen3MoeForCausalLM", "qwen_moe:Qwen3MoeForCausalLM", "Qwen/Qwen3-30B-A3B", quantization=False,
-          kv_kind="sliding"),
-    # multi-head latent attention (issue 32): the cache holds one latent per token; experts unquantized
+    # mixture of experts (issue 32): ``--quantization`` quantizes the routed experts too (each expert's
+    # matrices as a dense layer's, ``FusedMoE.quantize``); the routers stay float
+    _arch("Qwen2MoeForCausalLM", "qwen_moe:Qwen2MoeForCausalLM", "Qwen/Qwen1.5-MoE-A2.7B", kv_kind="sliding"),
+    _arch("Qwen3MoeForCausalLM", "qwen_moe:Qwen3MoeForCausalLM", "Qwen/Qwen3-30B-A3B", kv_kind="sliding"),
+    # multi-head latent attention (issue 32): the cache holds one latent per token
     _arch("DeepseekV2ForCausalLM", "deepseek:DeepseekV2ForCausalLM", "deepseek-ai/DeepSeek-V2-Lite-Chat",
-          quantization=False, kv_kind="mla"),
+          kv_kind="mla"),
     _arch("DeepseekV3ForCausalLM", "deepseek:DeepseekV3ForCausalLM", "deepseek-ai/DeepSeek-V3",
-          quantization=False, kv_kind="mla"),
+          kv_kind="mla"),
     _arch("OPTForCausalLM", "opt:OPTForCausalLM", "facebook/opt-125m", pipeline_parallel=False),
     # the dense zoo (issue 30): each helper-owned entry's features are set by the model's author
     _arch("Qwen3ForCausalLM", "qwen3:Qwen3ForCausalLM", "Qwen/Qwen3-0.6B", kv_kind="sliding"),
@@ -104,8 +102,7 @@ ARCHITECTURES: dict[str, ArchitectureInfo] = {a.name: a for a in (
     _arch("FalconForCausalLM", "falcon:FalconForCausalLM", "tiiuae/falcon-7b-instruct"),
     _arch("BloomForCausalLM", "bloom:BloomForCausalLM", "bigscience/bloomz-560m"),
     # attention sinks, window / full layers, a biased MoE (issue 32); bf16 checkpoints only (no MXFP4)
-    _arch("GptOssForCausalLM", "gpt_oss:GptOssForCausalLM", "openai/gpt-oss-20b", quantization=False,
-          kv_kind="sliding"),
+    _arch("GptOssForCausalLM", "gpt_oss:GptOssForCausalLM", "openai/gpt-oss-20b", kv_kind="sliding"),
     _arch("LlavaForConditionalGeneration", "llava:LlavaForConditionalGeneration", "llava-hf/llava-1.5-7b-hf",
           pipeline_parallel=False, multimodal=True),
     # encoders (issue 37): pooling only, the engine never generates with them; a classifier serves

@@ -6,6 +6,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
+from gridserve.shared.kv_transfer import KVTransferParams
+
 
 class FinishReason(str, enum.Enum):
     """Why a request stopped, with OpenAI's / vLLM's spelling."""
@@ -31,6 +33,8 @@ class EngineCoreOutput:
     error: Optional[str] = None  # with ``FinishReason.ERROR``: why the request failed
     # A pooling request's result: its embedding or its classifier's scores (float32 values).
     pooler_output: Optional[list[float]] = None
+    # Disaggregated serving, a producer's final output of a prefilled request: where its KV waits.
+    kv_transfer_params: Optional[KVTransferParams] = None
 
     @property
     def finished(self) -> bool:

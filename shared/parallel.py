@@ -5,6 +5,9 @@ of a rank is the ``tp_size`` consecutive ranks of its stage; its PP group is eve
 same ``tp_rank``. The output rank (the one whose ``execute_model`` result the engine waits for) is
 TP rank 0 of the last stage.
 
+Expert parallelism (``--enable-expert-parallel``) adds a DP-wide world, ``rank = dp_rank * tp_size +
+tp_rank``; each DP rank holds a contiguous ``expert_shard`` of every MoE layer's experts.
+
 Every helper returns ``Shard(start, size)`` ranges into the full (unsharded) dimension, so the loader
 can read exactly that slice of each checkpoint tensor.
 """
@@ -140,3 +143,22 @@ def check_model_shardable(hf_config: dict, tp_size: int, pp_size: int) -> None:
             if name in hf_config:
                 even_shard(int(hf_config[name]), tp_size, 0, name)
     stage_layers(int(hf_config.get("num_hidden_layers", 0) or 0), pp_size, 0)
+
+
+# ---- expert parallelism ----------------------------------------------------------------------------
+def expert_parallel_rank(dp_rank: int, tp_size: int, tp_rank: int) -> int:
+    """A worker's rank in the DP-wide expert-parallel world (``dp_rank * TP + tp_rank``; PP is 1)."""
+    return dp_rank * tp_size + tp_rank
+
+
+def expert_shard(num_experts: int, ep_size: int, ep_rank: int, field: str) -> Shard:
+    """The contiguous experts an expert-parallel rank holds: ``num_experts / ep_size`` of them.
+
+    ``field`` names the config field of the expert count in the error when it does not divide."""
+    if ep_size < 1 or not 0 <= ep_rank < ep_size:
+        raise ValueError(f"expert-parallel rank {ep_rank} of {ep_size}")
+    if num_experts % ep_size:
+        raise ConfigError(field, f"{num_experts} experts do not split evenly across {ep_size} "
+                                 f"expert-parallel ranks (data_parallel_size with --enable-expert-parallel)")
+    size = num_experts // ep_size
+    return Shard(ep_rank * size, size, num_experts)

@@ -16,6 +16,15 @@ from collections.abc import Iterable
 from gridserve.shared.errors import InvalidArgumentError
 from gridserve.shared.sampling_params import SamplingParams
 
+# vLLM's ``cache_salt``: a non-empty string mixed into the first prefix-cache block's hash.
+MAX_CACHE_SALT_CHARS = 256
+
+
+def check_cache_salt(salt: str) -> None:
+    """A request's ``cache_salt``: 1 to ``MAX_CACHE_SALT_CHARS`` characters."""
+    if not 1 <= len(salt) <= MAX_CACHE_SALT_CHARS:
+        raise InvalidArgumentError("cache_salt", f"must be 1 to {MAX_CACHE_SALT_CHARS} characters, got {len(salt)}")
+
 
 def check_request(prompt_token_ids: list[int], params: SamplingParams, *, vocab_size: int, max_model_len: int,
                   max_logprobs: int, prompt_field: str = "prompt_token_ids") -> None:

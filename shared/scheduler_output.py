@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from gridserve.shared.kv_transfer import KVSend, KVTransferParams
 from gridserve.shared.lora import LoRARequest
 from gridserve.shared.multimodal import ImageFeature
 from gridserve.shared.pooling import PoolingParams
@@ -50,6 +51,9 @@ class NewRequestData:
     # A pooling request (a pooling model): what it asks, and its tokens' segment ids (None: all 0).
     pooling_params: Optional[PoolingParams] = None
     token_type_ids: Optional[list[int]] = None
+    # Disaggregated serving (a consumer): the producer's blocks to pull into the first blocks before
+    # the step (``num_computed_tokens`` already counts their tokens).
+    kv_load: Optional[KVTransferParams] = None
 
     def __post_init__(self) -> None:
         self.block_ids = per_group(self.block_ids)
@@ -83,6 +87,10 @@ class SchedulerOutput:
     # Speculative decoding: draft tokens to verify after a request's next token (they count in
     # ``num_scheduled_tokens``: 1 + len(drafts)).
     scheduled_spec_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # Disaggregated serving (a producer): transfers the worker serves from now on, and the ones it
+    # stops serving before this step writes any block.
+    kv_sends: list[KVSend] = field(default_factory=list)
+    kv_releases: list[str] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -121,3 +129,9 @@ class ModelRunnerOutput:
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
     # Pooling requests' results (an embedding or a classifier's scores, float32), by request id.
     pooler_output: dict[str, list[float]] = field(default_factory=dict)
+    # Disaggregated serving: transfers fully pulled from this worker since the last step; requests
+    # whose pull failed (left out of the step: the engine computes their prompt); bytes moved.
+    kv_sent: list[str] = field(default_factory=list)
+    kv_load_failed: dict[str, str] = field(default_factory=dict)
+    kv_bytes_received: int = 0
+    kv_bytes_sent: int = 0

@@ -6,7 +6,9 @@ when it cannot (no compiler, no ninja, a build error). ``load_layer_ops()`` does
 ``layer_ops.cpp``, the per-token ops (RMSNorm, fused add + RMSNorm, rotary embedding,
 SiLU-and-mul, GELU and GELU-and-mul, the KV-cache write), on their first CPU call or at ``dispatch.prepare``. The build lands in torch's extensions
 folder (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``) and later processes
-reuse it; editing the source rebuilds it.
+reuse it; editing the source rebuilds it. ``paged_attention_short_rows`` runs the attention kernel
+on decode rows only, with gpt-oss's attention sinks; ``mla.py`` builds and wraps ``mla_decode.cpp``
+(the paged MLA decode) the same way.
 """
 
 from __future__ import annotations
@@ -182,6 +184,36 @@ def paged_attention(
         longer = [i for i in range(len(lens)) if qsl[i + 1] - qsl[i] > MAX_KERNEL_QUERY_LEN]
         reference.prefill_rows(query, kv_cache, qsl, lens, block_table, longer, scale, out, (k_scale, v_scale), mods)
     return out
+
+
+def paged_attention_short_rows(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    *,
+    sliding_window: int = 0,
+    sinks: torch.Tensor | None = None,
+) -> bool:
+    """The C++ kernel on the rows of up to ``MAX_KERNEL_QUERY_LEN`` new tokens only, written into
+    ``out`` (shaped as ``query``); longer rows are left as they are, for the caller. ``sinks``
+    ([num_heads] logits, or None): attention sinks (gpt-oss), one more term in every softmax's
+    denominator. False (nothing written) when the kernel did not build or does not take the dtypes."""
+    ops = load()
+    if (ops is None or not _supported(query, kv_cache) or out.shape != query.shape or out.dtype != query.dtype
+            or out.stride(-1) != 1):
+        return False
+    query = query if query.stride(-1) == 1 else query.contiguous()
+    logits = None if sinks is None else sinks.detach().to(device="cpu", dtype=torch.float32).contiguous()
+    ops.paged_attention(out, query, kv_cache, _int32(query_start_loc), _int32(seq_lens), _int32(block_table),
+                        float(scale), MAX_KERNEL_QUERY_LEN, float(k_scale), float(v_scale), int(sliding_window),
+                        0.0, None, logits)
+    return True
 
 
 def _supported(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:

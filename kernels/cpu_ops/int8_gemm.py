@@ -75,13 +75,16 @@ def unpack(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
 def gemm(
     x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, n: int,
     bias: Optional[torch.Tensor] = None, isa_cap: int = 2, activation_group: int = 0,
+    out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """``(x quantized) @ (packed int8).T * scales (+ bias)`` for float32 ``x`` [m, k] -> [m, n].
 
     ``activation_group``: 0 quantizes each row of ``x`` to int16 with one scale; ``ACTIVATION_GROUP``
     (32) to int8 with one scale per 32 columns (one ``vpdpbusd`` per 4 MACs instead of two).
-    ``isa_cap`` (0 scalar, 1 AVX2, 2 AVX-512 VNNI) caps the instruction set, for tests."""
-    out = torch.empty(x.shape[0], n, dtype=torch.float32)
+    ``isa_cap`` (0 scalar, 1 AVX2, 2 AVX-512 VNNI) caps the instruction set, for tests. ``out``: a
+    contiguous float32 [m, n] to write into (e.g. one expert's rows of a MoE layer's output)."""
+    if out is None:
+        out = torch.empty(x.shape[0], n, dtype=torch.float32)
     load().gemm(out, x.contiguous(), packed, scales, bias, isa_cap, activation_group)
     return out
 

@@ -18,6 +18,11 @@
 // are applied to each score as it is computed; the AVX-512 kernel has a clone without them, so a
 // plain model runs exactly the code it ran before.
 //
+// Attention sinks (gpt-oss): an optional logit per query head that joins every softmax's
+// denominator and carries no value, p_j = exp(s_j) / (exp(sink[h]) + sum_j exp(s_j)); the row's
+// max takes the sink into account, so exp never overflows. The window narrows the positions, never
+// the sink.
+//
 // The cache may be narrower than the query (kv_cache_dtype): fp32 queries over a 16-bit or fp8
 // cache, 16-bit queries over fp8. fp8 rows hold K / k_scale and V / v_scale (per-tensor scales):
 // k_scale is folded into the query, v_scale into the final normalization, so rows are widened
@@ -122,6 +127,7 @@ struct Geometry {
   int64_t window;          // sliding window (0: none)
   float soft_cap;          // logit soft cap (0: none)
   const float* alibi;      // [num_heads] ALiBi slopes, or null
+  const float* sinks;      // [num_heads] attention-sink logits, or null
   bool mods() const { return soft_cap > 0.f || alibi != nullptr; }
 };
 
@@ -195,7 +201,8 @@ GS_SIMD_CLONES void attend_token(
     float* row = scores + h * visible;
     float m = row[0];
     for (int64_t p = 1; p < visible; ++p) m = std::max(m, row[p]);
-    float sum = 0.f;
+    if (g.sinks != nullptr) m = std::max(m, g.sinks[h]);
+    float sum = g.sinks != nullptr ? std::exp(g.sinks[h] - m) : 0.f;
     for (int64_t p = 0; p < visible; ++p) {
       row[p] = std::exp(row[p] - m);
       sum += row[p];
@@ -358,7 +365,10 @@ GS_AVX512 void attend_token_avx512(
     float* row = scores + h * stride;
     __m512 m = minus_inf;
     for (int64_t c = 0; c < chunks; ++c) m = _mm512_max_ps(m, _mm512_loadu_ps(row + 16 * c));
-    const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(m));
+    float top_value = _mm512_reduce_max_ps(m);
+    if (g.sinks != nullptr) top_value = std::max(top_value, g.sinks[h]);
+    const __m512 top = _mm512_set1_ps(top_value);
+    const float sink = g.sinks != nullptr ? std::exp(g.sinks[h] - top_value) : 0.f;
     __m512 sum = _mm512_setzero_ps();
     for (int64_t c = 0; c < chunks; ++c) {
       __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(row + 16 * c), top));
@@ -367,7 +377,7 @@ GS_AVX512 void attend_token_avx512(
       _mm512_storeu_ps(row + 16 * c, e);
       sum = _mm512_add_ps(sum, e);
     }
-    inv_sum[h] = g.v_scale / _mm512_reduce_add_ps(sum);
+    inv_sum[h] = g.v_scale / (_mm512_reduce_add_ps(sum) + sink);
   }
   // Pass 2: weighted sum of V, up to 64 output columns held in registers over a chunk.
   std::fill(s.acc.begin() + h0 * d, s.acc.begin() + h1 * d, 0.f);
@@ -507,7 +517,7 @@ void paged_attention(const at::Tensor& out, const at::Tensor& query, const at::T
                      const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
                      const at::Tensor& block_table, double scale, int64_t max_q_len,
                      double k_scale, double v_scale, int64_t sliding_window, double soft_cap,
-                     const std::optional<at::Tensor>& alibi_slopes) {
+                     const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& sinks) {
   TORCH_CHECK(query.device().is_cpu() && kv_cache.device().is_cpu(), "CPU tensors expected");
   TORCH_CHECK(query.dim() == 3 && kv_cache.dim() == 5, "query [T, H, D], kv_cache [2, N, B, KVH, D]");
   TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1 && kv_cache.stride(4) == 1,
@@ -550,6 +560,14 @@ void paged_attention(const at::Tensor& out, const at::Tensor& query, const at::T
                     slopes.dim() == 1 && slopes.size(0) == num_heads,
                 "alibi_slopes: a contiguous float32 CPU tensor of num_heads slopes expected");
     g.alibi = slopes.data_ptr<float>();
+  }
+  g.sinks = nullptr;
+  if (sinks.has_value()) {
+    const at::Tensor& logits = *sinks;
+    TORCH_CHECK(logits.device().is_cpu() && logits.scalar_type() == at::kFloat && logits.is_contiguous() &&
+                    logits.dim() == 1 && logits.size(0) == num_heads,
+                "sinks: a contiguous float32 CPU tensor of num_heads logits expected");
+    g.sinks = logits.data_ptr<float>();
   }
 
   // Per token: its sequence and how many positions it sees (0 = not handled here).
@@ -608,7 +626,8 @@ TORCH_LIBRARY(gridserve_cpu, m) {
   m.def(
       "paged_attention(Tensor(a!) out, Tensor query, Tensor kv_cache, Tensor query_start_loc, "
       "Tensor seq_lens, Tensor block_table, float scale, int max_q_len, float k_scale=1., "
-      "float v_scale=1., int sliding_window=0, float soft_cap=0., Tensor? alibi_slopes=None) -> ()");
+      "float v_scale=1., int sliding_window=0, float soft_cap=0., Tensor? alibi_slopes=None, "
+      "Tensor? sinks=None) -> ()");
   m.def("paged_attention_isa(int cap=-1) -> int", &paged_attention_isa);
 }
 

@@ -17,6 +17,7 @@ except Exception as exc:  # a broken install must read as "no Triton", not crash
 from gridserve.kernels.triton_ops.activation import gelu, gelu_and_mul, silu_and_mul
 from gridserve.kernels.triton_ops.attention import paged_attention
 from gridserve.kernels.triton_ops.cache import reshape_and_cache
+from gridserve.kernels.triton_ops.mla import mla_decode
 from gridserve.kernels.triton_ops.norm import fused_add_rms_norm, rms_norm
 from gridserve.kernels.triton_ops.rotary import rotary_embedding
 
@@ -24,6 +25,7 @@ __all__ = [
     "fused_add_rms_norm",
     "gelu",
     "gelu_and_mul",
+    "mla_decode",
     "paged_attention",
     "reshape_and_cache",
     "rms_norm",

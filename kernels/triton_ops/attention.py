@@ -15,7 +15,9 @@ Score modifiers (``gridserve.kernels.reference``'s semantics), each a constexpr 
 model compiles the kernel it had: a sliding window starts the walk at the tile holding the block's
 first visible position (tiles wholly before it are never read) and masks ``q_pos - kv_pos >=
 window``; the soft cap (``cap * tanh(s / cap)``) and ALiBi (``+ slope * (kv_pos - q_pos)``) apply to
-the scaled scores before the change to base 2.
+the scaled scores before the change to base 2. Attention sinks (gpt-oss, ``SINKS``): one logit per
+query head joins the softmax's denominator after the walk (with split-K, in the reduction), the
+running max raised to it first so nothing overflows.
 """
 
 from __future__ import annotations
@@ -85,21 +87,22 @@ def _tanh(x):
 def _paged_attention_kernel(
     out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
     q_ptr, k_cache_ptr, v_cache_ptr,
-    query_start_loc_ptr, seq_lens_ptr, block_table_ptr, alibi_ptr,
+    query_start_loc_ptr, seq_lens_ptr, block_table_ptr, alibi_ptr, sinks_ptr,
     scale, scale_log2, num_seqs, num_heads, k_scale, v_scale, sliding_window, soft_cap,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_cs, stride_ch, stride_bt,
     GROUP: tl.constexpr, PAGE: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
-    WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr, ALIBI: tl.constexpr,
+    WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr, ALIBI: tl.constexpr, SINKS: tl.constexpr,
 ):
     """Attention of one q-block's rows (tokens x grouped heads) over one slice of its context.
 
     ``KV_FP8``: the cache holds fp8 ``K / k_scale`` and ``V / v_scale``; tiles are widened and
     rescaled as they load (to float32, then to the query's dtype unless computing in float32).
     ``WINDOW`` / ``SOFT_CAP`` / ``ALIBI``: whether ``sliding_window`` / ``soft_cap`` / the slopes at
-    ``alibi_ptr`` apply (module docstring)."""
+    ``alibi_ptr`` apply (module docstring); ``SINKS``: the per-head logits at ``sinks_ptr`` join
+    the denominator (here without split-K, in the reduction with it)."""
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -190,6 +193,12 @@ def _paged_attention_kernel(
         m_i = m_new
 
     if NUM_SPLITS == 1:
+        if SINKS:
+            sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * LOG2E_K
+            m_sink = tl.maximum(m_i, sink)
+            alpha = tl.math.exp2(m_i - m_sink)
+            acc = acc * alpha[:, None]
+            l_i = l_i * alpha + tl.math.exp2(sink - m_sink)
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         out_offsets = token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
         tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=row_mask)
@@ -202,12 +211,13 @@ def _paged_attention_kernel(
 
 @triton.jit
 def _reduce_splits_kernel(
-    out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
+    out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, sinks_ptr,
     stride_ot, stride_oh, num_heads,
     NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
-    HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
+    HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, SINKS: tl.constexpr,
 ):
-    """One program per (token, head): rescale each slice to the global max and normalize."""
+    """One program per (token, head): rescale each slice to the global max (the head's sink logit
+    included with ``SINKS``) and normalize."""
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     splits = tl.arange(0, SPLITS_PAD)
@@ -216,14 +226,21 @@ def _reduce_splits_kernel(
     m = tl.load(part_max_ptr + part, mask=in_range, other=NEG_BIG)
     l_s = tl.load(part_sum_ptr + part, mask=in_range, other=0.0)
     used = l_s > 0
-    weight = tl.where(used, tl.math.exp2(m - tl.max(m, 0)), 0.0)
+    top = tl.max(m, 0)
+    if SINKS:
+        sink = tl.load(sinks_ptr + head).to(tl.float32) * LOG2E_K
+        top = tl.maximum(top, sink)
+    weight = tl.where(used, tl.math.exp2(m - top), 0.0)
     dims = tl.arange(0, HEAD_PAD)
     dim_ok = dims < HEAD_SIZE
     acc = tl.load(
         part_acc_ptr + part[:, None] * HEAD_SIZE + dims[None, :],
         mask=used[:, None] & dim_ok[None, :], other=0.0,
     )
-    out = tl.sum(acc * weight[:, None], 0) / tl.sum(l_s * weight, 0)
+    denominator = tl.sum(l_s * weight, 0)
+    if SINKS:
+        denominator += tl.math.exp2(sink - top)
+    out = tl.sum(acc * weight[:, None], 0) / denominator
     tl.store(
         out_ptr + token * stride_ot + head * stride_oh + dims,
         out.to(out_ptr.dtype.element_ty), mask=dim_ok,
@@ -282,6 +299,7 @@ def run_paged_attention(
     sliding_window: int = 0,
     soft_cap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Launch the attention kernel (and the split reduction) with an explicit plan."""
     num_tokens, num_heads, head_size = query.shape
@@ -313,11 +331,16 @@ def run_paged_attention(
         if alibi_slopes.shape != (num_heads,):
             raise ValueError(f"alibi_slopes must hold num_heads ({num_heads}) slopes, got {tuple(alibi_slopes.shape)}")
         alibi_slopes = alibi_slopes.to(device=query.device, dtype=torch.float32).contiguous()
+    if sinks is not None:
+        if sinks.shape != (num_heads,):
+            raise ValueError(f"sinks must hold num_heads ({num_heads}) logits, got {tuple(sinks.shape)}")
+        sinks = sinks.detach().to(device=query.device, dtype=torch.float32).contiguous()
     grid = (num_tokens // block_q + num_seqs, num_kv_heads, splits)
     _paged_attention_kernel[grid](
         out, part_acc, part_max, part_sum,
         query, k_cache, v_cache,
         query_start_loc, seq_lens, block_table, alibi_slopes if alibi_slopes is not None else out,
+        sinks if sinks is not None else out,
         float(scale), scale * LOG2E, num_seqs, num_heads, float(k_scale), float(v_scale),
         int(sliding_window), float(soft_cap) if soft_cap > 0 else 1.0,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
@@ -327,14 +350,14 @@ def run_paged_attention(
         NUM_SPLITS=splits, FP32=fp32, DOT_PRECISION="ieee" if fp32 else "tf32",
         KV_FP8=fp8_max(kv_cache.dtype) > 0,
         WINDOW=sliding_window > 0, SOFT_CAP=soft_cap > 0, ALIBI=alibi_slopes is not None,
-        num_warps=plan.num_warps,
+        SINKS=sinks is not None, num_warps=plan.num_warps,
     )
     if splits > 1:
         _reduce_splits_kernel[(num_tokens, num_heads)](
-            out, part_acc, part_max, part_sum,
+            out, part_acc, part_max, part_sum, sinks if sinks is not None else out,
             out.stride(0), out.stride(1), num_heads,
             NUM_SPLITS=splits, SPLITS_PAD=pow2(splits),
-            HEAD_SIZE=head_size, HEAD_PAD=pow2(head_size),
+            HEAD_SIZE=head_size, HEAD_PAD=pow2(head_size), SINKS=sinks is not None,
         )
     return out
 
@@ -353,14 +376,16 @@ def paged_attention(
     sliding_window: int = 0,
     soft_cap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of packed queries ([num_tokens, num_heads, head_size]) over their paged KV.
 
     Same contract as the reference; decode, prefill and chunked prefill rows may be mixed; the
     cache may be narrower than the query (16-bit or fp8 with per-tensor scales); the score
-    modifiers are the reference's.
+    modifiers are the reference's; ``sinks`` ([num_heads] logits or None): attention sinks, as
+    ``services/worker/sink_attention.py`` defines them.
     """
     plan = plan_attention(query, kv_cache, block_table, seq_lens.shape[0], max_query_len, sliding_window)
     return run_paged_attention(query, kv_cache, query_start_loc, seq_lens, block_table, scale, plan,
                                k_scale, v_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-                               alibi_slopes=alibi_slopes)
+                               alibi_slopes=alibi_slopes, sinks=sinks)

@@ -1,14 +1,20 @@
 """``Waves``: the coordinator's side of MoE request waves across data-parallel engines.
 
-With a mixture-of-experts model every engine must run its forward passes in lockstep (in vLLM the
-experts' all-to-all spans the DP ranks; here the per-step barrier below is that collective), so
-while any engine has work, the idle ones run dummy steps. A wave starts when an idle engine
-receives a request (``start``); during it every engine calls ``sync`` after each step, which
-waits for all ``dp_size`` engines and returns whether any still has unfinished requests. The
-first step where none has ends the wave: the wave number (waves completed) advances and the
-engines stop until the next ``start``. A barrier that does not fill within ``timeout_s`` (an engine
-died) fails the calls instead of hanging them, and ends the wave. Runs on the coordinator's event
-loop: each barrier is an ``asyncio.Future`` its engines await.
+With a mixture-of-experts model every engine must run its forward passes in lockstep, so while
+any engine has work, the idle ones run dummy steps. Under expert parallelism
+(``--enable-expert-parallel``) the experts' exchange across the DP engines is real: every MoE layer
+sends tokens to the workers holding their experts and combines the results through torch.distributed
+collectives among the DP engines' workers (all-gather + all-reduce where vLLM uses an all-to-all;
+``services/worker/fused_moe.py``), and the per-step barrier below lines the engines' steps up so
+that those collectives pair (an idle engine's dummy step runs them on zero tokens). Without expert
+parallelism every engine holds every expert and the barrier only keeps the engines in step.
+
+A wave starts when an idle engine receives a request (``start``); during it every engine calls
+``sync`` after each step, which waits for all ``dp_size`` engines and returns whether any still has
+unfinished requests. The first step where none has ends the wave: the wave number (waves completed)
+advances and the engines stop until the next ``start``. A barrier that does not fill within
+``timeout_s`` (an engine died) fails the calls instead of hanging them, and ends the wave. Runs on
+the coordinator's event loop: each barrier is an ``asyncio.Future`` its engines await.
 """
 
 from __future__ import annotations

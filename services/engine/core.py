@@ -10,6 +10,7 @@ pool's size and the KV cache groups) goes back to every worker (``initialize_cac
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from collections.abc import Iterable
 from concurrent.futures import Future
@@ -29,6 +30,8 @@ from gridserve.shared.pooling import embedding_size
 from gridserve.shared.scheduler_output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
+
+KV_POLL_S = 0.01  # P/D: how often an otherwise idle producer asks its workers which transfers were pulled
 
 
 class EngineCore:
@@ -51,6 +54,9 @@ class EngineCore:
         # Batches submitted and not yet updated from, oldest first. At rest it holds up to
         # ``max_concurrent_batches`` (one per pipeline stage); a step adds one before taking one.
         self.max_concurrent_batches = self.executor.max_concurrent_batches
+        # Expert parallelism: every step submits exactly one batch (an empty one if need be), so the
+        # engines' forward passes, whose MoE layers exchange tokens, pair up step by step.
+        self.lockstep = config.parallel.expert_parallel_size > 1
         self._batches: deque[tuple[SchedulerOutput, Future]] = deque()
 
     def _initialize_kv_cache(self) -> KVCacheConfig:
@@ -85,7 +91,7 @@ class EngineCore:
         return self.scheduler.abort_requests(request_ids)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._batches) or self.scheduler.has_unfinished_requests()
+        return bool(self._batches) or self.scheduler.has_unfinished_requests() or self.scheduler.kv_transfers_waiting
 
     def step(self) -> list[EngineCoreOutput]:
         """Schedule and submit the next batch, then finish the oldest one; return its new tokens.
@@ -96,16 +102,22 @@ class EngineCore:
         counts as a placeholder the worker already holds; with several, a request waits for its
         sample to return before it is scheduled again. Returns nothing while the queue fills.
         """
-        submitted_work = False
+        submitted_work = submitted = False
         # A step that may verify drafts runs alone: the next one's drafts come with its result.
         max_in_flight = 0 if self.scheduler.speculating else self.max_concurrent_batches
-        if self.scheduler.has_unfinished_requests() and len(self._batches) <= max_in_flight:
+        # P/D: while only held transfers wait, an empty step now and then asks the workers what was pulled.
+        polling = not self.scheduler.has_unfinished_requests() and self.scheduler.kv_transfers_waiting
+        if polling and not self._batches:
+            time.sleep(KV_POLL_S)
+        if (self.scheduler.has_unfinished_requests() or polling) and len(self._batches) <= max_in_flight:
             scheduler_output = self.scheduler.schedule()
             # An empty plan still goes out when it carries ids the workers must forget.
             if not scheduler_output.is_empty or scheduler_output.finished_req_ids or not self._batches:
                 future = self.executor.execute_model(scheduler_output, non_block=True)
                 self._batches.append((scheduler_output, future))
-                submitted_work = not scheduler_output.is_empty
+                submitted_work, submitted = not scheduler_output.is_empty, True
+        if self.lockstep and not submitted:  # expert parallelism: one forward per step on every engine
+            self.execute_dummy_batch()
         if not self._batches or (submitted_work and len(self._batches) <= max_in_flight):
             return []
         scheduler_output, future = self._batches.popleft()

@@ -80,6 +80,9 @@ class KVCacheManager:
         # Lookups of requests resuming after preemption (they mostly hit their own blocks).
         self.preempted_prefix_cache_queries = 0
         self.preempted_prefix_cache_hits = 0
+        # Requests whose blocks hold KV still being pulled from a producer (P/D): their hashes are
+        # not published to the prefix cache until the pull is confirmed (a failed one leaves garbage).
+        self._deferred: set[str] = set()
 
     # ---- sizes and stats -------------------------------------------------------------------
 
@@ -174,6 +177,7 @@ class KVCacheManager:
         num_new_tokens: int,
         new_computed_blocks: Sequence | None = None,
         num_new_computed_tokens: int = 0,
+        num_lookahead_tokens: int = 0,
     ) -> tuple[list[int], ...] | None:
         """Make room for this step's tokens; return the newly allocated block ids per group, or None.
 
@@ -181,7 +185,8 @@ class KVCacheManager:
         ``get_computed_blocks`` (only for a request that holds no blocks yet); passing them, even
         empty, counts the lookup in the query / hit counters once it succeeds. On None nothing
         changed, except that window groups may have freed blocks their window no longer sees. The
-        returned ids exclude the prefix-hit blocks.
+        returned ids exclude the prefix-hit blocks. ``num_lookahead_tokens``: slots past the step's
+        tokens (a speculative draft model's proposals), reserved but never cached.
         """
         if num_new_tokens < 0 or num_new_computed_tokens < 0:
             raise ValueError(
@@ -197,7 +202,7 @@ class KVCacheManager:
                 self._free_skipped(request, req_blocks)
 
         num_tokens_after = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
-        num_required = -(-num_tokens_after // self.block_size)
+        num_required = -(-(num_tokens_after + num_lookahead_tokens) // self.block_size)
         held = req_blocks or self._no_hits
         num_new_blocks = [max(0, num_required - len(held[g]) - len(hits[g])) for g in range(self.num_groups)]
         # Touching a free prefix-hit block takes it out of the free list, too.
@@ -227,7 +232,7 @@ class KVCacheManager:
             req_blocks[g].extend(new_blocks)
             new_ids.append([b.block_id for b in new_blocks])
 
-        if self.enable_caching:
+        if self.enable_caching and request.request_id not in self._deferred:
             if looked_up and request.num_preemptions:  # a resumed request: counted apart (vLLM)
                 self.preempted_prefix_cache_queries += request.num_tokens
                 self.preempted_prefix_cache_hits += num_new_computed_tokens
@@ -292,12 +297,22 @@ class KVCacheManager:
         """Return the request's blocks (tail first) and forget it. Freeing twice is a no-op."""
         blocks = self.req_to_blocks.pop(request.request_id, None)
         self.num_cached_blocks.pop(request.request_id, None)
+        self._deferred.discard(request.request_id)
         if not blocks:
             return
         for g, group in enumerate(blocks):
             free_before = self.block_pool.get_num_free_blocks()
             self.block_pool.free_blocks(reversed(group))
             self.blocks_in_use[g] -= self.block_pool.get_num_free_blocks() - free_before
+
+    def defer_caching(self, request_id: str) -> None:
+        """Keep the request's blocks out of the prefix cache until ``confirm_caching`` (P/D: their KV
+        arrives from a producer and may not come)."""
+        self._deferred.add(request_id)
+
+    def confirm_caching(self, request_id: str) -> None:
+        """The request's KV is real: its full blocks enter the prefix cache at its next allocation."""
+        self._deferred.discard(request_id)
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached hash; fails (False) while any block is in use."""

@@ -59,6 +59,12 @@ def serve(config: GridserveConfig, host: str, port: int, grace_s: float = 10.0, 
     server.add_service(SERVICE, lambda s: engine_pb2_grpc.add_EngineCoreServicer_to_server(servicer, s))
     server.install_signal_handlers()
     server.start()  # answers health (NOT_SERVING) while the workers load
+    # the workers' place in the expert-parallel group (--enable-expert-parallel)
+    config.parallel.data_parallel_rank, config.parallel.data_parallel_size = data_parallel_rank, data_parallel_size
+    if config.parallel.expert_parallel_size > 1 and worker_recovery_timeout_s:
+        # one engine cannot rebuild its workers alone: the others' share its collectives' group
+        logger.info("expert parallelism: a worker failure ends the engine (no worker recovery)")
+        worker_recovery_timeout_s = 0.0
     core = EngineCore(config)
     metrics = None
     if metrics_server is not None:

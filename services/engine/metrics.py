@@ -8,7 +8,8 @@ counts). ``gridserve:kv_cache_group_usage_perc`` is each KV cache group's share 
 ``kv_cache_group``: its index, ``kv_cache_group_name``: ``full``, ``sliding_window_4096``, ...; names
 repeat when a kind is split into several groups). ``gridserve:engine_state`` is 1 for the engine's
 readiness state and 0 for the others (read from its ``Readiness``, so a dead or sleeping engine says so). TTFT, inter-token latency and end-to-end latency are the gateway's: it sees them as the
-client does.
+client does. With a ``--kv-role`` (disaggregated prefill / decode) the ``gridserve:kv_transfer*``
+families count transfers and bytes each way and the blocks a prefill engine holds for pulls.
 """
 
 from __future__ import annotations
@@ -93,6 +94,8 @@ class _SnapshotCollector:
             yield family
         if stats.spec_accepted_per_pos:  # speculative decoding is on
             yield from _spec_decode_families(stats, names, values)
+        if stats.kv_transfers is not None:  # disaggregated prefill / decode: a kv_role
+            yield from _kv_transfer_families(stats, names, values)
         if stats.max_lora:  # LoRA is on: vLLM's info gauge, the scrape time as its value
             family = GaugeMetricFamily(
                 "vllm:lora_requests_info", "Running stats on lora requests (adapter names, comma separated).",
@@ -118,6 +121,34 @@ def _spec_decode_families(stats: EngineLoad, names: list[str], values: list[str]
     for position, value in enumerate(stats.spec_accepted_per_pos):
         family.add_metric([*values, str(position)], value)
     yield family
+
+
+def _kv_transfer_families(stats: EngineLoad, names: list[str], values: list[str]):
+    """Disaggregated prefill / decode: the KV transfer counters, and what a producer holds now
+    (``gridserve:kv_transfer_held_blocks`` back at 0 once every transfer was pulled or expired)."""
+    kv = stats.kv_transfers
+    for name, doc, value in (
+        ("gridserve:kv_transfers_sent", "KV transfers a decode engine pulled whole from this prefill engine.",
+         kv.transfers_sent),
+        ("gridserve:kv_transfers_expired", "KV transfers freed at their deadline, never pulled.",
+         kv.transfers_expired),
+        ("gridserve:kv_transfers_received", "KV transfers this decode engine pulled.", kv.transfers_received),
+        ("gridserve:kv_transfers_failed", "KV pulls that failed (the prompt was computed locally).",
+         kv.transfers_failed),
+        ("gridserve:kv_transfer_bytes_sent", "KV bytes served to decode engines.", kv.bytes_sent),
+        ("gridserve:kv_transfer_bytes_received", "KV bytes pulled from prefill engines.", kv.bytes_received),
+    ):
+        family = CounterMetricFamily(name, doc, labels=[*names, "kv_role"])
+        family.add_metric([*values, kv.kv_role], value)
+        yield family
+    for name, doc, value in (
+        ("gridserve:kv_transfers_held", "KV transfers waiting for a decode engine to pull them.",
+         kv.transfers_held),
+        ("gridserve:kv_transfer_held_blocks", "KV blocks held for decode engines to pull.", kv.held_blocks),
+    ):
+        family = GaugeMetricFamily(name, doc, labels=[*names, "kv_role"])
+        family.add_metric([*values, kv.kv_role], value)
+        yield family
 
 
 class EngineMetrics:

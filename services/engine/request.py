@@ -6,6 +6,7 @@ import enum
 import time
 from typing import Optional, Union
 
+from gridserve.shared.kv_transfer import KVTransferParams
 from gridserve.shared.lora import LoRARequest
 from gridserve.shared.multimodal import ImageFeature
 from gridserve.shared.outputs import FinishReason
@@ -63,6 +64,8 @@ class Request:
         pooling_params: Optional[PoolingParams] = None,
         token_type_ids: Optional[list[int]] = None,
         priority: int = 0,
+        kv_transfer_params: Optional[KVTransferParams] = None,
+        prefill_only: bool = False,
     ) -> None:
         self.request_id = request_id
         # The id the client sees (the gateway's request id): logs and spans name the request by it.
@@ -87,6 +90,14 @@ class Request:
         self.token_type_ids = token_type_ids
         # Its rank under --scheduling-policy priority: lower runs first (fcfs: always 0).
         self.priority = priority
+        # Disaggregated serving: a consumer's producer blocks to pull instead of computing the prompt
+        # (None once pulled, or after a failed pull: then the prompt is computed here) ...
+        self.kv_load = kv_transfer_params
+        # ... and a producer's request that runs its prompt only (one token) and keeps its blocks for a
+        # consumer; ``kv_hold`` once it stopped for that, not by a stop rule of its own.
+        self.prefill_only = prefill_only
+        self.kv_hold = False
+        self.kv_transfer_out: Optional[KVTransferParams] = None  # a held request's params (its final output)
         self.num_computed_tokens = 0
         # Tokens a step still in flight will sample: the next step may already compute them (the
         # worker holds their value), so the scheduler counts them as known but not yet here.

@@ -17,10 +17,18 @@ runs its next token and the drafts in one step (``scheduled_spec_tokens``, withi
 budget, ``max_tokens`` and ``max_model_len``); the worker answers with the target's own samples up
 to the first that differs from a draft. ``update_from_output`` appends them one by one (a stop
 ends the run there), rolls ``num_computed_tokens`` back by the rejected drafts and gives their
-blocks back. No drafts while ``disable_by_batch_size`` requests or more run.
+blocks back. No drafts while ``disable_by_batch_size`` requests or more run. With a draft model
+every allocation reserves ``k`` lookahead slots past the step's tokens, where the worker's draft
+writes the K / V of the tokens it proposes from (never cached; trimmed with the rejected drafts).
 
 Multi-LoRA: the running requests use at most ``max_loras`` distinct adapters; a waiting request on
 another adapter is passed over (it keeps its place) until one of them drains.
+
+Disaggregated prefill / decode (``--kv-role``, ``kv_transfers.py``): a producer's prefill-only
+request ends after its first token and keeps its blocks for a consumer; a consumer's request with
+``kv_load`` is admitted with its prompt counted as computed (pulled by the worker before the step,
+kept out of the prefix cache until confirmed) and goes back to the queue to compute its prompt when
+the pull fails.
 """
 
 from __future__ import annotations
@@ -29,10 +37,11 @@ import logging
 import time
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 from gridserve.services.engine.kv_cache_manager import KVCacheManager
+from gridserve.services.engine.kv_transfers import KVTransfers
 from gridserve.services.engine.request import Request, RequestStatus
 from gridserve.services.engine.scheduling_policy import make_policy
 from gridserve.shared.config import GridserveConfig
@@ -111,6 +120,9 @@ class Scheduler:
         # Multi-LoRA: at most this many distinct adapters among the running requests (None: off).
         self.max_loras = config.lora.max_loras if config.lora.enable_lora else None
         self.spec_stats = SpecDecodeStats(self.spec.num_speculative_tokens if self.spec else 0)
+        # Disaggregated prefill / decode (--kv-role): a producer's held transfers, both sides' counters.
+        self.transfers = KVTransfers(config) if config.cache.kv_role else None
+        self.num_lookahead = self.spec.num_lookahead_tokens if self.spec else 0
 
     # ---- admission and removal ------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -162,6 +174,9 @@ class Scheduler:
             self._schedule_waiting(out, budget)
         out.finished_req_ids = self._forget
         self._forget = set()
+        if self.transfers is not None:  # P/D: expired transfers freed; workers told of sends / releases
+            self._free_transfers(self.transfers.expire())
+            self.transfers.fill(out)
         if self.step_stats is not None and out.total_num_scheduled_tokens:
             self.step_stats.iteration_tokens.append(out.total_num_scheduled_tokens)
         for request_id, n in out.num_scheduled_tokens.items():
@@ -187,14 +202,15 @@ class Scheduler:
                 continue
             drafts = self._drafts(request, n, budget)
             n += len(drafts)
-            new_blocks = self.kv.allocate_slots(request, n)
+            lookahead = self._lookahead(request.num_computed_tokens + n)
+            new_blocks = self.kv.allocate_slots(request, n, num_lookahead_tokens=lookahead)
             while new_blocks is None:
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted = True
                 if victim is request:
                     break
-                new_blocks = self.kv.allocate_slots(request, n)
+                new_blocks = self.kv.allocate_slots(request, n, num_lookahead_tokens=lookahead)
             if new_blocks is None:
                 break
             out.scheduled_cached_reqs.append(
@@ -251,7 +267,10 @@ class Scheduler:
                 if freed is None:
                     break
                 budget += freed
-            if request.sampling_params.prompt_logprobs is None:
+            pulled = self._pulled_tokens(request)  # P/D: the prompt's KV comes from a producer
+            if pulled:
+                hit_blocks, num_hit = None, pulled
+            elif request.sampling_params.prompt_logprobs is None:
                 hit_blocks, num_hit = self.kv.get_computed_blocks(request)
             else:  # every prompt position must be computed to report its logprob
                 hit_blocks, num_hit = [], 0
@@ -259,7 +278,8 @@ class Scheduler:
             if n > budget and not self.chunked_prefill:
                 break
             n = min(n, budget)
-            while self.kv.allocate_slots(request, n, hit_blocks, num_hit) is None:
+            lookahead = self._lookahead(num_hit + n)
+            while self.kv.allocate_slots(request, n, hit_blocks, num_hit, lookahead) is None:
                 freed = self._preempt_for(request, out, loras)  # the priority policy: a worse one's blocks
                 if freed is None:
                     return
@@ -287,6 +307,7 @@ class Scheduler:
                     traceparent=request.traceparent,
                     mm_features=request.mm_features,
                     lora_request=request.lora_request,
+                    kv_load=request.kv_load if pulled else None,
                 )
             )
             self._record(out, request, n)
@@ -320,6 +341,11 @@ class Scheduler:
         if max_tokens is not None:
             room = min(room, max_tokens - request.num_output_tokens - 1)
         return drafts[:max(room, 0)]
+
+    def _lookahead(self, end: int) -> int:
+        """Slots past a step's tokens (which end at position ``end``) for a draft model's proposals
+        (the bonus token and ``k - 1`` drafts), within ``max_model_len``; 0 without a draft model."""
+        return max(0, min(self.num_lookahead, self.max_model_len - end))
 
     def _tokens_to_schedule(self, request: Request) -> int:
         """Tokens whose KV is not computed yet, counting the in-flight step's sample.
@@ -401,12 +427,16 @@ class Scheduler:
             request.num_output_placeholders = 0
         self._forget = set()
         self._worker_tokens.clear()
+        if self.transfers is not None:  # the workers' KV is gone: nothing held is worth pulling
+            self._free_transfers(self.transfers.drop_all())
         self.kv.reset_prefix_cache()
         return len(self.waiting)
 
     # ---- results ---------------------------------------------------------------------------
     def update_from_output(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Append sampled tokens, apply stop conditions, free finished requests."""
+        if self.transfers is not None:
+            self._transfer_results(sched, result)
         outputs = []
         prompt_logprobs = dict(result.prompt_logprobs)
         now = time.monotonic()
@@ -454,6 +484,7 @@ class Scheduler:
                     finish_reason=request.status.finish_reason,
                     stop_reason=request.stop_reason,
                     num_cached_tokens=max(request.num_cached_tokens, 0),
+                    kv_transfer_params=request.kv_transfer_out,
                 )
             )
         outputs += self._pooled(result.pooler_output, now)
@@ -498,13 +529,22 @@ class Scheduler:
         if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
             return RequestStatus.FINISHED_LENGTH_CAPPED
         if request.num_output_tokens < params.min_tokens:
-            return None
+            return self._prefill_done(request)
         if not params.ignore_eos and token == request.eos_token_id:
             return RequestStatus.FINISHED_STOPPED
         if token in params.stop_token_ids:
             request.stop_reason = token
             return RequestStatus.FINISHED_STOPPED
-        return None
+        return self._prefill_done(request)
+
+    @staticmethod
+    def _prefill_done(request: Request) -> Optional[RequestStatus]:
+        """P/D: a producer's prefill-only request ends after its first token (no stop rule of its own
+        ended it) and keeps its blocks for a consumer (``kv_hold``)."""
+        if not request.prefill_only:
+            return None
+        request.kv_hold = True
+        return RequestStatus.FINISHED_LENGTH_CAPPED
 
     def _remove_from_queue(self, request: Request) -> None:
         if request.status == RequestStatus.RUNNING:
@@ -517,10 +557,62 @@ class Scheduler:
         request.finished_time = time.monotonic()
         if self.step_stats is not None:
             self.step_stats.finished.append(request)
-        self.kv.free(request)
+        if request.kv_hold and self.transfers is not None and status == RequestStatus.FINISHED_LENGTH_CAPPED:
+            prompt_blocks = self.kv.get_block_ids(request.request_id)[0][:-(-request.num_prompt_tokens // self.kv.block_size)]
+            request.kv_transfer_out = self.transfers.hold(request, prompt_blocks)  # blocks stay referenced
+        else:
+            self.kv.free(request)
         self._forget.add(request.request_id)
         self._worker_tokens.pop(request.request_id, None)
         del self.requests[request.request_id]
+
+    # ---- disaggregated prefill / decode -----------------------------------------------------
+    @property
+    def kv_transfers_waiting(self) -> bool:
+        """A producer holds transfers (or owes its workers a release): the engine keeps stepping."""
+        return self.transfers is not None and self.transfers.waiting
+
+    def _pulled_tokens(self, request: Request) -> int:
+        """A consumer's request whose prompt KV is pulled from a producer: the prompt's tokens (their
+        blocks kept out of the prefix cache until the pull is confirmed); 0 otherwise."""
+        params = request.kv_load
+        if params is None or request.num_tokens <= params.num_tokens or request.sampling_params.prompt_logprobs:
+            return 0
+        self.kv.defer_caching(request.request_id)
+        return params.num_tokens
+
+    def _transfer_results(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> None:
+        """Pulled transfers free their blocks; a consumer's pulls are confirmed, or a failed one's
+        request goes back to the queue to compute its prompt here (its samples were withheld)."""
+        stats = self.transfers.stats
+        self._free_transfers(self.transfers.pulled(result.kv_sent, result.kv_bytes_sent))
+        stats.bytes_received += result.kv_bytes_received
+        for new in sched.scheduled_new_reqs:
+            if new.kv_load is None:
+                continue
+            request = self.requests.get(new.req_id)
+            if new.req_id not in result.kv_load_failed:
+                stats.transfers_received += 1
+                self.kv.confirm_caching(new.req_id)
+                if request is not None:
+                    request.kv_load = None
+                continue
+            stats.transfers_failed += 1
+            if request is None or request.is_finished:
+                continue
+            request.kv_load = None
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+                self.kv.free(request)
+                request.status = RequestStatus.PREEMPTED
+                request.num_computed_tokens = 0
+                request.num_output_placeholders = 0
+                self.policy.requeue(self.waiting, request)
+                self._forget.add(request.request_id)
+
+    def _free_transfers(self, requests: list[Request]) -> None:
+        for request in requests:
+            self.kv.free(request)
 
     def stats(self) -> EngineLoad:
         """A snapshot of the load and cumulative counters: the one source of the engine's load
@@ -541,6 +633,8 @@ class Scheduler:
             spec_num_draft_tokens=self.spec_stats.num_draft_tokens,
             spec_num_accepted_tokens=self.spec_stats.num_accepted_tokens,
             spec_accepted_per_pos=tuple(self.spec_stats.accepted_per_pos),
+            kv_transfers=(None if self.transfers is None else
+                          replace(self.transfers.stats, transfers_held=len(self.transfers.held))),
             **self._lora_stats(),
         )
 

@@ -21,6 +21,7 @@ from google.protobuf import struct_pb2
 from gridserve.api.common.v1 import common_pb2
 from gridserve.api.engine.v1 import engine_pb2, engine_pb2_grpc
 from gridserve.services.engine.executor.base import is_extension_method
+from gridserve.services.engine.kv_transfers import check_consumer, check_producer
 from gridserve.services.engine.loop import END, EngineLoop
 from gridserve.services.engine.lora_adapters import LoadedAdapter, LoRAAdapters, adapter_for
 from gridserve.services.engine.request import Request
@@ -36,6 +37,7 @@ from gridserve.shared.errors import (
 from gridserve.shared.lora import LoRARequest
 from gridserve.shared.observability.tracing import traceparent_from_metadata
 from gridserve.shared.pooling import embedding_size
+from gridserve.shared.request_checks import check_cache_salt
 from gridserve.shared.rpc.authz import stream_owner
 from gridserve.shared.rpc.convert import (
     engine_output_to_pb,
@@ -43,6 +45,7 @@ from gridserve.shared.rpc.convert import (
     pooling_params_from_pb,
     sampling_params_from_pb,
 )
+from gridserve.shared.rpc.kv_convert import kv_params_from_pb, kv_stats_to_pb
 from gridserve.shared.rpc.values import decode, encode
 from gridserve.shared.sampling_params import SamplingParams
 
@@ -98,6 +101,8 @@ class EngineServicer(engine_pb2_grpc.EngineCoreServicer):
             params = sampling_params_from_pb(request.sampling_params)
             check_request(self.config, prompt, params)  # never trust the caller: ids, lengths, ranges
         _check_continuation(request, params, self.config.max_model_len, self.config.model.vocab_size)
+        if request.HasField("cache_salt"):
+            check_cache_salt(request.cache_salt)
         domain = Request(
             request.request_id,
             prompt,
@@ -111,6 +116,7 @@ class EngineServicer(engine_pb2_grpc.EngineCoreServicer):
             pooling_params=pooling,
             token_type_ids=list(request.token_type_ids) or None,
             priority=request.priority,
+            **kv_transfer_of(self.config, request),
         )
         domain.admit_always = request.continuation
         if self.tracing:
@@ -163,6 +169,7 @@ class EngineServicer(engine_pb2_grpc.EngineCoreServicer):
             num_workers=self.config.parallel.world_size,
             max_logprobs=model.max_logprobs,
             metrics_port=self.metrics_port,
+            kv_role=cache.kv_role or "",
             default_sampling_params=common_pb2.SamplingParams(**model.default_sampling_params),
             kv_cache_groups=self._kv_cache_groups(),
             runner=model.runner,
@@ -191,6 +198,7 @@ class EngineServicer(engine_pb2_grpc.EngineCoreServicer):
             kv_cache_groups=[engine_pb2.KVCacheGroupLoad(
                 name=name, num_blocks=blocks, usage=blocks / load.kv_total_blocks if load.kv_total_blocks else 0.0)
                 for name, blocks in load.kv_cache_groups],
+            kv_transfers=kv_stats_to_pb(load.kv_transfers),
         )
 
     async def Sleep(self, request: engine_pb2.SleepRequest, context: grpc.aio.ServicerContext):
@@ -263,6 +271,19 @@ class EngineServicer(engine_pb2_grpc.EngineCoreServicer):
             num_generation_tokens=stats.num_generation_tokens if stats else 0,
             num_prompt_tokens=stats.num_prompt_tokens if stats else 0,
         )
+
+
+def kv_transfer_of(config: GridserveConfig, request: engine_pb2.AddRequestRequest) -> dict[str, Any]:
+    """Disaggregated serving: ``kv_transfer_params`` without a transfer id asks a producer to run the
+    prompt only and hold its blocks; with one, a consumer pulls those blocks (checked here)."""
+    params = kv_params_from_pb(request)
+    if params is None:
+        return {}
+    if not params.transfer_id:
+        check_producer(config)
+        return {"prefill_only": True}
+    check_consumer(config, params, len(request.prompt_token_ids), len(request.output_token_ids))
+    return {"kv_transfer_params": params}
 
 
 def _stream_key(context: grpc.aio.ServicerContext, gateway_id: str) -> str:

@@ -6,7 +6,10 @@ engine meets the others at the coordinator's barrier (``SyncStep``), which also 
 unfinished requests"; when none has, the wave ends for all at the same step. An idle engine that
 receives a request asks the coordinator to start a wave (``StartWave``); the others see the running
 wave in the coordinator's snapshots (``WatchLoad``) and join it at step 0. Dense models skip all
-of this (the engine creates no ``WaveClient``).
+of this (the engine creates no ``WaveClient``). With expert parallelism the engines' MoE layers
+exchange tokens inside each forward pass, so ``EngineCore.lockstep`` makes every wave step submit
+exactly one ``execute_model`` (an empty one when nothing is scheduled), and the workers run an
+empty step's MoE collectives on zero tokens; a dummy step is such an empty step.
 
 When the coordinator dies the engine keeps serving: a barrier that fails ends this engine's wave
 (it steps alone until the coordinator returns), a wave that cannot start is skipped, and a

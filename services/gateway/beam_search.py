@@ -225,18 +225,20 @@ def as_request_output(request_id: str, prompt: Optional[str], search: BeamSearch
 
 async def search_all(service: GatewayService, prompts: list[Any], params: BeamSearchParams, traceparent: str = "",
                      data_parallel_rank: Optional[int] = None, timeout: Optional[float] = None,
-                     lora_name: Optional[str] = None, priority: int = 0) -> list[RequestOutput]:
+                     lora_name: Optional[str] = None, priority: int = 0,
+                     cache_salt: Optional[str] = None) -> list[RequestOutput]:
     """A REST request's beam searches, one per prompt, side by side (``n`` = width sequences each,
     counted against ``--max-sequences-per-request``); ``lora_name``: the LoRA adapter they run on,
-    ``priority`` their rank on a priority-scheduling engine."""
+    ``priority`` their rank on a priority-scheduling engine, ``cache_salt`` their prefix-cache salt."""
     service.limits.open_request(len(prompts), params.beam_width)
     return await gather_or_cancel(beam_search(service, p, params, traceparent, data_parallel_rank, timeout, lora_name,
-                                              priority) for p in prompts)
+                                              priority, cache_salt) for p in prompts)
 
 
 async def beam_search(service: GatewayService, prompt: Any, params: BeamSearchParams, traceparent: str = "",
                       data_parallel_rank: Optional[int] = None, timeout: Optional[float] = None,
-                      lora_name: Optional[str] = None, priority: int = 0) -> RequestOutput:
+                      lora_name: Optional[str] = None, priority: int = 0,
+                      cache_salt: Optional[str] = None) -> RequestOutput:
     """One prompt's beam search through the gateway's engines: each step, one one-token request per
     live beam, all at once. ``timeout`` (or ``--request-timeout``) bounds the whole search."""
     if isinstance(prompt, dict) and "multi_modal_data" in prompt:
@@ -248,6 +250,8 @@ async def beam_search(service: GatewayService, prompt: Any, params: BeamSearchPa
     adapter: dict[str, Any] = {"lora_name": lora_name} if lora_name else {}
     if priority:
         adapter["priority"] = priority
+    if cache_salt is not None:
+        adapter["cache_salt"] = cache_salt
 
     async def one_token(beam_prompt: Any) -> RequestOutput:
         left = None if deadline is None else deadline - loop.time()

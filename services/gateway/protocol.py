@@ -38,6 +38,7 @@ from gridserve.services.gateway.beam_search import BeamSearchParams
 from gridserve.services.gateway.limits import RequestLimits
 from gridserve.shared.errors import InvalidArgumentError
 from gridserve.shared.lora import MAX_LORA_NAME
+from gridserve.shared.request_checks import MAX_CACHE_SALT_CHARS
 from gridserve.shared.sampling_params import SamplingParams, StructuredOutputsParams
 
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
@@ -121,6 +122,9 @@ def _client_priority(value: int, info: ValidationInfo) -> int:
 
 # vLLM's ``priority``: lower runs first on an engine with --scheduling-policy priority (an int32 there).
 Priority = Annotated[int, Field(ge=INT32_MIN, le=INT32_MAX), AfterValidator(_client_priority)]
+# vLLM's ``cache_salt``: mixed into the first prefix-cache block's hash, so only requests with the
+# same salt share cached prefixes (one tenant cannot time another's cache hits).
+CacheSalt = Annotated[str, Field(min_length=1, max_length=MAX_CACHE_SALT_CHARS)]
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
 Count32 = Annotated[int, Field(ge=0, le=UINT32_MAX)]
 Probability = Annotated[float, Field(ge=0.0, le=1.0)]
@@ -204,6 +208,7 @@ class SamplingFields(OpenAIBaseModel):
     user: Annotated[Optional[str], Field(max_length=256)] = None  # who asks: logged with the request id
     data_parallel_rank: Optional[Annotated[int, Field(ge=0, le=INT32_MAX)]] = None
     priority: Priority = 0
+    cache_salt: Optional[CacheSalt] = None
     # vLLM's beam search (width n, the gateway's loop: beam_search.py); early_stopping is transformers'
     use_beam_search: bool = False
     length_penalty: Optional[Annotated[float, Field(ge=-10.0, le=10.0)]] = None

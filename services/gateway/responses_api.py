@@ -161,7 +161,7 @@ class ResponsesAPI:
                               lora or self.routes.model, keep, _echo(request, params))
         headers = ignored_fields_header(request.ignored_fields())
         run = (prompt, params, shape.id, traceparent, None, timeout)
-        engine_kw = engine_keywords(lora, request.priority)
+        engine_kw = engine_keywords(lora, request.priority, request.cache_salt)
         if request.stream:
             stream = self.service.generate(*run, **engine_kw)
             first = await anext(stream)  # validation errors surface here, before the status is sent

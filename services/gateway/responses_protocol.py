@@ -17,6 +17,7 @@ from pydantic import AfterValidator, Field, model_validator
 from gridserve.services.gateway.protocol import (
     INT32_MAX,
     UINT32_MAX,
+    CacheSalt,
     ClosedModel,
     Priority,
     ResponseModel,
@@ -226,6 +227,7 @@ class ResponsesRequest(ClosedModel):
                           AfterValidator(_token_id_keys), capped("max_logit_bias", what="entries")] = None
     skip_special_tokens: Optional[bool] = None
     priority: Priority = 0
+    cache_salt: Optional[CacheSalt] = None
 
     @model_validator(mode="after")
     def _stream_only(self) -> ResponsesRequest:

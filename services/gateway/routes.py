@@ -261,7 +261,7 @@ class OpenAIRoutes:
         request = self.parse_body(CompletionRequest, data)
         lora = await self.adapter_for(request.model)
         self.check_generates()
-        served, engine_kw = lora or self.model, engine_keywords(lora, request.priority)
+        served, engine_kw = lora or self.model, engine_keywords(lora, request.priority, request.cache_salt)
         prompts = request.prompts()
         shape = CompletionShape(await self._echo_texts(prompts) if request.echo else None,
                                 self._decode_one if request.echo and request.logprobs is not None else None,
@@ -310,7 +310,7 @@ class OpenAIRoutes:
         request = self.parse_body(ChatCompletionRequest, data)
         lora = await self.adapter_for(request.model)
         self.check_generates()
-        served, engine_kw = lora or self.model, engine_keywords(lora, request.priority)
+        served, engine_kw = lora or self.model, engine_keywords(lora, request.priority, request.cache_salt)
         params = request.to_params(self.sampling_defaults)
         options = getattr(self.service, "chat_options", None) or ChatOptions()
         choice = request.tool_choice.model_dump() if isinstance(request.tool_choice, BaseModel) else request.tool_choice
@@ -356,11 +356,14 @@ def log_user(user: Optional[str], request_id: str) -> None:
         logger.info("request %s for user %s", request_id, json.dumps(user))
 
 
-def engine_keywords(lora_name: Optional[str], priority: int = 0) -> dict[str, Any]:
-    """The LoRA adapter and the priority as the service's keywords (none for the base model and 0)."""
+def engine_keywords(lora_name: Optional[str], priority: int = 0, cache_salt: Optional[str] = None) -> dict[str, Any]:
+    """The LoRA adapter, the priority and the prefix-cache salt as the service's keywords (none for
+    the base model, 0 and no salt)."""
     kw: dict[str, Any] = {"lora_name": lora_name} if lora_name else {}
     if priority:
         kw["priority"] = priority
+    if cache_salt is not None:
+        kw["cache_salt"] = cache_salt
     return kw
 
 

@@ -26,6 +26,11 @@ so the continuation samples the same stream) while this request's ``OutputProces
 detokenizer, stop-string, logprob and usage state: the client sees a pause, not a duplicated or
 missing token. ``n > 1`` samples fail over one by one; without a live engine within
 ``GRIDSERVE_FAILOVER_TIMEOUT_S`` the request ends with UNAVAILABLE.
+
+Disaggregated prefill / decode (``disaggregation.py``): with prefill engines and decode engines up,
+a new request runs prefill-only on the prefill pool; its first token is streamed and the request
+continues on the decode pool with the prefill engine's ``KVTransferParams`` (``_Stream.hand_off``);
+failovers go to the decode pool.
 """
 
 from __future__ import annotations
@@ -44,6 +49,13 @@ from typing import Any, Optional, TypeVar
 import grpc
 
 from gridserve.services.gateway.chat_options import ChatOptions
+from gridserve.services.gateway.disaggregation import (
+    EnginePools,
+    Pool,
+    first_token,
+    is_decode,
+    is_prefill,
+)
 from gridserve.services.gateway.limits import RequestBudget, RequestLimits, current_budget
 from gridserve.services.gateway.lora import LoraAdapters, not_found
 from gridserve.services.gateway.media_loader import MediaLoader
@@ -66,6 +78,7 @@ from gridserve.shared.errors import (
     RequestFailedError,
     ResourceExhaustedError,
 )
+from gridserve.shared.kv_transfer import KVTransferParams
 from gridserve.shared.observability.tracing import Tracing
 from gridserve.shared.outputs import EngineCoreOutput, FinishReason, Logprob, RequestOutput
 from gridserve.shared.pooling import PoolingParams
@@ -153,6 +166,7 @@ class GatewayService:
         self._idle: Optional[asyncio.Event] = None
         self.draining = False
         self.router = Router(len(engines), routing_policy)
+        self.pools = EnginePools(engines)  # disaggregated prefill / decode: the engines' kv roles
         self.metrics = metrics
         self.tracing = tracing
         self._engine_labels = {id(e): str(i) for i, e in enumerate(engines)}  # index in --engines
@@ -173,6 +187,7 @@ class GatewayService:
         timeout: Optional[float] = None,
         lora_name: Optional[str] = None,
         priority: int = 0,
+        cache_salt: Optional[str] = None,
     ) -> AsyncIterator[StreamChunk]:
         """Stream one request: the engine client hands each step's outputs to the loop, so one
         thread serves every stream; ``traceparent`` (W3C) makes the request's spans part of the
@@ -180,7 +195,9 @@ class GatewayService:
         ``timeout``: the caller's deadline in seconds from now (the earlier of it and
         ``--request-timeout`` ends the request). ``lora_name``: the LoRA adapter it runs on (the
         caller checked the name; None: the base model). ``priority``: its rank on engines with
-        ``--scheduling-policy priority`` (lower first; the caller checked ``--allow-client-priority``)."""
+        ``--scheduling-policy priority`` (lower first; the caller checked ``--allow-client-priority``).
+        ``cache_salt``: only requests with the same salt share prefix-cache blocks (and the router
+        hashes the prompt with it)."""
         if self.draining:
             raise EngineDeadError("the gateway is shutting down")
         self.model_info.check_generates(self.model_name)
@@ -206,7 +223,8 @@ class GatewayService:
         # From here to the ``try`` nothing awaits: a cancellation cannot fall between the counts
         # going up and the ``finally`` that brings them down.
         try:
-            stream = _Stream(request, processed, data_parallel_rank, asyncio.Queue(), lora_name, priority)
+            stream = _Stream(request, processed, data_parallel_rank, asyncio.Queue(), lora_name, priority,
+                             cache_salt)
         except BaseException:
             budget.give_back(tokens)
             raise
@@ -221,6 +239,9 @@ class GatewayService:
                     if isinstance(item, EngineLostError):
                         await stream.fail_over(item)
                         continue
+                    if isinstance(item, EngineCoreOutput) and item.kv_transfer_params is not None:
+                        yield await stream.hand_off(item)  # prefilled: decoding goes on elsewhere
+                        continue
                     yield stream.on_item(item)
         except BaseException as exc:
             error = exc if not isinstance(exc, (GeneratorExit, asyncio.CancelledError)) else None
@@ -232,11 +253,11 @@ class GatewayService:
     async def complete(self, prompt: PromptType, params: SamplingParams, request_id: str = "",
                        traceparent: str = "", data_parallel_rank: Optional[int] = None,
                        timeout: Optional[float] = None, lora_name: Optional[str] = None,
-                       priority: int = 0) -> RequestOutput:
+                       priority: int = 0, cache_salt: Optional[str] = None) -> RequestOutput:
         """The whole result of one request."""
         final = None
         async for chunk in self.generate(prompt, params, request_id, traceparent, data_parallel_rank, timeout,
-                                         lora_name, priority):
+                                         lora_name, priority, cache_salt):
             final = chunk.final or final
         if final is None:
             raise EngineDeadError("the request ended without a result")
@@ -295,18 +316,21 @@ class GatewayService:
 
     # ---- engines and draining -------------------------------------------------------------------
     def _pick_engine(self, data_parallel_rank: Optional[int] = None,
-                     refused: frozenset[int] = frozenset(), prefix_keys: Sequence[int] = ()) -> EngineClientProtocol:
+                     refused: frozenset[int] = frozenset(), prefix_keys: Sequence[int] = (),
+                     pool: Optional[Pool] = None) -> EngineClientProtocol:
         """The engine for a new request: the ``Router``'s choice by load (or the explicit rank; with
-        ``prefix_keys``, by the cached prefix too) among the engines that are reachable, READY and
-        did not just refuse it. When none is READY (all asleep, say) a reachable one gets it and
-        answers why it cannot serve."""
-        reachable = [i not in refused and e.ready.is_set() for i, e in enumerate(self.engines)]
+        ``prefix_keys``, by the cached prefix too) among the engines that are reachable, READY, in
+        ``pool`` (disaggregated prefill / decode; None: any) and did not just refuse it. When none is
+        READY (all asleep, say) a reachable one gets it and answers why it cannot serve."""
+        reachable = [i not in refused and e.ready.is_set() and (pool is None or pool(e))
+                     for i, e in enumerate(self.engines)]
         ready = [r and e.serving for r, e in zip(reachable, self.engines)]
         candidates = ready if data_parallel_rank is None and any(ready) else reachable
         in_flight = [e.num_in_flight for e in self.engines]
         return self.engines[self.router.choose(candidates, in_flight, data_parallel_rank, prefix_keys)]
 
-    def _prefix_keys(self, processed: ProcessedPrompt, lora_name: Optional[str]) -> list[int]:
+    def _prefix_keys(self, processed: ProcessedPrompt, lora_name: Optional[str],
+                     cache_salt: Optional[str] = None) -> list[int]:
         """The prompt's full blocks as the engines' digests name them (prefix routing; empty when the
         router does not route by prefix, or the adapter's engine id is not known here)."""
         block_size = self.router.block_size
@@ -318,7 +342,8 @@ class GatewayService:
             if adapter is None or not adapter.int_id:
                 return []
             lora_key = (adapter.name, adapter.int_id)
-        hashes = prompt_block_hashes(processed.prompt_token_ids, block_size, None, lora_key, processed.mm_features)
+        hashes = prompt_block_hashes(processed.prompt_token_ids, block_size, cache_salt, lora_key,
+                                     processed.mm_features)
         return [digest_key(h) for h in hashes]
 
     def is_ready(self) -> bool:
@@ -508,18 +533,23 @@ class _Stream:
     awaiting; ``close`` undoes everything it registers."""
 
     def __init__(self, request: _Request, processed: ProcessedPrompt, data_parallel_rank: Optional[int],
-                 outputs: asyncio.Queue, lora_name: Optional[str] = None, priority: int = 0) -> None:
+                 outputs: asyncio.Queue, lora_name: Optional[str] = None, priority: int = 0,
+                 cache_salt: Optional[str] = None) -> None:
         service = request.service
         self.lora_name = lora_name
         self.priority = priority
+        self.cache_salt = cache_salt
         self.service = service
         self.request_id, self.parent_id = request.request_id, request.parent_id
         self.observation = request.observation
         self.processed = processed
         self.outputs = outputs
+        # Disaggregated prefill / decode: the prompt runs on the prefill pool first (``hand_off``).
+        self.prefill = service.pools.prefill_first(processed.sampling_params, data_parallel_rank)
+        self.pool = is_prefill if self.prefill else service.pools.continuation_pool()
         try:
-            self.prefix_keys = service._prefix_keys(processed, lora_name)
-            self.engine = service._pick_engine(data_parallel_rank, prefix_keys=self.prefix_keys)
+            self.prefix_keys = service._prefix_keys(processed, lora_name, cache_salt)
+            self.engine = service._pick_engine(data_parallel_rank, prefix_keys=self.prefix_keys, pool=self.pool)
         except Exception as exc:
             self.observation.end({}, 0, exc)
             raise
@@ -554,7 +584,7 @@ class _Stream:
                 if self.data_parallel_rank is not None:
                     raise  # pinned to this engine: nowhere else to go
                 try:
-                    engine = self.service._pick_engine(None, frozenset(refused), self.prefix_keys)
+                    engine = self.service._pick_engine(None, frozenset(refused), self.prefix_keys, self.pool)
                 except EngineDeadError:
                     self.refused = True  # nothing of it is in any engine
                     raise ResourceExhaustedError(f"every engine's queue is full ({exc})",
@@ -567,7 +597,7 @@ class _Stream:
             for child_id, _, child_params in self.engine_ids:
                 engine = self.engine_of[child_id]
                 try:
-                    await self._add(engine, child_id, child_params)
+                    await self._add(engine, child_id, child_params, prefill_only=self.prefill)
                 except EngineDeadError as exc:  # the engine died before it took the request
                     await self.fail_over(EngineLostError(str(exc), engine, child_id, engine.sessions))
                 added.append(child_id)
@@ -590,13 +620,21 @@ class _Stream:
         self.session_of[child_id] = engine.sessions
 
     async def _add(self, engine: EngineClientProtocol, child_id: str, params: SamplingParams,
-                   output_token_ids: Optional[list[int]] = None) -> None:
-        """Add one engine request; an unreachable engine raises ``EngineDeadError``."""
+                   output_token_ids: Optional[list[int]] = None, prefill_only: bool = False,
+                   kv_transfer_params: Optional[KVTransferParams] = None) -> None:
+        """Add one engine request; an unreachable engine raises ``EngineDeadError``. ``prefill_only``
+        (a prefill engine) / ``kv_transfer_params`` (a decode engine): disaggregated serving."""
         continued = {} if output_token_ids is None else {"output_token_ids": output_token_ids, "continuation": True}
+        if prefill_only:  # only then: an in-process engine client knows no KV roles
+            continued["prefill_only"] = True
+        if kv_transfer_params is not None:
+            continued["kv_transfer_params"] = kv_transfer_params
         if self.lora_name is not None:  # only then: an engine client without LoRA serves the base model
             continued["lora_name"] = self.lora_name
         if self.priority:  # likewise: 0 is every engine's default
             continued["priority"] = self.priority
+        if self.cache_salt is not None:
+            continued["cache_salt"] = self.cache_salt
         try:
             await engine.add_request(child_id, self.processed.prompt_token_ids, params,
                                      parent_request_id=self.request_id,
@@ -649,6 +687,33 @@ class _Stream:
                            self.request_id, sample.index, engine.address, len(sample.token_ids), lost)
             return
 
+    async def hand_off(self, prefilled: EngineCoreOutput) -> StreamChunk:
+        """A prefill engine's final output of a prefilled request: its first token goes to the
+        caller as a token of a request that goes on, and the request to a decode engine that pulls
+        the prompt's KV (``prefilled.kv_transfer_params``) and decodes the rest. Without a decode
+        engine up, or when the chosen one is lost, the failover continues it whole (no KV: the
+        prompt is computed there; on any engine when no decode engine is reachable)."""
+        child_id = prefilled.request_id
+        producer, session = self.engine_of[child_id], self.session_of[child_id]
+        chunk = self.on_item(first_token(prefilled))
+        sample = self.samples.get(child_id)
+        if sample is None or sample.finish_reason is not None:  # a stop string ended it at once
+            return chunk
+        try:
+            engine = self.service._pick_engine(prefix_keys=self.prefix_keys, pool=is_decode)
+        except EngineDeadError as exc:
+            await self.fail_over(EngineLostError(f"no decode engine for the hand-off: {exc}", producer, child_id,
+                                                 session))
+            return chunk
+        producer.unregister(child_id)
+        self._register(child_id, engine)
+        try:
+            await self._add(engine, child_id, self._continuation_params(child_id), list(sample.token_ids),
+                            kv_transfer_params=prefilled.kv_transfer_params)
+        except EngineDeadError as exc:
+            await self.fail_over(EngineLostError(str(exc), engine, child_id, self.session_of[child_id]))
+        return chunk
+
     def _continuation_params(self, child_id: str) -> SamplingParams:
         """The sample's parameters; prompt logprobs the gateway already has are not asked again."""
         params = next(p for cid, _, p in self.engine_ids if cid == child_id)
@@ -663,7 +728,7 @@ class _Stream:
     async def _live_engine(self, deadline: float, lost: EngineLostError) -> EngineClientProtocol:
         while True:
             try:
-                return self.service._pick_engine()
+                return self.service._pick_engine(pool=self.service.pools.continuation_pool())
             except EngineDeadError:
                 if time.monotonic() >= deadline:
                     raise lost from None

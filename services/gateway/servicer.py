@@ -44,6 +44,7 @@ from gridserve.services.gateway.status import StatusCollector, snapshot_to_pb
 from gridserve.services.gateway.tool_choice import plan_tools
 from gridserve.shared.errors import InvalidArgumentError
 from gridserve.shared.observability.tracing import traceparent_from_metadata
+from gridserve.shared.request_checks import check_cache_salt
 from gridserve.shared.rpc.convert import sampling_params_from_pb
 from gridserve.shared.rpc.metadata import (
     HTTP_STATUS_HEADER,  # the Envoy edge makes it the HTTP status
@@ -113,11 +114,15 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     async def _engine_kw(self, request) -> dict[str, Any]:
         """The LoRA adapter the request's ``model`` names (none for the served model, the model as
         ``ListModels`` names it, or no name; NOT_FOUND for another name) and its ``priority``
-        (INVALID_ARGUMENT without ``--allow-client-priority``), as the service's keywords."""
+        (INVALID_ARGUMENT without ``--allow-client-priority``) and ``cache_salt``, as the service's
+        keywords."""
         priority = check_priority(request.priority, self.service.limits) if request.HasField("priority") else 0
+        salt = request.cache_salt if request.HasField("cache_salt") else None
+        if salt is not None:
+            check_cache_salt(salt)
         if not request.HasField("model") or request.model == self.service.model_name:
-            return engine_keywords(None, priority)
-        return engine_keywords(await self.openai.adapter_for(request.model), priority)
+            return engine_keywords(None, priority, salt)
+        return engine_keywords(await self.openai.adapter_for(request.model), priority, salt)
 
     def _params(self, request, text_prompt: Optional[str] = None) -> SamplingParams:
         """The request's sampling params, through the same checks as the REST routes; a field it

@@ -2,7 +2,8 @@
 
 One snapshot asks, in parallel and with one short deadline, each engine for its ``grpc.health.v1``
 status, its load (``GetLoad``: queues, KV-cache use, prefix-cache hit rate) and its own status (``GetStatus``: its workers' health, asked by the
-engine, which alone knows and may reach them; its cumulative token counts), and the coordinator for
+engine, which alone knows and may reach them; its cumulative token counts; with disaggregated
+prefill / decode its ``kv_role`` and KV transfer counters), and the coordinator for
 its health. The gateway reports itself from its own state. A snapshot serves every caller for
 ``cache_s`` (1 s) after it was taken, and callers that ask while one is being taken share it: however
 many poll ``/v1/status`` (the endpoint needs no key), the deployment sees at most one fan-out per
@@ -67,6 +68,10 @@ class EngineState:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     prefix_cache_hit_rate: float = 0.0
+    # Disaggregated prefill / decode: its kv_role ("" for a plain engine) and KV transfer counters
+    # (a common.v1.KVTransferCounters; None without a kv_role).
+    kv_role: str = ""
+    kv_transfers: Optional[Any] = None
 
 
 @dataclass
@@ -163,6 +168,9 @@ class StatusCollector:
             engine.prefix_cache_queries, engine.prefix_cache_hits = load.prefix_cache_queries, load.prefix_cache_hits
             if load.prefix_cache_queries:
                 engine.prefix_cache_hit_rate = load.prefix_cache_hits / load.prefix_cache_queries
+            if load.HasField("kv_transfers"):
+                engine.kv_transfers = load.kv_transfers
+                engine.kv_role = load.kv_transfers.kv_role
         detail = _detail(health)
         if status is None:
             alive = False

@@ -1,4 +1,5 @@
-"""The fused mixture-of-experts layer: every MoE model's experts (Mixtral, Qwen2-MoE, Qwen3-MoE).
+"""The fused mixture-of-experts layer: every MoE model's experts (Mixtral, Qwen2-MoE, Qwen3-MoE,
+DeepSeek, gpt-oss), optionally split across DP engines (expert parallelism).
 
 Contract: ``FusedMoE`` holds every expert's SwiGLU stacked, ``gate_up_proj`` [E, 2I, H] (each
 expert's gate rows, then its up rows) and ``down_proj`` [E, H, I], where ``I`` is this rank's shard
@@ -35,6 +36,26 @@ weights in oneDNN's blocked layout, as ``cpu_packed_linear`` holds the dense lay
 handling for stacked experts). On CUDA the same torch code runs (correct, not fast): a Triton
 grouped GEMM is not written yet.
 
+Expert parallelism (``--enable-expert-parallel``, ``ParallelState.ep``): the layer holds only its
+DP rank's contiguous ``experts`` (``E / DP`` of them; the loader skips the other experts' tensors).
+``forward`` then dispatches and combines across the engines with all-gather + all-reduce, chosen
+over an all-to-all as the simplest exchange that is correct on gloo (no reduce-scatter there): one
+all-reduce (MAX) of the token count, all-gathers of the tokens ``[DP x T_max, H]`` and of their
+routing ``[DP x T_max, 2k]``, this rank's experts run on the assignments that chose them, then an
+all-reduce of the ``[DP x T_max, H]`` partial sums of which each rank keeps its own rows. Cost per
+layer: ~2 x ``DP x T_max x H`` elements moved per rank and four collectives' latency (an all-to-all
+would move ~2 x ``T x k x H / DP``: less at large prefill batches, the same order at decode's).
+An engine with nothing to run calls ``dummy_step`` (the same collectives on zero tokens) so its
+peers' steps complete; the collectives time out after 30 s (a dead peer fails the step).
+
+Quantized experts (``--quantization int8``; ``quantization.quantize_model`` calls ``quantize`` with
+the layer's prefix's method): each held expert's gate/up and down matrices become a dense layer's
+``QuantizedWeight`` (int8: symmetric, one scale per output channel; ``quantization/experts.py``),
+the float stacks are freed, and each grouped GEMM runs the dense path's int8 GEMM (on CPU the C++
+int8 x int16 kernel) on every expert's slice of the sorted rows; routing, activation, biases and the
+expert-parallel exchange are unchanged. Weights cannot be loaded into quantized experts (weight
+sync): the checkpoint is loaded again instead.
+
 Hooks for later models: ``bias=True`` adds per-expert biases (``gate_up_bias`` [E, 2I] inside
 the GEMM, ``down_bias`` [E, H] on TP rank 0 only, so the all-reduce counts it once: gpt-oss), and
 ``activation`` replaces SiLU-and-mul over the ``[rows, 2I]`` gate/up output (gpt-oss's clamped
@@ -54,7 +75,9 @@ from torch import nn
 from gridserve.kernels import silu_and_mul
 from gridserve.services.worker.checkpoint import CheckpointTensor
 from gridserve.services.worker.parallel_state import ParallelState
-from gridserve.shared.parallel import even_shard
+from gridserve.services.worker.quantization.experts import QuantizedExperts
+from gridserve.shared.errors import FailedPreconditionError
+from gridserve.shared.parallel import even_shard, expert_shard
 
 # A checkpoint's expert tensors: one expert's projection (``...experts.3.w1.weight``) or a stacked
 # tensor (``...experts.gate_up_proj`` [E, 2I, H], ``...experts.down_proj`` [E, H, I]).
@@ -78,44 +101,137 @@ class FusedMoE(nn.Module):
     """Every expert's gated MLP, stacked, run as two grouped GEMMs over tokens sorted by expert.
 
     ``field`` names the config field of ``intermediate_size`` in the error when it does not split
-    evenly across the TP ranks.
+    evenly across the TP ranks, ``experts_field`` that of ``num_experts`` when it does not split
+    across the expert-parallel ranks. With expert parallelism (``state.ep``) the layer holds only
+    its rank's experts (``experts``: a contiguous range of them). After ``quantize`` the float
+    ``gate_up_proj`` / ``down_proj`` are gone (None) and ``gate_up_quantized`` / ``down_quantized``
+    hold them; the biases stay float.
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, state: ParallelState, *,
                  field: str = "moe_intermediate_size", bias: bool = False,
-                 activation: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul) -> None:
+                 activation: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul,
+                 experts_field: str = "model.hf_config.num_experts") -> None:
         super().__init__()
         self.num_experts = num_experts
+        self.hidden_size = hidden_size
+        self.ep = state.ep
+        self.experts = expert_shard(num_experts, self.ep.size if self.ep else 1, self.ep.rank if self.ep else 0,
+                                    experts_field)
         self.shard = even_shard(intermediate_size, state.tp_size, state.tp_rank, field)
         self.adds_down_bias = state.tp_rank == 0  # a replicated bias: one rank adds it before the all-reduce
         self.activation = activation
-        inter = self.shard.size
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden_size))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, inter))
-        self.gate_up_bias = nn.Parameter(torch.empty(num_experts, 2 * inter)) if bias else None
-        self.down_bias = nn.Parameter(torch.empty(num_experts, hidden_size)) if bias else None
+        inter, local = self.shard.size, self.experts.size
+        self.gate_up_proj = nn.Parameter(torch.empty(local, 2 * inter, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(local, hidden_size, inter))
+        self.gate_up_bias = nn.Parameter(torch.empty(local, 2 * inter)) if bias else None
+        self.down_bias = nn.Parameter(torch.empty(local, hidden_size)) if bias else None
+        self.gate_up_quantized: Optional[QuantizedExperts] = None
+        self.down_quantized: Optional[QuantizedExperts] = None
+        self.activation_dtype = torch.float32  # the float weights' dtype, kept once they are quantized
+
+    @property
+    def quantization(self) -> Optional[str]:
+        """The experts' quantization method, None while they are float."""
+        return None if self.down_quantized is None else self.down_quantized.method
+
+    @torch.no_grad()
+    def quantize(self, method: str, group_size: int = 128, activations: bool = True,
+                 activation_rows: int = 2, activation_group: int = 0) -> None:
+        """Swap this rank's loaded float experts for their ``method`` form (each expert's matrices
+        quantized as a dense layer's: int8 with one scale per output channel), freeing the floats."""
+        settings = (method, group_size, activations, activation_rows, activation_group)
+        self.activation_dtype = self.down_proj.dtype
+        self.gate_up_quantized = QuantizedExperts.from_float(self.gate_up_proj.data, *settings)
+        self.down_quantized = QuantizedExperts.from_float(self.down_proj.data, *settings)
+        self.gate_up_proj = None
+        self.down_proj = None
+
+    def weight_bytes(self) -> int:
+        """Bytes of the experts this rank holds, as held (float parameters, quantized values)."""
+        quantized = [q for q in (self.gate_up_quantized, self.down_quantized) if q is not None]
+        return (sum(p.numel() * p.element_size() for p in self.parameters())
+                + sum(q.nbytes() for q in quantized))
+
+    def holds(self, expert: int) -> bool:
+        """Whether this rank holds ``expert`` (always, without expert parallelism)."""
+        return self.experts.start <= expert < self.experts.end
 
     @torch.no_grad()  # inference only: the GEMMs write into slices of one output (``out=``)
     def forward(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
         """``sum_k weights[t, k] * expert[expert_ids[t, k]](x[t])`` for every token ``t`` (this rank's part)."""
+        if self.ep is not None:
+            return self._expert_parallel(x, weights, expert_ids)
+        return self._experts(x, weights, expert_ids)
+
+    @torch.no_grad()
+    def dummy_step(self) -> None:
+        """This layer's expert-parallel collectives on zero tokens (an engine with nothing to run,
+        so that its peers' steps complete)."""
+        if self.ep is not None:
+            weight = self.down_proj if self.down_proj is not None else self.down_quantized.weights[0].scales
+            empty = torch.empty(0, self.hidden_size, dtype=self._activations_dtype(), device=weight.device)
+            self._expert_parallel(empty, empty.new_empty(0, 0), empty.new_empty(0, 0, dtype=torch.long))
+
+    def _activations_dtype(self) -> torch.dtype:
+        return self.down_proj.dtype if self.down_proj is not None else self.activation_dtype
+
+    def _experts(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+        """The grouped GEMMs over the assignments to this rank's experts; others are skipped."""
         out = torch.zeros_like(x)
         if x.shape[0] == 0:
             return out
-        flat = expert_ids.flatten()
+        flat = expert_ids.flatten() - self.experts.start
+        flat_weights = weights.flatten()
+        mine = None
+        if self.ep is not None:  # only this rank's experts (padding rows hold expert -1: nobody's)
+            mine = ((flat >= 0) & (flat < self.experts.size)).nonzero().squeeze(1)
+            flat, flat_weights = flat[mine], flat_weights[mine]
         order = torch.argsort(flat, stable=True)  # assignments grouped by expert, ascending
-        tokens = order // expert_ids.shape[1]
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        tokens = (order if mine is None else mine[order]) // expert_ids.shape[1]
+        counts = torch.bincount(flat, minlength=self.experts.size).tolist()
         rows = x[tokens]
-        h = self.activation(_grouped_mm(rows, self.gate_up_proj, self.gate_up_bias, counts))
+        h = self.activation(self._project("gate_up", rows, self.gate_up_bias, counts))
         down_bias = self.down_bias if self.adds_down_bias else None
-        y = _grouped_mm(h, self.down_proj, down_bias, counts)
+        y = self._project("down", h, down_bias, counts)
         # fp32 routing weights promote a half-precision product, rounded once (as transformers does)
-        return out.index_add_(0, tokens, (y * weights.flatten()[order].unsqueeze(-1)).to(x.dtype))
+        return out.index_add_(0, tokens, (y * flat_weights[order].unsqueeze(-1)).to(x.dtype))
+
+    def _project(self, projection: str, rows: torch.Tensor, bias: Optional[torch.Tensor],
+                 counts: list[int]) -> torch.Tensor:
+        """``rows`` grouped by expert through ``projection`` (``gate_up`` / ``down``), float or quantized."""
+        quantized: Optional[QuantizedExperts] = getattr(self, f"{projection}_quantized")
+        if quantized is None:
+            return _grouped_mm(rows, getattr(self, f"{projection}_proj"), bias, counts)
+        out_features = 2 * self.shard.size if projection == "gate_up" else self.hidden_size
+        return quantized.grouped_mm(rows, bias, counts, out_features)
+
+    def _expert_parallel(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+        """Dispatch and combine across the DP engines: every rank's tokens gathered to every rank
+        (padded to the most any rank has), each rank's experts run on the assignments they hold,
+        the partial sums all-reduced and each rank keeps its own rows."""
+        ep, tokens = self.ep, x.shape[0]
+        most, top_k = ep.max_of([tokens, expert_ids.shape[1]], x.device)  # a dummy step learns k
+        if most == 0:
+            return torch.zeros_like(x)
+        pad = most - tokens
+        # ids travel beside the weights (float64 holds both exactly); padding rows route to expert -1
+        routing = torch.cat([weights.double().reshape(tokens, top_k), expert_ids.double().reshape(tokens, top_k)], 1)
+        routing = nn.functional.pad(routing, (0, 0, 0, pad), value=-1.0)
+        every_x = ep.all_gather(nn.functional.pad(x, (0, 0, 0, pad)))
+        every_routing = ep.all_gather(routing)
+        weight_dtype = weights.dtype if tokens else torch.float32
+        out = self._experts(every_x, every_routing[:, :top_k].to(weight_dtype), every_routing[:, top_k:].long())
+        ep.all_reduce(out)
+        return out[ep.rank * most : ep.rank * most + tokens]
 
     # ---- loading: this rank's slice of each checkpoint tensor
     def load_expert(self, expert: int, part: str, tensor: CheckpointTensor) -> str:
-        """This rank's slice of one expert's ``gate``, ``up`` or ``down`` matrix; returns the parameter's name."""
+        """This rank's slice of one expert's ``gate``, ``up`` or ``down`` matrix (an expert it
+        ``holds``); returns the parameter's name."""
         s = self.shard
+        expert -= self.experts.start
+        self._check_float()
         if part == "down":
             self.down_proj.data[expert].copy_(tensor.cols(s.start, s.end))
             return "down_proj"
@@ -126,7 +242,8 @@ class FusedMoE(nn.Module):
     def load_stacked(self, name: str, tensor: CheckpointTensor) -> str:
         """This rank's slice of a stacked ``gate_up_proj`` / ``down_proj`` (or its ``_bias``); returns
         the name of the parameter it went into."""
-        s = self.shard
+        s, tensor = self.shard, self._held_experts(tensor)
+        self._check_float()
         if name == "down_proj":
             self.down_proj.data.copy_(tensor.narrow(2, s.start, s.end))
             return name
@@ -144,7 +261,8 @@ class FusedMoE(nn.Module):
         [E, H, 2I] whose columns alternate gate and up (``[..., ::2]`` / ``[..., 1::2]``), its
         ``_bias`` [E, 2I] likewise, ``down_proj`` [E, I, H] and ``down_proj_bias`` [E, H]; returns
         the name of the parameter it went into."""
-        s = self.shard
+        s, tensor = self.shard, self._held_experts(tensor)
+        self._check_float()
         if name == "down_proj":
             self.down_proj.data.copy_(tensor.narrow(1, s.start, s.end).transpose(1, 2))
             return name
@@ -161,6 +279,34 @@ class FusedMoE(nn.Module):
         target[:, : s.size].copy_(pairs[:, 0::2])
         target[:, s.size :].copy_(pairs[:, 1::2])
         return param
+
+    def _check_float(self) -> None:
+        if self.quantization is not None:
+            raise FailedPreconditionError(f"the experts are quantized ({self.quantization}): float weights "
+                                          "cannot be loaded into them; load the checkpoint again instead")
+
+    def _held_experts(self, tensor: CheckpointTensor) -> CheckpointTensor:
+        """A stacked tensor's rows of this rank's experts (read lazily: the others' stay unread)."""
+        if self.experts.size == self.num_experts:
+            return tensor
+        return tensor.row_block(self.experts.start, self.experts.end)
+
+
+def expert_parallel_dummy_step(model: Optional[nn.Module]) -> None:
+    """A step that runs no tokens under expert parallelism: every MoE layer's collectives on zero
+    tokens, in model order, so that the peers' steps (which wait on them) complete. No-op without."""
+    for module in model.modules() if model is not None else ():
+        if isinstance(module, FusedMoE) and module.ep is not None:
+            module.dummy_step()
+
+
+def expert_parameter_bytes(model: nn.Module) -> tuple[int, str]:
+    """Bytes of the routed experts' parameters this rank holds, and which experts (``"experts
+    [0, 4) of 8"``; empty for a dense model)."""
+    layers = [m for m in model.modules() if isinstance(m, FusedMoE)]
+    total = sum(m.weight_bytes() for m in layers)
+    held = f"experts [{layers[0].experts.start}, {layers[0].experts.end}) of {layers[0].num_experts}" if layers else ""
+    return total, held
 
 
 def _grouped_mm(a: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
@@ -198,13 +344,20 @@ class ExpertTensors:
         self.loaded: set[str] = set()
 
     def others(self, weights: Iterable[tuple[str, CheckpointTensor]]) -> Iterator[tuple[str, CheckpointTensor]]:
-        """Every tensor that is not an expert's, in order; the experts' are loaded on the way."""
+        """Every tensor that is not an expert's, in order; the experts' are loaded on the way (an
+        expert another expert-parallel rank holds is left unread)."""
         for name, tensor in weights:
             match = _EXPERT_TENSOR.match(name)
             if match is None or (match["proj"] is not None and match["proj"] not in self.parts):
                 yield name, tensor
-            elif self.place(name) is not None:
+            elif self.place(name) is not None and self._held(match):
                 self.loaded.add(self._load(match, tensor))
+
+    def _held(self, match: re.Match) -> bool:
+        if match["expert"] is None:  # stacked: the layer reads its experts' rows
+            return True
+        experts: FusedMoE = self.model.get_submodule(match["module"])
+        return experts.holds(int(match["expert"]))
 
     def _load(self, match: re.Match, tensor: CheckpointTensor) -> str:
         module = match["module"]

@@ -3,6 +3,7 @@
 The worker is NOT_SERVING until an engine has loaded the model and allocated the KV cache
 through ``CollectiveRPC``; it stays up for that engine until SIGTERM. A worker of a tensor /
 pipeline parallel group exits when its engine's stream ends (its process group cannot be reused).
+The same server serves ``KVTransfer`` (disaggregated prefill / decode: other workers pull KV here).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from typing import Optional
 from prometheus_client import CollectorRegistry
 
 from gridserve.api.worker.v1 import worker_pb2, worker_pb2_grpc
+from gridserve.services.worker.kv_transfer import SERVICE as KV_TRANSFER_SERVICE
+from gridserve.services.worker.kv_transfer import KVTransferServicer
 from gridserve.services.worker.observability import WorkerObserver
 from gridserve.services.worker.servicer import WorkerServicer
 from gridserve.shared.observability.metrics import start_metrics_server
@@ -39,6 +42,8 @@ def serve(host: str, port: int, *, metrics_port: Optional[int] = None,
                               batch_invariant=batch_invariant)
     server.register_metrics(registry)
     server.add_service(SERVICE, lambda s: worker_pb2_grpc.add_WorkerServicer_to_server(servicer, s))
+    kv_transfer = KVTransferServicer(servicer.kv_connector)  # P/D: consumers' workers pull KV here
+    server.add_service(KV_TRANSFER_SERVICE, lambda s: worker_pb2_grpc.add_KVTransferServicer_to_server(kv_transfer, s))
     server.install_signal_handlers()
     server.start()
     server.wait()

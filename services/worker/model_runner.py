@@ -10,6 +10,13 @@ withheld (``RequestFailures``); the rest of the batch goes on.
 With LoRA serving on (``lora.enable_lora``) a request may run on an adapter: it is read when the
 request arrives (an adapter that cannot be served rejects that request on every rank) and each
 step's adapters are put into the layers' slots before the forward (``services/worker/lora``).
+
+Speculative decoding: a step verifies each request's drafts (``spec_decode.accepted_run``), then
+proposes the next ones, by n-gram lookup or with a draft model (``draft_model.py``, its layers in
+this runner's KV cache plan); the rejected drafts' blocks are dropped after the draft has run. A
+draft model lives on the driver only (whole, also under TP): it samples a sampling request's drafts
+from its distribution ``q``, which the driver's sampler verifies by rejection sampling
+(``_draft_distributions``) and whose verified rows the other TP ranks receive by broadcast.
 """
 
 from __future__ import annotations
@@ -24,21 +31,27 @@ from gridserve.kernels.dispatch import one_thread
 from gridserve.services.worker import batch_invariant, cpu_packed_linear
 from gridserve.services.worker.attention import AttentionMetadata, PagedAttention
 from gridserve.services.worker.cuda_graphs import CudaGraphRunner, capture_sizes, uses_cuda_graphs
+from gridserve.services.worker.draft_model import DraftModelProposer, DraftRequest
 from gridserve.services.worker.encoder_cache import EncoderCache, ImageRows
+from gridserve.services.worker.fused_moe import expert_parallel_dummy_step
 from gridserve.services.worker.loader import KV_CACHE_TORCH_DTYPES, TORCH_DTYPES, load_model
 from gridserve.services.worker.lora import LoRAManager
 from gridserve.services.worker.parallel_state import get_parallel_state
 from gridserve.services.worker.pooler import run_pooling
 from gridserve.services.worker.request_failures import RequestFailures, check_new_request
 from gridserve.services.worker.sampler import (
+    ACCEPT_STREAM,
+    DRAFT_STREAM,
+    RESAMPLE_STREAM,
     Penalties,
     Sampler,
     SamplingMetadata,
     counter_uniform,
     gather_logprobs,
+    stream_uniform,
     trim_logprobs,
 )
-from gridserve.services.worker.spec_decode import accepted_run, ngram_propose
+from gridserve.services.worker.spec_decode import DraftDistributions, accepted_run, ngram_propose
 from gridserve.services.worker.structured_output import StructuredOutputManager
 from gridserve.shared.config import GridserveConfig
 from gridserve.shared.errors import ConfigError, InvalidArgumentError
@@ -116,7 +129,8 @@ class ModelRunner:
         # With one stage every rank keeps its own samples (TP ranks get the driver's by broadcast);
         # with several, the last stage samples and the engine sends the tokens to every stage.
         self.keeps_own_samples = self.parallel.pp_size == 1
-        self.spec = config.scheduler.speculative  # n-gram speculative decoding, or None
+        self.spec = config.scheduler.speculative  # speculative decoding (n-gram or a draft model), or None
+        self.drafter: Optional[DraftModelProposer] = None  # the draft model, loaded with the target
         # A pooling model: each step runs its requests' whole inputs without a KV cache and answers
         # their pooled vectors or scores (``pooler.run_pooling``), no tokens.
         self.pooling = config.model.runner == "pooling"
@@ -134,6 +148,10 @@ class ModelRunner:
             self.encoder_cache = EncoderCache(self.model, self.device)
         if self.config.lora.enable_lora:
             self.lora = LoRAManager(self.model, self.config.lora, self.device, self.dtype)
+        if self.spec is not None and self.spec.model is not None and self.is_driver:
+            # the driver alone proposes (and verifies); the other TP ranks get its drafts with the step
+            self.drafter = DraftModelProposer(self.config, self.device)
+            self.drafter.load()
 
     # ---- LoRA adapters (the engine's add_lora / remove_lora / list_loras) -------------------
     def add_lora(self, lora_request: LoRARequest) -> None:
@@ -152,13 +170,16 @@ class ModelRunner:
 
     def _named_attention_layers(self) -> list[tuple[str, PagedAttention]]:
         """This rank's attention layers in model order, with their module names (global layer
-        numbers, so the same on every rank that holds the layer)."""
+        numbers, so the same on every rank that holds the layer); a draft model's after them."""
         names = {id(module): name for name, module in self.model.named_modules()}
-        return [(names[id(layer)], layer) for layer in self.model.attention_layers()]
+        layers = [(names[id(layer)], layer) for layer in self.model.attention_layers()]
+        return layers + (self.drafter.named_attention_layers() if self.drafter is not None else [])
 
     def get_kv_cache_spec(self) -> list[LayerKVCacheSpec]:
         """What each of this rank's layers keeps in the KV cache (the engine plans from it)."""
         dtype_bytes = torch.empty(0, dtype=self.kv_cache_dtype).element_size()
+        if self.drafter is not None:  # checked: only full-attention draft layers
+            self.drafter.kv_cache_spec(self.block_size, dtype_bytes)
         return [layer.kv_cache_spec(name, self.block_size, dtype_bytes) for name, layer in self._named_attention_layers()]
 
     def initialize_cache(self, plan: KVCacheConfig) -> None:
@@ -210,10 +231,12 @@ class ModelRunner:
     def release_cache(self) -> None:
         if self.cuda_graphs is not None:  # captured against this cache: re-captured on the next step
             self.cuda_graphs.release()
-        for layer in self.model.attention_layers():
+        for _, layer in self._named_attention_layers():
             layer.kv_cache = torch.empty(0, device=self.device)
         self.kv_caches = []
         self.requests.clear()
+        if self.drafter is not None:
+            self.drafter.clear()
         self.failures = RequestFailures()
         if self.structured_output is not None:
             self.structured_output.clear()
@@ -233,6 +256,8 @@ class ModelRunner:
     def _execute(self, sched: SchedulerOutput) -> Optional[ModelRunnerOutput]:
         self._update_states(sched)
         if sched.is_empty or all(r in self.failures.rejected for r in sched.num_scheduled_tokens):
+            # expert parallelism: the MoE layers' collectives still run (zero tokens), or peers hang
+            expert_parallel_dummy_step(self.model)
             return ModelRunnerOutput() if self.is_driver else None
         if self.pooling:
             return self._execute_pooling(sched)
@@ -251,18 +276,21 @@ class ModelRunner:
             self._receive_samples(inputs)
             return None
         if self.structured_output is not None and self.structured_output.has_requests:
-            self.structured_output.apply_bitmask(logits, inputs.sampling_req_ids)
+            self.structured_output.apply_bitmask(logits, inputs.sampling_req_ids, inputs.drafts)
         with one_thread():
             meta = self._sampling_metadata(inputs.sampling_req_ids, logits.shape[-1], inputs.row_offsets)
+            meta.draft_distributions = self._draft_distributions(inputs)
         sampled, logprobs = self.sampler(logits, meta)
         tokens = self._keep_samples(inputs, sampled)
+        runs = self._runs(inputs, tokens)
         if self.structured_output is not None and self.structured_output.has_requests:
-            broken = self.structured_output.accept_tokens(inputs.sampling_req_ids, tokens)
+            accepted = [(req_id, token) for req_id, (_, run) in runs.items() for token in run]
+            broken = self.structured_output.accept_tokens([r for r, _ in accepted], [t for _, t in accepted])
             for req_id, error in broken.items():
                 self.failures.fail(req_id, f"structured outputs: {error}")
         logprobs = logprobs or [None] * len(tokens)
         out = ModelRunnerOutput(prompt_logprobs=prompt_logprobs)
-        for req_id, (row, run) in self._runs(inputs, tokens).items():
+        for req_id, (row, run) in runs.items():
             if req_id in self.failures:
                 continue
             out.req_ids.append(req_id)
@@ -274,6 +302,7 @@ class ModelRunner:
                     out.extra_logprobs[req_id] = logprobs[row + 1:row + len(run)]
         if self.spec is not None and len(out.req_ids) < self.spec.disable_by_batch_size:
             out.draft_token_ids = self._propose(out.req_ids)
+        self._trim_rejected(inputs)  # after the draft model, which wrote its proposals' K / V there
         return out
 
     def _execute_pooling(self, sched: SchedulerOutput) -> Optional[ModelRunnerOutput]:
@@ -328,6 +357,7 @@ class ModelRunner:
             return  # several stages: the engine sends the tokens with the next step
         tokens = torch.empty(len(inputs.sampling_req_ids), dtype=torch.int64, device=self.device)
         self._append_samples(inputs, self.parallel.broadcast_from_first(tokens).tolist())
+        self._trim_rejected(inputs)
 
     def _runs(self, inputs: StepInputs, tokens: list[int]) -> dict[str, tuple[int, list[int]]]:
         """Per request: its first sampled row and the tokens it gets this step (one, or the run
@@ -347,29 +377,73 @@ class ModelRunner:
 
     def _append_samples(self, inputs: StepInputs, tokens: list[int]) -> None:
         for req_id, (_, run) in self._runs(inputs, tokens).items():
-            state = self.requests[req_id]
-            state.token_ids.extend(run)
-            if req_id in inputs.drafts:  # the engine gives back the rejected drafts' blocks: so do we
-                keep = -(-len(state.token_ids) // self.block_size)
-                for ids in state.block_ids:
-                    del ids[keep:]
+            self.requests[req_id].token_ids.extend(run)
+
+    def _trim_rejected(self, inputs: StepInputs) -> None:
+        """The engine gives back the blocks past a verified request's tokens (its rejected drafts'
+        and the lookahead): so do we."""
+        for req_id in inputs.drafts:
+            state = self.requests.get(req_id)
+            if state is None:
+                continue
+            keep = -(-len(state.token_ids) // self.block_size)
+            for ids in state.block_ids:
+                del ids[keep:]
 
     def _propose(self, req_ids: list[str]) -> dict[str, list[int]]:
-        """n-gram drafts for the requests that can take them: no penalties, grammar or bad words,
-        whose effect at a draft position would depend on the drafts before it (``min_tokens`` is
-        applied per position)."""
+        """Drafts (n-gram or the draft model's) for the requests that can take them: no penalties or
+        bad words, whose effect at a draft position would depend on the drafts before it
+        (``min_tokens`` is applied per position, a grammar's mask too: a structured request's
+        drafts end before the first token its grammar refuses)."""
         spec = self.spec
-        drafts = {}
-        for req_id in req_ids:
-            params = self.requests[req_id].params
-            if params.has_penalties or params.structured_outputs is not None or params.bad_words_token_ids:
-                continue
+        states = [self.requests[r] for r in req_ids]
+        states = [s for s in states if not (s.params.has_penalties or s.params.bad_words_token_ids)]
+        if self.drafter is not None:
+            drafts = self.drafter.propose([self._draft_request(s) for s in states])
+        else:
+            drafts = {s.req_id: ngram_propose(s.token_ids, spec.num_speculative_tokens, spec.prompt_lookup_min,
+                                              spec.prompt_lookup_max) for s in states}
+        if self.structured_output is not None:
+            drafts = {r: d[:self.structured_output.valid_prefix(r, d)] for r, d in drafts.items()}
+        return {r: d for r, d in drafts.items() if d}
+
+    def _draft_request(self, state: RequestState) -> DraftRequest:
+        """What the draft model needs of a request: a sampling one (unless a grammar cuts its drafts)
+        gets drafts drawn from ``q``, one uniform per draft (counter-based when seeded)."""
+        request = DraftRequest(state.req_id, state.token_ids, state.block_ids)
+        params = state.params
+        if params.greedy or params.structured_outputs is not None:
+            return request
+        k, first = self.spec.num_speculative_tokens, state.num_output_tokens
+        if params.seed is None:
+            request.uniforms = torch.rand(k, dtype=torch.float64).clamp_(min=2.0**-53).tolist()
+        else:
+            request.uniforms = [stream_uniform(params.seed, DRAFT_STREAM, first + j) for j in range(k)]
+        request.params = params
+        return request
+
+    def _draft_distributions(self, inputs: StepInputs) -> Optional[DraftDistributions]:
+        """The step's drafts that the draft model drew from ``q`` (as it proposed them), with one
+        acceptance and one residual draw per draft; ``None`` when there are none."""
+        if self.drafter is None or not inputs.drafts:
+            return None
+        first_rows: dict[str, int] = {}
+        for row, req_id in enumerate(inputs.sampling_req_ids):
+            first_rows.setdefault(req_id, row)
+        found = DraftDistributions()
+        for req_id, drafts in inputs.drafts.items():
             state = self.requests[req_id]
-            proposal = ngram_propose(state.token_ids, spec.num_speculative_tokens, spec.prompt_lookup_min,
-                                     spec.prompt_lookup_max)
-            if proposal:
-                drafts[req_id] = proposal
-        return drafts
+            q = self.drafter.take_distribution(req_id, len(state.token_ids), drafts)
+            if q is None:
+                continue
+            seed, first = state.params.seed, state.num_output_tokens
+            if seed is None:
+                accept, resample = torch.rand(2, len(drafts), dtype=torch.float64).clamp_(min=2.0**-53).tolist()
+            else:
+                accept = [stream_uniform(seed, ACCEPT_STREAM, first + j) for j in range(len(drafts))]
+                resample = [stream_uniform(seed, RESAMPLE_STREAM, first + j) for j in range(len(drafts))]
+            found.add(first_rows[req_id], list(drafts), q, accept, resample)
+        return found or None
 
     def _structured_output_manager(self) -> StructuredOutputManager:
         """The grammar-mask manager, built (with the tokenizer) when the first structured request arrives."""
@@ -385,6 +459,8 @@ class ModelRunner:
     def _update_states(self, sched: SchedulerOutput) -> None:
         for req_id in sched.finished_req_ids:
             self.requests.pop(req_id, None)
+            if self.drafter is not None:
+                self.drafter.forget(req_id)
             if self.encoder_cache is not None:
                 self.encoder_cache.drop(req_id)
             self.failures.forget(req_id)
@@ -423,6 +499,8 @@ class ModelRunner:
                     self.failures.reject(new.req_id, f"LoRA adapter {new.lora_request.lora_name!r}: {exc}")
                     continue
             self.requests[new.req_id] = state
+            if self.drafter is not None:  # a resumed request's draft K / V are caught up anew
+                self.drafter.forget(new.req_id)
             if params.structured_outputs is not None and self.is_driver:
                 try:
                     self._structured_output_manager().add_request(

@@ -7,6 +7,11 @@ and never touches torch.distributed (the single-rank fast path).
 
 Backend: NCCL on CUDA, gloo on CPU. Every group is created with a timeout, so a peer that dies or
 hangs turns a collective into an error instead of a hang forever.
+
+Expert parallelism (``--enable-expert-parallel``) adds ``ParallelState.ep``, an
+``ExpertParallelGroup`` across the DP engines (its own rendezvous and process group beside the
+engine's TP / PP world, ``EP_TIMEOUT_S`` = 30 s), which ``FusedMoE`` uses to send tokens to the
+rank holding their experts and bring the results back.
 """
 
 from __future__ import annotations
@@ -22,11 +27,14 @@ import torch
 import torch.distributed as dist
 
 from gridserve.shared import envs
-from gridserve.shared.parallel import RankLayout
+from gridserve.shared.errors import ConfigError
+from gridserve.shared.parallel import RankLayout, expert_parallel_rank
 
 logger = logging.getLogger(__name__)
 
-# Seconds a rendezvous or a collective may wait for a peer before it fails.
+# Seconds an expert-parallel rendezvous or collective waits for a peer (an engine in another
+# process, maybe dead) before the step fails.
+EP_TIMEOUT_S = 30.0
 
 
 @dataclass
@@ -36,6 +44,7 @@ class ParallelState:
     layout: RankLayout
     tp_group: Optional[Any] = None
     pp_group: Optional[Any] = None
+    ep: Optional[ExpertParallelGroup] = None  # expert parallelism across DP engines (None: off)
 
     @classmethod
     def single(cls) -> ParallelState:
@@ -99,6 +108,62 @@ class ParallelState:
             dist.recv(t, src=src, group=self.pp_group)
             out.append(t)
         return out
+
+
+class ExpertParallelGroup:
+    """This worker's expert-parallel peers: the workers of every DP engine with its TP rank.
+
+    The DP-wide world has ``DP x TP`` ranks (``dp_rank * TP + tp_rank``); the collectives run in
+    the ``DP`` ranks of one TP column (``size``, ``rank`` = the DP rank), each holding a different
+    1 / DP of the experts and the same TP shard of each. ``group`` is a torch process group made
+    directly on the rendezvous store (gloo on CPU, NCCL on CUDA), apart from the engine's own TP /
+    PP world, with the collective timeout.
+    """
+
+    def __init__(self, group: Any, rank: int, size: int) -> None:
+        self.group, self.rank, self.size = group, rank, size
+
+    def max_of(self, values: list[int], device: torch.device) -> list[int]:
+        """The element-wise maximum of ``values`` over the peers (token counts every rank pads to)."""
+        t = torch.tensor(values, dtype=torch.int64, device=device)
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.MAX
+        self.group.allreduce([t], opts).wait()
+        return t.tolist()
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Every peer's ``x`` (all the same shape) stacked along dim 0, in rank order."""
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        self.group.allgather([parts], [x]).wait()
+        return torch.cat(parts)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum ``x`` over the peers, in place."""
+        self.group.allreduce([x]).wait()
+        return x
+
+
+def init_expert_parallel(layout: RankLayout, dp_rank: int, dp_size: int, init_address: str,
+                         device: torch.device) -> ExpertParallelGroup:
+    """Join the DP-wide expert-parallel rendezvous at ``init_address`` (served by the first worker
+    of DP rank 0) and make this worker's group: the ``dp_size`` workers with its TP rank."""
+    if not init_address:
+        raise ConfigError("parallel.expert_parallel_init_address",
+                          "expert parallelism needs the DP-wide rendezvous address (host:port)")
+    timeout = timedelta(seconds=EP_TIMEOUT_S)
+    world = RankLayout(expert_parallel_rank(dp_rank, layout.tp_size, layout.tp_rank),
+                       layout.tp_size * dp_size, 1)
+    logger.info("expert parallel: dp %d/%d, tp %d: rendezvous at %s", dp_rank, dp_size, layout.tp_rank,
+                init_address)
+    store = dist.PrefixStore(f"ep-tp{layout.tp_rank}", _rendezvous_store(init_address, world, timeout))
+    if device.type == "cuda":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        group = dist.ProcessGroupNCCL(store, dp_rank, dp_size, opts)
+    else:
+        group = dist.ProcessGroupGloo(store, dp_rank, dp_size, timeout)
+    return ExpertParallelGroup(group, dp_rank, dp_size)
 
 
 _state = ParallelState.single()

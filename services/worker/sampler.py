@@ -10,6 +10,13 @@ here than drawing an exponential per vocabulary entry). A seeded row's ``u`` is 
 (seed, index of the token being sampled) — ``counter_uniform`` — so token k comes out the same
 whichever batch, worker, engine or restart computes it, and a preempted or resumed request needs
 no generator state replayed. Unseeded rows draw ``u`` from torch's global generator.
+
+Speculative decoding with a sampling draft model: ``meta.draft_distributions`` names the rows of
+drafts drawn from a distribution ``q``; after sampling, those rows are verified by rejection
+sampling against the rows' final distributions (``spec_decode.verify_drafts``) and rewritten to the
+verified run before logprobs are gathered, so logprobs are the target's for the tokens emitted.
+``sampling_probs`` is that final distribution (also the draft's ``q``); ``stream_uniform`` gives a
+seeded request's further counter-based draws (the draft's draw, the acceptance test, the residual).
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from typing import Optional
 import torch
 
 from gridserve.kernels.dispatch import one_thread
+from gridserve.services.worker.spec_decode import DraftDistributions, verify_drafts
 from gridserve.shared.scheduler_output import TokenLogprobs
 
 _NEG_INF = float("-inf")
@@ -55,6 +63,8 @@ class SamplingMetadata:
     allowed_token_ids: dict[int, list[int]] = field(default_factory=dict)
     logit_bias: dict[int, tuple[list[int], list[float]]] = field(default_factory=dict)
     penalties: Optional[Penalties] = None
+    # speculative decoding: rows of drafts drawn from a distribution, verified by rejection sampling
+    draft_distributions: Optional[DraftDistributions] = None
 
 
 class Sampler:
@@ -88,32 +98,41 @@ class Sampler:
 
     def _sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         """Greedy rows take their argmax; only the random rows go through the full-vocabulary passes
-        (temperature, min-p, top-k / top-p, softmax, CDF), each a row-wise operation."""
+        (temperature, min-p, top-k / top-p, softmax, CDF), each a row-wise operation. Rows of drafts
+        drawn from a distribution are then verified against those rows' final distributions."""
         greedy = meta.temperature == 0
         if not bool(greedy.any()):
-            return self._sample_random(logits, meta.temperature, meta.min_p, meta.top_k, meta.top_p,
-                                       meta.uniforms, meta)
-        sampled = greedy_argmax(logits)
-        rows = (~greedy).nonzero().squeeze(1)
-        sampled[rows] = self._sample_random(logits[rows], meta.temperature[rows], meta.min_p[rows],
-                                            meta.top_k[rows], meta.top_p[rows], meta.uniforms[rows], meta)
+            rows = None
+            probs = sampling_probs(logits, meta.temperature, meta.top_k, meta.top_p, meta.min_p,
+                                   meta.need_top_k_top_p, meta.need_min_p)
+            sampled = inverse_cdf_sample(probs, meta.uniforms)
+        else:
+            sampled = greedy_argmax(logits)
+            rows = (~greedy).nonzero().squeeze(1)
+            probs = sampling_probs(logits[rows], meta.temperature[rows], meta.top_k[rows], meta.top_p[rows],
+                                   meta.min_p[rows], meta.need_top_k_top_p, meta.need_min_p)
+            sampled[rows] = inverse_cdf_sample(probs, meta.uniforms[rows])
+        if meta.draft_distributions:
+            verify_drafts(sampled, probs, rows, meta.draft_distributions)
         return sampled
-
-    @staticmethod
-    def _sample_random(logits, temperature, min_p, top_k, top_p, uniforms, meta: SamplingMetadata):
-        logits = logits / temperature.unsqueeze(1)
-        if meta.need_min_p:
-            probs = logits.softmax(dim=-1)
-            threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
-            logits = logits.masked_fill(probs < threshold, _NEG_INF)
-        if meta.need_top_k_top_p:
-            logits = apply_top_k_top_p(logits, top_k, top_p)
-        return inverse_cdf_sample(logits.softmax(dim=-1), uniforms)
 
     @staticmethod
     def _gather_logprobs(logprobs: torch.Tensor, sampled: torch.Tensor, meta: SamplingMetadata) -> list:
         entries = gather_logprobs(logprobs, sampled, max(meta.max_num_logprobs, 1))
         return [None if n is None else trim_logprobs(e, n) for e, n in zip(entries, meta.num_logprobs)]
+
+
+def sampling_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                   min_p: torch.Tensor, need_top_k_top_p: bool = True, need_min_p: bool = True) -> torch.Tensor:
+    """The distribution each random row samples from: temperature, min-p, top-k / top-p, softmax."""
+    logits = logits / temperature.unsqueeze(1)
+    if need_min_p:
+        probs = logits.softmax(dim=-1)
+        threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
+        logits = logits.masked_fill(probs < threshold, _NEG_INF)
+    if need_top_k_top_p:
+        logits = apply_top_k_top_p(logits, top_k, top_p)
+    return logits.softmax(dim=-1)
 
 
 _MASK64 = (1 << 64) - 1
@@ -130,6 +149,16 @@ def counter_uniform(seed: int, index: int) -> float:
     """A uniform in (0, 1) that depends only on ``(seed, index)``: 53 bits of a SplitMix64 hash."""
     x = _splitmix64((seed & _MASK64) ^ _splitmix64(index & _MASK64))
     return ((x >> 11) + 0.5) / float(1 << 53)
+
+
+# Further counter-based streams of a seeded request (the sampler's own draw is ``counter_uniform``).
+DRAFT_STREAM, ACCEPT_STREAM, RESAMPLE_STREAM = 1, 2, 3
+
+
+def stream_uniform(seed: int, stream: int, index: int) -> float:
+    """A uniform in (0, 1) of ``(seed, stream, index)``, independent of ``counter_uniform(seed, .)``
+    and of the other streams (the seed is hashed with the stream number first)."""
+    return counter_uniform(_splitmix64((seed & _MASK64) ^ (stream * 0xD1B54A32D192ED03 & _MASK64)), index)
 
 
 _ARGMAX_CHUNK = 128

@@ -8,6 +8,8 @@ be ``init_device``: it carries the engine's configuration and creates the ``Work
 The stream is an async generator on the server's event loop; every worker method (the forward
 pass above all) runs in the servicer's one ``worker`` thread, so torch and its process groups are
 always driven from the same thread and the loop stays free for health checks and keepalives.
+Around ``execute_model`` the KV connector's step hook (``kv_transfer.py``) registers / releases a
+producer's transfers and pulls a consumer's KV (disaggregated prefill / decode).
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ import grpc
 
 from gridserve.api.worker.v1 import worker_pb2, worker_pb2_grpc
 from gridserve.services.worker.extension import call_extension, worker_class
+from gridserve.services.worker.kv_connector import GrpcKVConnector, KVCacheView
+from gridserve.services.worker.kv_transfer import KVStepHook
 from gridserve.services.worker.observability import WorkerObserver
 from gridserve.services.worker.worker import Worker
 from gridserve.shared.errors import FailedPreconditionError
@@ -53,6 +57,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._driven = False  # one engine stream drives the worker at a time (checked on the loop)
         self._loaded = False
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="worker")
+        # Disaggregated prefill / decode: the KV connector (served by main's KVTransfer service) and
+        # its part of each step; idle unless the engine sends transfers or loads.
+        self.kv_connector = GrpcKVConnector(KVCacheView(self._kv_caches))
+        self.kv_step = KVStepHook(self.kv_connector)
 
     async def CollectiveRPC(
         self, request_iterator: AsyncIterator[worker_pb2.CollectiveRPCRequest],
@@ -72,6 +80,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             logger.info("engine stream closed")  # the engine went away (shutdown or failure)
         finally:
             self._driven = False
+
+    def _kv_caches(self) -> list:
+        return self.worker.runner.kv_caches if self.worker is not None and self.worker.runner is not None else []
 
     def _stream_ended(self) -> None:
         """A worker of a parallel group belongs to one engine session: when its stream ends (the
@@ -109,12 +120,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             raise FailedPreconditionError(f"{method} before init_device")
         worker = self.worker
         if method == "execute_model":
-            plan = scheduler_output_from_pb(args.scheduler_output)
+            plan = self.kv_step.before_step(scheduler_output_from_pb(args.scheduler_output))
             if self.observer is None:
                 out = worker.execute_model(plan)
             else:
                 out = self.observer.execute(worker.execute_model, plan, worker.rank)
             if out is not None:  # other ranks answer with an empty ack
+                self.kv_step.after_step(out)
                 response.model_runner_output.CopyFrom(runner_output_to_pb(out))
         elif method == "determine_available_memory":
             response.available_memory_bytes = worker.determine_available_memory()

@@ -8,10 +8,17 @@ window layer)::
 
 exactly as transformers' eager gpt-oss attention (scores, sink appended, the row's max subtracted,
 softmax, the sink's column dropped). The KV cache layout and the KV write are ``PagedAttention``'s
-(the backend's ``write_kv``); the attention itself is computed here in torch, one sequence at a
-time, gathering through the block table only the positions the step's queries can see: on a window
-layer the blocks before the window are never read (the window KV cache group may already have
-handed them back). Sinks inside the C++ CPU and Triton kernels are later work.
+(the backend's ``write_kv``). The attention, by the kernel ``dispatch``'s rules pick
+(``GRIDSERVE_KERNELS``):
+
+- CUDA (or ``triton``): the Triton paged-attention kernel with ``sinks``, every row;
+- CPU (``auto`` / ``cpu``, the C++ library built): the C++ kernel with ``sinks`` for decode rows
+  (up to ``cpu_ops.MAX_KERNEL_QUERY_LEN`` new tokens), the torch path below for longer ones;
+- otherwise, and in batch-invariant mode, the torch path: one sequence at a time, gathering
+  through the block table only the positions the step's queries can see.
+
+Every path honours the sliding window: the blocks before it are never read (the window KV cache
+group may already have handed them back).
 """
 
 from __future__ import annotations
@@ -19,9 +26,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from gridserve.kernels import dispatch
 from gridserve.kernels.attention_backend import AttentionMetadata, select_attention_backend
 from gridserve.services.worker.attention import PagedAttention
 from gridserve.services.worker.checkpoint import CheckpointTensor
+from gridserve.shared import envs
 from gridserve.shared.parallel import Shard
 
 
@@ -52,11 +61,15 @@ class SinkAttention(PagedAttention):
                 meta = meta.group(self.kv_cache_group)
             select_attention_backend(q, self.batch_invariant).write_kv(k, v, self.kv_cache, meta,
                                                                        self.k_scale, self.v_scale)
+        kernel = self._kernel(q) if cached else None
+        if kernel == "triton":
+            return self._triton(q, meta).reshape(-1, self.num_heads * self.head_size)
         out = torch.empty_like(q)
         bounds = meta.query_start_loc.tolist()
         seq_lens = meta.seq_lens.tolist()
+        in_kernel = kernel == "cpu" and self._cpu_decode_rows(q, meta, out)
         for i, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
-            if end == start:
+            if end == start or (in_kernel and end - start <= _cpu_max_query_len()):
                 continue
             if cached:
                 first_query = seq_lens[i] - (end - start)
@@ -67,6 +80,40 @@ class SinkAttention(PagedAttention):
                 keys, values = k[start:end], v[start:end]
             out[start:end] = self._attend(q[start:end], keys, values, first_query, lo)
         return out.reshape(-1, self.num_heads * self.head_size)
+
+    def _kernel(self, q: torch.Tensor) -> str | None:
+        """"triton", "cpu" or None (the torch path), by ``dispatch``'s rules."""
+        mode = envs.GRIDSERVE_KERNELS
+        if self.batch_invariant or mode == "reference":
+            return None
+        if q.is_cuda or mode == "triton":
+            if dispatch._triton_ops() is not None:
+                return "triton"
+            if mode == "triton":
+                raise RuntimeError("GRIDSERVE_KERNELS=triton but Triton cannot be imported (attention sinks)")
+            return None
+        if q.device.type == "cpu":
+            from gridserve.kernels import cpu_ops
+
+            if cpu_ops.load() is not None:
+                return "cpu"
+            if mode == "cpu":
+                raise RuntimeError("GRIDSERVE_KERNELS=cpu but the C++ paged attention kernel did not build")
+        return None
+
+    def _triton(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        ops = dispatch._triton_ops()
+        return ops.paged_attention(q, self.kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_table,
+                                   self.scale, meta.max_query_len, self.k_scale, self.v_scale,
+                                   sliding_window=self.sliding_window or 0, sinks=self.sinks)
+
+    def _cpu_decode_rows(self, q: torch.Tensor, meta: AttentionMetadata, out: torch.Tensor) -> bool:
+        """The C++ kernel on the decode rows, into ``out``; False when it does not take the call."""
+        from gridserve.kernels import cpu_ops
+
+        return cpu_ops.paged_attention_short_rows(
+            out, q, self.kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_table, self.scale,
+            self.k_scale, self.v_scale, sliding_window=self.sliding_window or 0, sinks=self.sinks)
 
     def _first_visible(self, first_query: int) -> int:
         """The earliest position any of the step's queries (from ``first_query`` on) may see."""
@@ -108,3 +155,10 @@ class SinkAttention(PagedAttention):
         logits = logits - logits.max(dim=-1, keepdim=True).values
         probs = torch.softmax(logits, dim=-1)[..., :-1]
         return torch.matmul(probs, vh).transpose(0, 1).to(dtype)
+
+
+def _cpu_max_query_len() -> int:
+    """The longest row the C++ kernel computes (longer ones take the torch path)."""
+    from gridserve.kernels import cpu_ops
+
+    return cpu_ops.MAX_KERNEL_QUERY_LEN

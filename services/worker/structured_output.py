@@ -5,7 +5,13 @@ compiled once). Every step :meth:`StructuredOutputManager.apply_bitmask` fills o
 for the batch's structured rows (llguidance's thread pool when there are several) and sets the
 disallowed logits of those rows to ``-inf``; other rows are not touched. After sampling,
 :meth:`StructuredOutputManager.accept_tokens` advances the matchers. A matcher whose grammar is
-complete allows only EOS, so the request ends with finish reason ``stop``. A spec that does not
+complete allows only EOS, so the request ends with finish reason ``stop``.
+
+Speculative decoding: a structured request's drafts are cut before the first token its grammar
+refuses (:meth:`StructuredOutputManager.valid_prefix`). A verify step samples the request at each
+draft position; row ``i``'s mask is the grammar's after the first ``i`` drafts: the matcher
+consumes the drafts one by one while the masks are filled, then rolls them back, and after
+sampling consumes only the accepted run. A rejected draft thus never enters the matcher. A spec that does not
 compile, or a token that breaks a grammar, is that request's failure (``add_request`` raises,
 ``accept_tokens`` returns it): the model runner fails that request alone.
 
@@ -79,12 +85,27 @@ class StructuredOutputManager:
         self._matchers.clear()
         self._faulty.clear()
 
-    def apply_bitmask(self, logits: torch.Tensor, req_ids: Sequence[str]) -> None:
-        """Mask, in place, the tokens each structured row's grammar forbids (row ``i`` is ``req_ids[i]``)."""
+    def valid_prefix(self, req_id: str, tokens: Sequence[int]) -> int:
+        """How many of ``tokens`` (drafts) the request's grammar accepts in a row from its state
+        now (all of them for a request without a grammar); the matcher does not move."""
+        matcher = self._matchers.get(req_id)
+        if matcher is None or not tokens:
+            return len(tokens)
+        return matcher.validate_tokens(list(tokens))
+
+    def apply_bitmask(self, logits: torch.Tensor, req_ids: Sequence[str],
+                      drafts: Optional[dict[str, list[int]]] = None) -> None:
+        """Mask, in place, the tokens each structured row's grammar forbids (row ``i`` is ``req_ids[i]``).
+        A request with ``drafts`` has ``len(drafts) + 1`` consecutive rows, row ``j`` masked by the
+        grammar after its first ``j`` drafts."""
         rows = [i for i, req_id in enumerate(req_ids) if req_id in self._matchers]
         if not rows:
             return
-        bitmask = self._fill([self._matchers[req_ids[i]] for i in rows])
+        drafted = {req_ids[i] for i in rows} & set(drafts or ())
+        if not drafted:
+            bitmask = self._fill([self._matchers[req_ids[i]] for i in rows])
+        else:
+            bitmask = self._fill_with_drafts([req_ids[i] for i in rows], drafts)
         # Unpack and mask in numpy: single-threaded, so it never waits on a busy intra-op thread pool.
         width = logits.shape[-1]
         known = min(width, self.vocab_size)
@@ -116,6 +137,38 @@ class StructuredOutputManager:
         return failures
 
     # ---- internals -----------------------------------------------------------------------
+    def _fill_with_drafts(self, row_req_ids: list[str], drafts: dict[str, list[int]]) -> torch.Tensor:
+        """One mask per structured row where some requests have drafts (consecutive rows)."""
+        plain = [j for j, req_id in enumerate(row_req_ids) if req_id not in drafts]
+        bitmask = torch.empty((len(row_req_ids), self.num_words), dtype=torch.int32)
+        if plain:
+            bitmask[plain] = self._fill([self._matchers[row_req_ids[j]] for j in plain])
+        j = 0
+        while j < len(row_req_ids):
+            req_id = row_req_ids[j]
+            n = len(drafts[req_id]) + 1 if req_id in drafts else 1
+            if req_id in drafts:
+                self._fill_draft_rows(self._matchers[req_id], drafts[req_id], bitmask[j:j + n])
+            j += n
+        return bitmask
+
+    def _fill_draft_rows(self, matcher: llguidance.LLMatcher, drafts: Sequence[int], out: torch.Tensor) -> None:
+        """Row ``j`` of ``out``: the mask after the first ``j`` drafts (the matcher consumes them,
+        then rolls back). Past a draft the grammar refuses (or once it is complete) the rows repeat
+        the last mask: the target's sample differs from a refused draft, so the run ends first."""
+        row_bytes = self.num_words * 4
+        consumed, going = 0, True
+        for j in range(out.shape[0]):
+            if j and going:
+                going = not matcher.is_stopped() and matcher.try_consume_tokens([drafts[j - 1]]) == 1
+                consumed += going
+            if j and not going:
+                out[j] = out[j - 1]
+            else:
+                matcher.unsafe_compute_mask_ptr(out[j].data_ptr(), row_bytes)
+        if consumed:
+            matcher.rollback(consumed)
+
     def _template(self, grammar: str) -> llguidance.LLMatcher:
         template = self._templates.get(grammar)
         if template is None:

@@ -19,11 +19,14 @@ import torch
 from gridserve.kernels import dispatch
 from gridserve.services.worker import cpu_packed_linear
 from gridserve.services.worker.cuda_graphs import GRAPH_MEMORY_RESERVE, uses_cuda_graphs
+from gridserve.services.worker.fused_moe import expert_parameter_bytes
 from gridserve.services.worker.memory import MemoryUsage
 from gridserve.services.worker.model_runner import ModelRunner
 from gridserve.services.worker.parallel_state import (
     ParallelState,
+    get_parallel_state,
     init_distributed,
+    init_expert_parallel,
     set_parallel_state,
 )
 from gridserve.shared import envs
@@ -87,6 +90,7 @@ class Worker:
         self._sleeping_weights: Optional[dict[str, torch.Tensor]] = None
 
     def init_device(self) -> None:
+        p = self.config.parallel
         wanted = self.config.device.device
         if wanted == "auto":
             wanted = "cuda" if torch.cuda.is_available() else "cpu"
@@ -105,8 +109,20 @@ class Worker:
             init_distributed(self.layout, self.distributed_init_address, self.device)
         else:
             set_parallel_state(ParallelState.single())
+        if p.expert_parallel_size > 1:
+            self._init_expert_parallel()
         torch.manual_seed(self.config.model.seed)
         self.runner = ModelRunner(self.config, self.device)
+
+    def _init_expert_parallel(self) -> None:
+        """Join the DP-wide expert-parallel group (after the engine's own TP / PP world)."""
+        p = self.config.parallel
+        if self.device.type == "cuda" and not self.config.device.enforce_eager:
+            logger.info("expert parallelism: CUDA graphs off (a captured step cannot wait on other engines)")
+            self.config.device.enforce_eager = True
+        ep = init_expert_parallel(self.layout, p.data_parallel_rank, p.data_parallel_size,
+                                  p.expert_parallel_init_address, self.device)
+        get_parallel_state().ep = ep
 
     @property
     def world_size(self) -> int:
@@ -114,6 +130,10 @@ class Worker:
 
     def load_model(self) -> None:
         self.runner.load_model()
+        expert_bytes, held = expert_parameter_bytes(self.runner.model)
+        if held:
+            logger.info("rank %d (dp %d): %s per MoE layer, expert parameter bytes %d", self.rank,
+                        self.config.parallel.data_parallel_rank, held, expert_bytes)
         dispatch.prepare(self.device)  # compile the C++ CPU kernels before serving, not mid-request
 
     def determine_available_memory(self) -> int:

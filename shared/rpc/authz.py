@@ -87,6 +87,8 @@ _GATEWAY_API = ("Generate", "Complete", "Chat", "Tokenize", "Detokenize", "ListM
 # method -> the identities allowed to call it. The one place authorization is decided.
 RULES: dict[str, frozenset[str]] = {
     _WORKER + "CollectiveRPC": frozenset({"engine"}),
+    # Disaggregated prefill / decode: a decode engine's worker pulls KV from a prefill engine's.
+    "/gridserve.worker.v1.KVTransfer/PullBlocks": frozenset({"worker"}),
     **{_ENGINE + m: frozenset({"gateway", "admin"}) for m in _ENGINE_REQUEST_API},
     **{_ENGINE + m: frozenset({"gateway", "admin"}) for m in _ENGINE_LORA_API},
     **{_ENGINE + m: frozenset({"admin"}) for m in _ENGINE_ADMIN_API},

@@ -18,6 +18,7 @@ from gridserve.shared.lora import LoRARequest
 from gridserve.shared.multimodal import ImageFeature
 from gridserve.shared.outputs import EngineCoreOutput, FinishReason
 from gridserve.shared.pooling import PoolingParams
+from gridserve.shared.rpc.kv_convert import kv_params_from_pb, kv_params_to_pb
 from gridserve.shared.rpc.tensors import pack, pack_raw, raw_bytes, unpack
 from gridserve.shared.sampling_params import SamplingParams, StructuredOutputsParams
 from gridserve.shared.scheduler_output import TokenLogprobs
@@ -196,6 +197,8 @@ def engine_output_to_pb(out: EngineCoreOutput) -> engine_pb2.EngineCoreOutput:
         msg.stop_token_id = out.stop_reason
     if out.pooler_output is not None:
         msg.pooler_output.CopyFrom(pack(out.pooler_output, common_pb2.DTYPE_FLOAT32))
+    if out.kv_transfer_params is not None:
+        msg.kv_transfer_params.CopyFrom(kv_params_to_pb(out.kv_transfer_params))
     return msg
 
 
@@ -212,4 +215,5 @@ def engine_output_from_pb(msg: engine_pb2.EngineCoreOutput) -> EngineCoreOutput:
         num_cached_tokens=msg.num_cached_tokens,
         error=msg.error or None,
         pooler_output=unpack(msg.pooler_output) if msg.HasField("pooler_output") else None,
+        kv_transfer_params=kv_params_from_pb(msg),
     )

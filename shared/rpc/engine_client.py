@@ -35,6 +35,7 @@ from gridserve.api.common.v1 import common_pb2
 from gridserve.api.engine.v1 import engine_pb2, engine_pb2_grpc
 from gridserve.shared.engine_client_protocol import EngineClientProtocol, OutputSink
 from gridserve.shared.errors import EngineDeadError, InvalidArgumentError, ResourceExhaustedError
+from gridserve.shared.kv_transfer import KVTransferParams
 from gridserve.shared.multimodal import ImageFeature
 from gridserve.shared.observability.tracing import TRACEPARENT
 from gridserve.shared.pooling import PoolingParams
@@ -47,6 +48,7 @@ from gridserve.shared.rpc.convert import (
     pooling_params_to_pb,
     sampling_params_to_pb,
 )
+from gridserve.shared.rpc.kv_convert import kv_params_to_pb
 from gridserve.shared.rpc.reconnect import ReconnectingStream
 from gridserve.shared.sampling_params import SamplingParams
 
@@ -104,6 +106,7 @@ class EngineClient:
         self.ready = threading.Event()
         self._sinks: dict[str, OutputSink] = {}  # one dict operation at a time: safe across threads
         self._metrics_port: Optional[int] = None
+        self.kv_role = ""  # disaggregated prefill / decode: the engine's --kv-role (from GetInfo)
         self.sessions = 0  # output streams opened so far (a request added now rides on this one)
         self._stream = ReconnectingStream(f"engine-{address}", self._session, self._lost)
         self.serving = True  # the engine's readiness, as its health service last said
@@ -130,13 +133,19 @@ class EngineClient:
                           mm_features: Optional[list[ImageFeature]] = None,
                           output_token_ids: Optional[list[int]] = None, continuation: bool = False,
                           lora_name: Optional[str] = None, pooling_params: Optional[PoolingParams] = None,
-                          token_type_ids: Optional[list[int]] = None, priority: int = 0) -> None:
+                          token_type_ids: Optional[list[int]] = None, priority: int = 0,
+                          kv_transfer_params: Optional[KVTransferParams] = None, prefill_only: bool = False,
+                          cache_salt: Optional[str] = None) -> None:
         """``parent_request_id``: the id the client sees; ``traceparent``: the gateway span (W3C),
         sent as gRPC metadata; ``mm_features``: the prompt's preprocessed images; ``continuation``:
         a failover from a dead engine, which had already generated ``output_token_ids``;
         ``lora_name``: the LoRA adapter it runs on (None: the base model; an unknown one is NOT_FOUND);
         ``pooling_params`` (with ``params`` None): a pooling request, ``token_type_ids`` its segment ids;
-        ``priority``: its rank under the engine's priority scheduling (lower first)."""
+        ``priority``: its rank under the engine's priority scheduling (lower first). Disaggregated
+        prefill / decode: ``prefill_only`` asks a kv_producer to run the prompt and hold its KV;
+        ``kv_transfer_params`` (a producer's, with its first token as ``output_token_ids``) has a
+        kv_consumer pull that KV instead of computing the prompt. ``cache_salt``: only requests with
+        the same salt share prefix-cache blocks."""
         if not self.ready.is_set():
             raise EngineDeadError(f"engine {self.address} is not reachable")
         message = engine_pb2.AddRequestRequest(
@@ -152,7 +161,12 @@ class EngineClient:
             continuation=continuation,
             lora_request=common_pb2.LoraRequest(lora_name=lora_name) if lora_name else None,
             priority=priority,
+            cache_salt=cache_salt,
         )
+        if kv_transfer_params is not None:
+            message.kv_transfer_params.CopyFrom(kv_params_to_pb(kv_transfer_params))
+        elif prefill_only:  # present but without a transfer id: prefill only
+            message.kv_transfer_params.SetInParent()
         _check_size(message)
         try:
             await self.stub.AddRequest(
@@ -212,7 +226,8 @@ class EngineClient:
     async def _opened(self) -> None:
         if self._metrics_port is None:
             try:
-                self._metrics_port = (await self.info(timeout=INFO_DEADLINE_S)).metrics_port
+                info = await self.info(timeout=INFO_DEADLINE_S)
+                self._metrics_port, self.kv_role = info.metrics_port, info.kv_role
             except grpc.RpcError as exc:
                 logger.info("engine %s: no GetInfo (%s)", self.address, exc.code().name)
         self.sessions += 1

@@ -23,6 +23,12 @@ from gridserve.shared.rpc.convert import (
     sampling_params_from_pb,
     sampling_params_to_pb,
 )
+from gridserve.shared.rpc.kv_convert import (
+    kv_params_from_pb,
+    kv_params_to_pb,
+    kv_send_from_pb,
+    kv_send_to_pb,
+)
 from gridserve.shared.rpc.tensors import pack, unpack
 from gridserve.shared.sampling_params import SamplingParams
 from gridserve.shared.scheduler_output import (
@@ -126,6 +132,7 @@ def scheduler_output_to_pb(out: SchedulerOutput) -> worker_pb2.SchedulerOutput:
                 lora_request=lora_request_to_pb(r.lora_request),
                 pooling_params=pooling_params_to_pb(r.pooling_params) if r.pooling_params is not None else None,
                 token_type_ids=r.token_type_ids or [],
+                kv_load=kv_params_to_pb(r.kv_load),
             )
             for r in out.scheduled_new_reqs
         ],
@@ -141,6 +148,8 @@ def scheduler_output_to_pb(out: SchedulerOutput) -> worker_pb2.SchedulerOutput:
         total_num_scheduled_tokens=out.total_num_scheduled_tokens,
         finished_req_ids=sorted(out.finished_req_ids),
         scheduled_spec_tokens={r: worker_pb2.TokenIds(ids=ids) for r, ids in out.scheduled_spec_tokens.items()},
+        kv_sends=[kv_send_to_pb(s) for s in out.kv_sends],
+        kv_releases=out.kv_releases,
     )
 
 
@@ -160,6 +169,7 @@ def scheduler_output_from_pb(msg: worker_pb2.SchedulerOutput) -> SchedulerOutput
                 lora_request=lora_request_from_pb(r.lora_request) if r.HasField("lora_request") else None,
                 pooling_params=pooling_params_from_pb(r.pooling_params) if r.HasField("pooling_params") else None,
                 token_type_ids=list(r.token_type_ids) or None,
+                kv_load=kv_params_from_pb(r, "kv_load"),
             )
             for r in msg.scheduled_new_reqs
         ],
@@ -172,6 +182,8 @@ def scheduler_output_from_pb(msg: worker_pb2.SchedulerOutput) -> SchedulerOutput
         total_num_scheduled_tokens=msg.total_num_scheduled_tokens,
         finished_req_ids=set(msg.finished_req_ids),
         scheduled_spec_tokens={r: list(t.ids) for r, t in msg.scheduled_spec_tokens.items()},
+        kv_sends=[kv_send_from_pb(s) for s in msg.kv_sends],
+        kv_releases=list(msg.kv_releases),
     )
 
 
@@ -206,6 +218,9 @@ def runner_output_to_pb(out: ModelRunnerOutput) -> worker_pb2.ModelRunnerOutput:
         msg.draft_token_ids[req_id].ids.extend(ids)
     for req_id, values in out.pooler_output.items():
         msg.pooler_output[req_id].CopyFrom(pack(values, common_pb2.DTYPE_FLOAT32))
+    msg.kv_sent.extend(out.kv_sent)
+    msg.kv_load_failed.update(out.kv_load_failed)
+    msg.kv_bytes_received, msg.kv_bytes_sent = out.kv_bytes_received, out.kv_bytes_sent
     return msg
 
 
@@ -223,4 +238,8 @@ def runner_output_from_pb(msg: worker_pb2.ModelRunnerOutput) -> ModelRunnerOutpu
         extra_logprobs={r: logprobs_from_pb(rows) for r, rows in msg.extra_logprobs.items()},
         draft_token_ids={r: list(t.ids) for r, t in msg.draft_token_ids.items()},
         pooler_output={r: unpack(t) for r, t in msg.pooler_output.items()},
+        kv_sent=list(msg.kv_sent),
+        kv_load_failed=dict(msg.kv_load_failed),
+        kv_bytes_received=msg.kv_bytes_received,
+        kv_bytes_sent=msg.kv_bytes_sent,
     )

@@ -101,3 +101,26 @@ def test_from_engine_args_builds_the_same_engine(llama_tiny):
     engine = AsyncLLM.from_engine_args({"model": str(llama_tiny), "kv_cache_memory_bytes": KV_BYTES,
                                         "device": "cpu", "max_model_len": None})
     assert engine.config.cache.kv_cache_memory_bytes == KV_BYTES and not engine.engines
+
+
+def test_only_requests_with_the_same_cache_salt_share_cached_prefix_blocks(llama_tiny):
+    """The engine hashes the salt into the first block: a salted prompt reuses the blocks of the same
+    prompt with the same salt, never those of another salt or of no salt (vLLM's ``cache_salt``)."""
+    prompt = list(range(5, 5 + 48))  # three full blocks of 16
+    params = SamplingParams(temperature=0.0, max_tokens=2)
+
+    async def cached(engine: AsyncLLM, salt) -> int:
+        async for out in engine.generate(prompt, params, cache_salt=salt):
+            last = out
+        return last.num_cached_tokens
+
+    async def go():
+        engine = AsyncLLM(model=str(llama_tiny), kv_cache_memory_bytes=KV_BYTES, device="cpu")
+        try:
+            return [await cached(engine, salt) for salt in ("a", "a", "b", None, None, "b")]
+        finally:
+            await engine.close()
+
+    first_a, again_a, first_b, plain, plain_again, again_b = asyncio.run(go())
+    assert first_a == 0 and first_b == 0 and plain == 0  # nothing shared across salts or with no salt
+    assert again_a == again_b == plain_again == 32  # the same salt (or none) hits the full blocks before the last

@@ -45,11 +45,27 @@ helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version }}
 
 {{/* Parallel shape. */}}
 {{- define "gridserve.apiServerCount" -}}
-{{- if kindIs "invalid" .Values.apiServerCount -}}{{ .Values.dataParallelSize }}{{- else -}}{{ .Values.apiServerCount }}{{- end -}}
+{{- if kindIs "invalid" .Values.apiServerCount -}}{{ include "gridserve.dataParallelSize" . }}{{- else -}}{{ .Values.apiServerCount }}{{- end -}}
 {{- end -}}
 
 {{- define "gridserve.coordinatorEnabled" -}}
-{{- if gt (int .Values.dataParallelSize) 1 -}}true{{- end -}}
+{{- if gt (int (include "gridserve.dataParallelSize" .)) 1 -}}true{{- end -}}
+{{- end -}}
+
+{{/* Engines (DP ranks): dataParallelSize, or with disaggregated.enabled the prefill engines
+     (ranks 0 .. P-1, --kv-role kv_producer) then the decode engines (kv_consumer). */}}
+{{- define "gridserve.dataParallelSize" -}}
+{{- if .Values.disaggregated.enabled -}}
+{{- add (int .Values.disaggregated.prefill.replicas) (int .Values.disaggregated.decode.replicas) -}}
+{{- else -}}
+{{- .Values.dataParallelSize -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The --kv-role of the engine of DP rank .rank ("" when not disaggregated). */}}
+{{- define "gridserve.kvRole" -}}
+{{- $d := .root.Values.disaggregated -}}
+{{- if $d.enabled -}}{{ ternary "kv_producer" "kv_consumer" (lt (int .rank) (int $d.prefill.replicas)) }}{{- end -}}
 {{- end -}}
 
 {{/* Stable DNS names. */}}
@@ -65,7 +81,7 @@ helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version }}
 
 {{- define "gridserve.engineAddresses" -}}
 {{- $addrs := list -}}
-{{- range $r := until (int .Values.dataParallelSize) -}}
+{{- range $r := until (int (include "gridserve.dataParallelSize" .)) -}}
 {{- $addrs = append $addrs (include "gridserve.engineAddress" (dict "root" $ "rank" $r)) -}}
 {{- end -}}
 {{- join "," $addrs -}}

@@ -29,14 +29,31 @@ function renderRoles(roles) {
   }));
 }
 
+// Disaggregated prefill / decode: an engine's transfers (producer: pulled by decode engines, expired,
+// held now; consumer: pulled, failed) and the KV bytes moved.
+function transfers(t) {
+  if (!t) return "-";
+  const n = (v) => Number(v || 0);
+  const mib = (v) => (n(v) / (1 << 20)).toFixed(1) + " MiB";
+  if (t.kv_role === "kv_producer") {
+    return `sent ${n(t.transfers_sent)} (${mib(t.bytes_sent)}), expired ${n(t.transfers_expired)}, ` +
+           `held ${n(t.transfers_held)} (${n(t.held_blocks)} blocks)`;
+  }
+  const received = `received ${n(t.transfers_received)} (${mib(t.bytes_received)}), failed ${n(t.transfers_failed)}`;
+  return t.kv_role === "kv_both" ? `${received}; sent ${n(t.transfers_sent)} (${mib(t.bytes_sent)}), ` +
+                                   `held ${n(t.transfers_held)}` : received;
+}
+
 function renderEngines(engines) {
   statusEl.engines.replaceChildren(...engines.map((e) => {
     const tr = document.createElement("tr");
     tr.dataset.name = e.name;
-    tr.append(cell(e.name), cell(e.address), cell(e.num_waiting, "num"), cell(e.num_running, "num running"),
+    tr.dataset.kvRole = e.kv_role || "";
+    tr.append(cell(e.name), cell(e.address), cell(e.kv_role || "-", "kv-role"), cell(e.num_waiting, "num"), cell(e.num_running, "num running"),
               cell((100 * e.kv_cache_usage).toFixed(1) + " %", "num"),
               cell((100 * (e.prefix_cache_hit_rate || 0)).toFixed(1) + " %", "num prefix-hits"),
-              cell(e.generation_tokens_per_second.toFixed(1), "num"), cell(e.num_workers, "num"));
+              cell(e.generation_tokens_per_second.toFixed(1), "num"), cell(e.num_workers, "num"),
+              cell(transfers(e.kv_transfers), "kv-transfers"));
     return tr;
   }));
 }

@@ -7,7 +7,9 @@ latent (``kv_lora_rank``, RMS-normed by ``kv_a_layernorm``) and one rope key sha
 each query head and the rope key, on interleaved pairs (V2; V3 unless ``rope_interleave`` is false).
 The score scale is ``qk_head_dim ** -0.5``, times ``yarn_mscale(factor, mscale_all_dim) ** 2`` when
 the RoPE is scaled and names ``mscale_all_dim`` (as transformers). The two norms inside attention
-use eps 1e-6 whatever ``rms_norm_eps`` says (transformers builds them with the default).
+use eps 1e-6 whatever ``rms_norm_eps`` says (transformers builds them with the default). Decode
+rows absorb ``kv_b_proj`` into the query and output (``MLAAttention.absorb``: split again after
+every ``load_weights``); prefill chunks expand the latents.
 
 Feed-forward: layer ``i`` is a dense SwiGLU below ``first_k_dense_replace``, else (when ``i %
 moe_layer_freq == 0``, 1 by default) the MoE block: the router (``grouped_topk``: V2 softmax with
@@ -198,7 +200,8 @@ class DeepseekMoE(nn.Module):
         experts = int(hf.n_routed_experts)
         self.state = state
         self.gate = DeepseekRouter(hf, experts, self.sigmoid_router)
-        self.experts = FusedMoE(experts, hf.hidden_size, hf.moe_intermediate_size, state)
+        self.experts = FusedMoE(experts, hf.hidden_size, hf.moe_intermediate_size, state,
+                                experts_field="model.hf_config.n_routed_experts")
         shared = hf.moe_intermediate_size * (getattr(hf, "n_shared_experts", None) or 0)
         if shared:
             self.shared_experts = SharedExpert(hf.hidden_size, shared, state, add_prefix(prefix, "shared_experts"))
@@ -283,6 +286,9 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
         experts = ExpertTensors(self, QWEN_EXPERT_PARTS, self._target)
         skipped: set[int] = set()
         loaded = super().load_weights(experts.others(self._without_mtp(weights, skipped)))
+        for attention in self.modules():
+            if isinstance(attention, MLAAttention):
+                attention.weights_changed()  # W_uk / W_uv split again from the new kv_b_proj
         if skipped:
             logger.info("%s: not loading the multi-token-prediction layer(s) %s of the checkpoint "
                         "(speculative decoding with them is not supported)", type(self).__name__, sorted(skipped))

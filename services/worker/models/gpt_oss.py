@@ -68,7 +68,7 @@ class GptOssMoE(nn.Module):
 
     def __init__(self, hf, state: ParallelState, prefix: str = "") -> None:
         super().__init__()
-        self.prefix = prefix  # the experts and the router stay unquantized
+        self.prefix = prefix  # the router stays float; the experts quantize as ``FusedMoE``
         experts, top_k = hf.num_local_experts, hf.num_experts_per_tok
         if not 1 <= top_k <= experts:
             raise ConfigError("model.hf_config.num_experts_per_tok",
@@ -79,7 +79,8 @@ class GptOssMoE(nn.Module):
                                        alpha=float(getattr(hf, "swiglu_alpha", 1.702)))
         self.router = nn.Linear(hf.hidden_size, experts, bias=True)  # replicated
         self.experts = FusedMoE(experts, hf.hidden_size, hf.intermediate_size, state, field="intermediate_size",
-                                bias=True, activation=activation)
+                                bias=True, activation=activation,
+                                experts_field="model.hf_config.num_local_experts")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, expert_ids = topk_softmax(self.router(x), self.top_k)

@@ -36,7 +36,7 @@ class MixtralSparseMoeBlock(nn.Module):
 
     def __init__(self, hf, state: ParallelState, prefix: str = "") -> None:
         super().__init__()
-        self.prefix = prefix  # experts and router stay unquantized (grouped GEMMs, not linear layers)
+        self.prefix = prefix  # the router stays float; the experts quantize as ``FusedMoE``
         if getattr(hf, "hidden_act", "silu") != "silu":
             raise ConfigError("model.hf_config.hidden_act", f"only silu is supported, got {hf.hidden_act!r}")
         experts, top_k = hf.num_local_experts, hf.num_experts_per_tok
@@ -46,7 +46,8 @@ class MixtralSparseMoeBlock(nn.Module):
         self.state = state
         self.top_k = top_k
         self.gate = nn.Linear(hf.hidden_size, experts, bias=False)  # the router, replicated
-        self.experts = FusedMoE(experts, hf.hidden_size, hf.intermediate_size, state, field="intermediate_size")
+        self.experts = FusedMoE(experts, hf.hidden_size, hf.intermediate_size, state, field="intermediate_size",
+                                experts_field="model.hf_config.num_local_experts")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, expert_ids = route(self.gate(x), self.top_k)

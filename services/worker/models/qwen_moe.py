@@ -109,7 +109,7 @@ class QwenMoeSparseBlock(nn.Module):
 
     def __init__(self, hf: Any, state: ParallelState, prefix: str = "") -> None:
         super().__init__()
-        self.prefix = prefix  # the routed experts and the router stay unquantized (not linear layers)
+        self.prefix = prefix  # the router stays float; the experts quantize as ``FusedMoE``
         if getattr(hf, "hidden_act", "silu") != "silu":
             raise ConfigError("model.hf_config.hidden_act", f"only silu is supported, got {hf.hidden_act!r}")
         experts, top_k = num_experts(hf), hf.num_experts_per_tok

@@ -57,6 +57,11 @@ class QuantizedWeight(nn.Module, ABC):
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.buffers())
 
+    def matmul_into(self, out: torch.Tensor, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> None:
+        """``out = x @ W.T (+ bias)``: ``out`` a slice of a larger output (a MoE layer's expert rows)."""
+        y = self(x)
+        out.copy_(y if bias is None else y + bias)
+
 
 class Int8Weight(QuantizedWeight):
     """int8 per-output-channel weight; on CPU an integer GEMM over quantized activations (int16
@@ -155,6 +160,15 @@ class Int8Weight(QuantizedWeight):
         acc = torch._int_mm(torch.cat((high, low)), self.values.t())  # [2n, out] int32
         y = (acc[:n].float() * high_scales + acc[n:].float() * low_scales) * self.scales
         return y.to(x.dtype).reshape(*shape[:-1], -1)
+
+    def matmul_into(self, out: torch.Tensor, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> None:
+        """The C++ kernel writes float32 rows straight into ``out`` (bias added there); other paths
+        as ``QuantizedWeight``'s."""
+        if self.kernel and x.device.type == "cpu" and out.dtype == torch.float32 and out.is_contiguous():
+            int8_gemm.gemm(x.float(), self.packed, self.scales, self.out_features,
+                           None if bias is None else bias.float(), activation_group=self.activation_group, out=out)
+            return
+        super().matmul_into(out, x, bias)
 
     def dequantize(self) -> torch.Tensor:
         return self.qweight.float() * self.scales[:, None]

@@ -159,7 +159,8 @@ def test_no_drafts_at_or_above_the_batch_size_that_turns_speculation_off():
 
 @pytest.mark.parametrize(("spec", "field"), [
     ({"method": "eagle"}, "speculative_config.method"),
-    ({"model": "/models/draft"}, "speculative_config.model"),
+    ({"method": "draft_model"}, "speculative_config.model"),
+    ({"method": "ngram", "model": "/models/draft"}, "speculative_config.model"),
     ({"num_speculative_tokens": 0}, "speculative_config.num_speculative_tokens"),
     ({"num_speculative_tokens": 17}, "speculative_config.num_speculative_tokens"),
     ({"prompt_lookup_min": 3, "prompt_lookup_max": 2}, "speculative_config.prompt_lookup_max"),
@@ -170,3 +171,23 @@ def test_a_bad_speculative_config_is_refused_naming_the_field(spec, field):
     with pytest.raises(ConfigError) as info:
         SchedulerConfig(speculative_config=spec)
     assert info.value.field == field
+
+
+def test_a_draft_model_gets_lookahead_slots_past_each_step_and_gives_them_back():
+    """With a draft model every allocation reserves k slots past the step's tokens (the draft
+    writes its proposals' K / V there), trimmed with the rejected drafts; outputs unchanged."""
+    draft = {"model": "/models/draft", "num_speculative_tokens": 3, "disable_by_batch_size": 4}
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    prompt = list(range(3, 17))  # 14 tokens: one block alone, two with 3 slots of lookahead
+    plain = _run(EngineCore(_config(), SpecWorker(_config())), [prompt], params)
+    core = EngineCore(_config(draft), SpecWorker(_config(draft)))
+    core.add_request(Request("0", prompt, params, eos_token_id=EOS))
+    first = core.step() or core.step()
+    assert len(core.kv_cache_manager.get_block_ids("0")[0]) == 2
+    outputs = [t for out in first for t in out.new_token_ids]
+    while core.has_unfinished_requests():
+        outputs += [t for out in core.step() for t in out.new_token_ids]
+    assert outputs == plain["0"]
+    assert core.stats().spec_num_accepted_tokens > 0
+    kv = core.kv_cache_manager
+    assert kv.num_free_blocks == kv.num_total_blocks

@@ -100,6 +100,8 @@ CASES: list[tuple[str, str, dict, Check]] = [
     ("both", "data_parallel_rank", {"data_parallel_rank": 1}, REFUSED),
     ("both", "priority", {"priority": 0}, lambda r: r.status == 200),
     ("both", "priority", {"priority": -1}, REFUSED),  # no --allow-client-priority (test_priority_field.py)
+    ("both", "cache_salt", {"cache_salt": "tenant-a"}, lambda r: r.status == 200),  # test_cache_salt.py: the engine
+    ("both", "cache_salt", {"cache_salt": ""}, REFUSED),
     # beam search: one-token steps with 2 x n logprobs (tests/unit/gateway/test_beam_search.py: the results)
     ("both", "use_beam_search", {"use_beam_search": True, "n": 2, "max_tokens": 2},
      lambda r: params(r).max_tokens == 1 and params(r).logprobs == 4),
@@ -308,6 +310,8 @@ RESPONSES_CASES: list[tuple[str, dict, Check]] = [
     ("skip_special_tokens", {"skip_special_tokens": False}, lambda r: params(r).skip_special_tokens is False),
     ("priority", {"priority": 0}, ok),
     ("priority", {"priority": 2}, REFUSED),  # no --allow-client-priority (test_priority_field.py)
+    ("cache_salt", {"cache_salt": "tenant-a"}, ok),
+    ("cache_salt", {"cache_salt": "x" * 257}, REFUSED),
 ]
 
 

@@ -83,7 +83,7 @@ def test_engine_config_takes_every_option_from_the_parsed_flags(llama_tiny, clea
 
 # engine.* values the chart uses itself; every other engine value is an engine option (engine.yaml).
 CHART_ENGINE_KEYS = {"port", "image", "resources", "nodeSelector", "tolerations", "extraEnv"}
-SWITCHES = {"enablePrefixCaching", "batchInvariant", "enforceEager"}
+SWITCHES = {"enablePrefixCaching", "batchInvariant", "enforceEager", "enableExpertParallel"}
 
 
 def _snake(key: str) -> str:

@@ -26,12 +26,12 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from gridserve.kernels import triton_ops
-from gridserve.kernels.triton_ops import activation, attention, cache, lora, norm, rotary
+from gridserve.kernels.triton_ops import activation, attention, cache, lora, mla, norm, rotary
 
 TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
          torch.int32: "i32", torch.int64: "i64",
          torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5"}
-MODULES = (activation, attention, cache, lora, norm, rotary)
+MODULES = (activation, attention, cache, lora, mla, norm, rotary)
 Launch = tuple[triton.runtime.jit.JITFunction, tuple, dict]
 
 
@@ -54,6 +54,7 @@ def record_launches() -> list[Launch]:
                 setattr(module, name, _Recorder(obj, launches))
     attention.compute_in_fp32 = lambda *ts: any(t.dtype == torch.float32 for t in ts)
     attention.num_sms = lambda device: 132
+    mla.compute_in_fp32 = attention.compute_in_fp32
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         _run_wrappers(dtype)
     for cache_dtype in (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2):  # kv_cache_dtype
@@ -80,6 +81,11 @@ def _run_wrappers(dtype: torch.dtype, cache_dtype: torch.dtype | None = None, no
             for mods in ({"sliding_window": 64},  # the window alone, then every modifier
                          {"sliding_window": 64, "soft_cap": 30.0, "alibi_slopes": torch.zeros(heads)}):
                 triton_ops.paged_attention(q, kv, loc, seq_lens, table, 0.1, max(q_lens), **mods)
+            triton_ops.paged_attention(q, kv, loc, seq_lens, table, 0.1, max(q_lens), sliding_window=64,
+                                       sinks=torch.zeros(heads))  # gpt-oss's attention sinks
+        mla_q = torch.zeros(2, 16, 576, dtype=dtype)  # DeepSeek's 512 + 64, after absorption
+        triton_ops.mla_decode(mla_q, torch.zeros(8, 16, 576, dtype=cache_dtype or dtype),
+                              torch.tensor([0, 2], dtype=torch.int32), seq_lens[:1], table[:1], 0.1, 512)
         triton_ops.reshape_and_cache(q[:, :kv_heads], q[:, :kv_heads], kv, torch.arange(q.shape[0]))
         if norms:
             triton_ops.rotary_embedding(

@@ -1,0 +1,145 @@
+"""``KVTransfers``: a producer engine's prefilled requests whose KV blocks wait for a consumer.
+
+Disaggregated prefill / decode (``--kv-role``, ``shared/kv_transfer.py``). On a producer a request
+asked to run prefill-only stops after its first token; unless a stop rule of its own ended it, its
+blocks stay referenced here (``hold``) under a fresh transfer id and token, and its final output
+carries the ``KVTransferParams`` a consumer pulls with. The next step plan registers the transfer
+with the workers (``kv_sends``); a transfer ends when a worker reports it pulled (``kv_sent``) or
+when its deadline passes, and its blocks go back to the pool, the workers told first
+(``kv_releases``, applied before that step writes any block). While transfers wait the engine keeps
+polling its workers with empty steps (``waiting``), so a pull is noticed on an idle engine too.
+
+``check_consumer`` is a consumer's check of the params a gateway hands it (role, pairing, sizes).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from gridserve.services.engine.request import Request
+from gridserve.shared.config import GridserveConfig
+from gridserve.shared.errors import InvalidArgumentError
+from gridserve.shared.kv_transfer import (
+    KVSend,
+    KVTransferParams,
+    KVTransferStats,
+    check_pairing,
+    new_transfer,
+)
+from gridserve.shared.scheduler_output import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+PRODUCERS = ("kv_producer", "kv_both")
+CONSUMERS = ("kv_consumer", "kv_both")
+
+
+@dataclass
+class _Held:
+    request: Request
+    params: KVTransferParams
+
+
+class KVTransfers:
+    """The transfers a producer holds, and the sends / releases its workers have not seen yet."""
+
+    def __init__(self, config: GridserveConfig) -> None:
+        self.config = config
+        self.timeout_s = config.cache.kv_transfer_timeout_s
+        self.held: dict[str, _Held] = {}
+        self._sends: list[KVSend] = []
+        self._releases: list[str] = []
+        self.stats = KVTransferStats(kv_role=config.cache.kv_role or "")
+
+    @property
+    def waiting(self) -> bool:
+        """Transfers wait for a consumer, or workers must still hear of a release."""
+        return bool(self.held or self._releases)
+
+    def hold(self, request: Request, block_ids: list[int]) -> KVTransferParams:
+        """Keep ``request``'s blocks (already referenced by it) for a consumer; its params."""
+        transfer_id, token = new_transfer(request.request_id)
+        cache, model = self.config.cache, self.config.model
+        params = KVTransferParams(
+            transfer_id=transfer_id, token=token, worker_addresses=tuple(self.config.parallel.worker_addresses),
+            block_ids=tuple(block_ids), num_tokens=request.num_prompt_tokens,
+            deadline_unix_s=time.time() + self.timeout_s, block_size=cache.block_size,
+            kv_cache_dtype=cache.kv_cache_dtype, model=model.model, quantization=model.quantization or "",
+            world_size=self.config.parallel.world_size)
+        self.held[transfer_id] = _Held(request, params)
+        self._sends.append(KVSend(transfer_id, token, params.block_ids, params.deadline_unix_s))
+        self.stats.held_blocks += len(block_ids)
+        return params
+
+    def fill(self, plan: SchedulerOutput) -> None:
+        """Hand the workers the sends and releases they have not seen, in this plan."""
+        plan.kv_sends, self._sends = self._sends, []
+        plan.kv_releases, self._releases = self._releases, []
+
+    def pulled(self, transfer_ids: list[str], num_bytes: int) -> list[Request]:
+        """Transfers a worker served whole: their requests, whose blocks go back to the pool."""
+        self.stats.bytes_sent += num_bytes
+        done = self._end(transfer_ids)
+        self.stats.transfers_sent += len(done)
+        return done
+
+    def expire(self) -> list[Request]:
+        """Transfers past their deadline, never pulled: their requests (blocks to free)."""
+        now = time.time()
+        late = [tid for tid, held in self.held.items() if held.params.deadline_unix_s <= now]
+        if late:
+            logger.warning("%d KV transfer(s) expired unpulled after %.0f s: blocks freed", len(late), self.timeout_s)
+        done = self._end(late)
+        self.stats.transfers_expired += len(done)
+        return done
+
+    def drop_all(self) -> list[Request]:
+        """The workers lost their KV (recovery): every transfer ends; nothing left to release there."""
+        done = [held.request for held in self.held.values()]
+        self.held.clear()
+        self._sends, self._releases = [], []
+        self.stats.held_blocks = 0
+        return done
+
+    def _end(self, transfer_ids: list[str]) -> list[Request]:
+        done = []
+        for transfer_id in transfer_ids:
+            held = self.held.pop(transfer_id, None)
+            if held is None:
+                continue
+            self._releases.append(transfer_id)
+            self.stats.held_blocks -= len(held.params.block_ids)
+            done.append(held.request)
+        return done
+
+
+def check_producer(config: GridserveConfig) -> None:
+    """A prefill-only request needs a producer engine whose workers a consumer can reach."""
+    if config.cache.kv_role not in PRODUCERS:
+        raise InvalidArgumentError("kv_transfer_params", f"this engine's kv_role is {config.cache.kv_role!r}: "
+                                   "prefill-only requests need --kv-role kv_producer or kv_both")
+    if not config.parallel.worker_addresses:
+        raise InvalidArgumentError("kv_transfer_params", "a producer's workers must be services (grpc executor) "
+                                   "for consumers to pull from")
+
+
+def check_consumer(config: GridserveConfig, params: KVTransferParams, num_prompt_tokens: int,
+                   num_output_tokens: int) -> None:
+    """A consumer's check of the params it is handed; each refusal names the field."""
+    if config.cache.kv_role not in CONSUMERS:
+        raise InvalidArgumentError("kv_transfer_params", f"this engine's kv_role is {config.cache.kv_role!r}: "
+                                   "pulling KV needs --kv-role kv_consumer or kv_both")
+    check_pairing(params, block_size=config.cache.block_size, kv_cache_dtype=config.cache.kv_cache_dtype,
+                  model=config.model.model, quantization=config.model.quantization,
+                  world_size=config.parallel.world_size)
+    if params.num_tokens != num_prompt_tokens:
+        raise InvalidArgumentError("kv_transfer_params.num_tokens",
+                                   f"{params.num_tokens} for a prompt of {num_prompt_tokens} tokens")
+    if len(params.block_ids) != -(-params.num_tokens // config.cache.block_size):
+        raise InvalidArgumentError("kv_transfer_params.block_ids",
+                                   f"{len(params.block_ids)} blocks for {params.num_tokens} tokens")
+    if num_output_tokens < 1:
+        raise InvalidArgumentError("output_token_ids", "a request with kv_transfer_params continues from the "
+                                   "prefill engine's first token: send it as output")

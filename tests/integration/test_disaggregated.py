@@ -1,0 +1,232 @@
+"""Disaggregated prefill / decode with real processes: ``gridserve serve --disaggregated P:D`` of the
+tiny Llama as the launcher runs it (P prefill engines, D decode engines, each with its worker, the
+coordinator, a gateway and the Envoy edge).
+
+- P=1/D=1: greedy outputs through the gateway's gRPC and the openai client through the edge
+  (streamed and not) equal the offline ``LLM``'s; the KV bytes the prefill engine served and the
+  decode engine pulled equal the prompts' blocks' size; nothing stays held; ``/v1/status`` shows
+  each engine's role and transfers.
+- P=1/D=2 (batch-invariant engines, supervised: dead roles restart): greedy outputs equal the
+  ``LLM``'s and both decode engines decode; the prefill engine SIGKILLed under 24 streams and a
+  decode engine SIGKILLed mid-stream: every stream completes with the fault-free run's tokens (no
+  chunk twice or lost), and afterwards no engine holds a KV block.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from gridserve import LLM, SamplingParams
+from gridserve import launcher as launcher_module
+from gridserve.api.engine.v1 import engine_pb2
+from gridserve.api.gateway.v1 import gateway_pb2
+from gridserve.benchmarks.chaos import Progress, make_requests, run_load, stream_faults
+from gridserve.launcher import free_port
+from gridserve.shared.rpc.client import wait_until_serving
+
+from .services import (
+    ENGINE_ARGS,
+    KV_BYTES,
+    deployment,
+    engine_stub,
+    gateway_stub,
+    greedy,
+    token_prompt,
+)
+
+pytestmark = pytest.mark.slow
+
+MAX_TOKENS = 12
+LENGTHS = (3, 15, 16, 17, 40, 64, 100, 150)  # prompt tokens: partial, exact and several blocks
+STREAMS = 24
+STREAM_TOKENS = 60
+
+
+def _prompt(i: int, length: int) -> list[int]:
+    return [(7 + 31 * i + 13 * j) % 4000 + 10 for j in range(length)]
+
+
+PROMPTS = [_prompt(i, n) for i, n in enumerate(LENGTHS * 2)]
+
+
+@pytest.fixture(scope="module")
+def reference(llama_tiny):
+    llm = LLM(model=str(llama_tiny), kv_cache_memory_bytes=KV_BYTES)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+        texts = llm.generate(["def fibonacci(n):\n", "import os\n\nclass Config:\n"],
+                             SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False)
+    finally:
+        llm.shutdown()
+    return [o.outputs[0].token_ids for o in outputs], [o.outputs[0].text for o in texts]
+
+
+def _supervised(launcher):
+    thread = threading.Thread(target=launcher.supervise, kwargs={"poll_s": 0.05}, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.fixture(scope="module")
+def pd11(llama_tiny, tmp_path_factory):
+    with deployment(llama_tiny, tmp_path_factory.mktemp("logs"), edge_port=free_port(),
+                    disaggregated=(1, 1)) as launcher:
+        yield launcher
+
+
+@pytest.fixture(scope="module")
+def pd12(llama_tiny, tmp_path_factory):
+    saved, launcher_module.RESTART_BACKOFF_S = launcher_module.RESTART_BACKOFF_S, (0.2, 1.0)
+    with deployment(llama_tiny, tmp_path_factory.mktemp("logs"), edge_port=free_port(), disaggregated=(1, 2),
+                    engine_args=[*ENGINE_ARGS, "--batch-invariant"]) as launcher:
+        thread = _supervised(launcher)
+        yield launcher
+    thread.join(timeout=30)
+    launcher_module.RESTART_BACKOFF_S = saved
+
+
+def _engines(launcher):
+    return [p for p in launcher.processes if p.role == "engine"]
+
+
+def _generate(channel, prompt: list[int]) -> list[int]:
+    request = token_prompt(prompt, greedy(MAX_TOKENS))
+    return [t for r in gateway_stub(channel).Generate(request, timeout=120) for t in r.token_ids]
+
+
+def _generate_all(launcher) -> list[list[int]]:
+    with grpc.insecure_channel(launcher.gateway_addresses[0]) as channel, ThreadPoolExecutor(8) as pool:
+        return list(pool.map(lambda p: _generate(channel, p), PROMPTS))
+
+
+def _load(engine) -> engine_pb2.GetLoadResponse:
+    with grpc.insecure_channel(engine.address) as channel:
+        return engine_stub(channel).GetLoad(engine_pb2.GetLoadRequest(), timeout=10)
+
+
+def _idle(engines, timeout: float = 30.0) -> list[engine_pb2.GetLoadResponse]:
+    """Every engine's load once none holds a KV block or runs anything (a producer's transfers
+    are released a step after their pull)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        loads = [_load(e) for e in engines]
+        if all(lo.kv_cache_usage == 0 and not lo.num_running and not lo.kv_transfers.held_blocks for lo in loads):
+            return loads
+        assert time.monotonic() < deadline, [(lo.kv_cache_usage, lo.num_running, lo.kv_transfers) for lo in loads]
+        time.sleep(0.1)
+
+
+def _bytes_per_block(model, block_size: int) -> int:
+    config = json.loads((model / "config.json").read_text())
+    per_token = 2 * config["num_key_value_heads"] * config["head_dim"] * 4  # K and V, float32
+    return config["num_hidden_layers"] * per_token * block_size
+
+
+def test_p1_d1_outputs_equal_a_single_engine_and_the_kv_moved_is_the_prompts_blocks(pd11, reference, llama_tiny):
+    producer, consumer = _engines(pd11)
+    assert [_load(e).kv_transfers.kv_role for e in (producer, consumer)] == ["kv_producer", "kv_consumer"]
+    assert "dp 0, kv_producer" in pd11.table() and "dp 1, kv_consumer" in pd11.table()
+    assert _generate_all(pd11) == reference[0]
+    with grpc.insecure_channel(producer.address) as channel:
+        block_size = engine_stub(channel).GetInfo(engine_pb2.GetInfoRequest(), timeout=10).block_size
+    blocks = sum(-(-len(p) // block_size) for p in PROMPTS)
+    sent, received = (lo.kv_transfers for lo in _idle([producer, consumer]))
+    assert sent.transfers_sent == received.transfers_received == len(PROMPTS)
+    assert received.transfers_failed == 0 and sent.transfers_expired == 0
+    assert sent.bytes_sent == received.bytes_received == blocks * _bytes_per_block(llama_tiny, block_size)
+    assert sent.held_blocks == sent.transfers_held == 0
+    with grpc.insecure_channel(pd11.gateway_addresses[0]) as channel:
+        status = gateway_stub(channel).GetStatus(gateway_pb2.GetStatusRequest(), timeout=10)
+    assert [(e.kv_role, e.kv_transfers.transfers_sent, e.kv_transfers.transfers_received) for e in status.engines] \
+        == [("kv_producer", len(PROMPTS), 0), ("kv_consumer", 0, len(PROMPTS))]
+
+
+def test_p1_d1_openai_client_through_the_edge_sees_one_stream(pd11, reference):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"http://{pd11.edge_address}/v1", api_key="unused", max_retries=0, timeout=60)
+    prompts, expected = ["def fibonacci(n):\n", "import os\n\nclass Config:\n"], reference[1]
+    for prompt, text in zip(prompts, expected):
+        whole = client.completions.create(model=pd11.model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
+        assert whole.choices[0].text == text
+        chunks = list(client.completions.create(model=pd11.model, prompt=prompt, max_tokens=MAX_TOKENS,
+                                                temperature=0, stream=True))
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == text
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
+
+
+def test_p1_d2_outputs_equal_a_single_engine_on_both_decode_engines(pd12, reference):
+    producer, *decoders = _engines(pd12)
+    assert _generate_all(pd12) == reference[0]
+    loads = _idle([producer, *decoders])
+    assert loads[0].kv_transfers.transfers_sent == len(PROMPTS)
+    assert all(lo.kv_transfers.transfers_received > 0 for lo in loads[1:]), [lo.kv_transfers for lo in loads]
+    assert sum(lo.kv_transfers.transfers_received for lo in loads[1:]) == len(PROMPTS)
+
+
+def _kill_under_load(launcher, victim, when):
+    """The chaos load twice: fault-free, then with ``victim()`` SIGKILLed once ``when(progress)``."""
+    requests = make_requests(STREAMS, STREAM_TOKENS)
+    clean = run_load(launcher.edge_address, launcher.model, requests, STREAMS)
+    progress, out = Progress(), {}
+    thread = threading.Thread(target=lambda: out.update(
+        results=run_load(launcher.edge_address, launcher.model, requests, STREAMS, progress)))
+    thread.start()
+    while not when(progress):
+        assert thread.is_alive(), "the load ended before the fault"
+        time.sleep(0.002)
+    victim().process.kill()
+    thread.join(timeout=180)
+    assert not thread.is_alive()
+    results = out["results"]
+    assert all(r.ok for r in clean), [r.error for r in clean if not r.ok]
+    assert not {r.index: r.error or "no [DONE]" for r in results if not r.ok}
+    for request, before, after in zip(requests, clean, results):
+        assert stream_faults(after, request) == [], request.index
+        assert after.tokens == before.tokens, request.index
+        assert after.text == before.text, request.index
+
+
+def _failovers(launcher) -> dict[str, float]:
+    """The gateway's ``gridserve:engine_failovers_total`` by engine (its index in --engines)."""
+    gateway = next(p for p in launcher.processes if p.role == "gateway")
+    with urllib.request.urlopen(f"http://{gateway.metrics_address}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    return {s.labels["engine"]: s.value for f in text_string_to_metric_families(text)
+            for s in f.samples if s.name == "gridserve:engine_failovers_total"}
+
+
+def _wait_restarted(engine, pid: int) -> None:
+    deadline = time.monotonic() + 120
+    while engine.pid == pid or engine.process.poll() is not None:
+        assert time.monotonic() < deadline, "the launcher did not restart the engine"
+        time.sleep(0.05)
+    wait_until_serving(engine.address, timeout=120)
+
+
+def test_prefill_engine_killed_under_load_every_stream_completes_unchanged(pd12):
+    producer = _engines(pd12)[0]
+    pid, before = producer.pid, _failovers(pd12).get("0", 0.0)
+    # killed while streams are still starting: some wait for their prefill (they go on, whole, on a
+    # decode engine), some for their pull (it fails: the decode engine computes the prompt)
+    _kill_under_load(pd12, lambda: producer, lambda p: p.events >= STREAMS // 2)
+    assert _failovers(pd12).get("0", 0.0) > before, "no stream was prefilling when the prefill engine died"
+    _wait_restarted(producer, pid)
+    _idle(_engines(pd12))
+
+
+def test_decode_engine_killed_mid_stream_every_stream_completes_unchanged(pd12):
+    decoder = _engines(pd12)[1]
+    pid, before = decoder.pid, _failovers(pd12).get("1", 0.0)
+    _kill_under_load(pd12, lambda: decoder, lambda p: p.events >= STREAMS * STREAM_TOKENS // 3)
+    assert _failovers(pd12).get("1", 0.0) > before, "no stream was decoding on the killed engine"
+    _wait_restarted(decoder, pid)
+    _idle(_engines(pd12))

@@ -1,0 +1,133 @@
+"""Disaggregated prefill / decode in the scheduler (real KV-cache manager, a fake worker): a producer's
+prefill-only request ends after one token holding its blocks until pulled or expired; a consumer
+pulls the prompt's KV instead of computing it, or computes it when the pull fails."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from gridserve.services.engine.kv_cache_manager import KVCacheManager
+from gridserve.services.engine.kv_transfers import check_consumer
+from gridserve.services.engine.request import Request, RequestStatus
+from gridserve.services.engine.scheduler import Scheduler
+from gridserve.shared.config import (
+    CacheConfig,
+    GridserveConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
+from gridserve.shared.errors import ConfigError, InvalidArgumentError
+from gridserve.shared.kv_transfer import KVTransferParams
+from gridserve.shared.outputs import FinishReason
+from gridserve.shared.sampling_params import SamplingParams
+from gridserve.shared.scheduler_output import ModelRunnerOutput, SchedulerOutput
+
+BLOCK = 16
+
+
+def _scheduler(role: str, timeout_s: float = 30.0) -> Scheduler:
+    config = GridserveConfig(
+        model=ModelConfig(model="tiny", max_model_len=512),
+        cache=CacheConfig(block_size=BLOCK, kv_role=role, kv_transfer_timeout_s=timeout_s),
+        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256),
+        parallel=ParallelConfig(worker_addresses=["10.0.0.1:7000"]),
+    )
+    return Scheduler(config, KVCacheManager(32, BLOCK, True))
+
+
+def _answer(s: Scheduler, out: SchedulerOutput, token: int = 7, **extra) -> list:
+    sampled = [r for r in out.num_scheduled_tokens
+               if s.requests.get(r) and s.requests[r].num_computed_tokens >= s.requests[r].num_tokens]
+    return s.update_from_output(out, ModelRunnerOutput(req_ids=sampled, sampled_token_ids=[token] * len(sampled),
+                                                       logprobs=[None] * len(sampled), **extra))
+
+
+def test_a_prefill_only_request_ends_after_one_token_and_holds_its_blocks_until_pulled():
+    s = _scheduler("kv_producer")
+    s.add_request(Request("r", list(range(40)), SamplingParams(max_tokens=20), prefill_only=True))
+    outputs = _answer(s, s.schedule())
+    (out,) = outputs
+    assert out.new_token_ids == [7] and out.finish_reason == FinishReason.LENGTH
+    params = out.kv_transfer_params
+    assert params.num_tokens == 40 and len(params.block_ids) == 3 and params.worker_addresses == ("10.0.0.1:7000",)
+    assert s.kv.num_free_blocks == 31 - 3 and s.kv_transfers_waiting  # held, not freed
+    plan = s.schedule()  # the workers hear of the transfer before anything else runs
+    assert [k.transfer_id for k in plan.kv_sends] == [params.transfer_id] and plan.kv_sends[0].token == params.token
+    s.update_from_output(plan, ModelRunnerOutput(kv_sent=[params.transfer_id], kv_bytes_sent=1234))
+    assert s.kv.num_free_blocks == 31 and s.transfers.stats.transfers_sent == 1
+    assert s.transfers.stats.bytes_sent == 1234
+    assert s.schedule().kv_releases == [params.transfer_id] and not s.kv_transfers_waiting
+
+
+def test_a_natural_stop_on_the_first_token_holds_nothing():
+    s = _scheduler("kv_producer")
+    s.add_request(Request("r", list(range(20)), SamplingParams(max_tokens=20), eos_token_id=7, prefill_only=True))
+    (out,) = _answer(s, s.schedule(), token=7)
+    assert out.finish_reason == FinishReason.STOP and out.kv_transfer_params is None
+    assert s.kv.num_free_blocks == 31 and not s.transfers.held
+
+
+def test_an_unpulled_transfer_is_freed_at_its_deadline():
+    s = _scheduler("kv_producer", timeout_s=0.05)
+    s.add_request(Request("r", list(range(40)), SamplingParams(max_tokens=5), prefill_only=True))
+    _answer(s, s.schedule())
+    assert s.kv.num_free_blocks == 28
+    time.sleep(0.1)
+    plan = s.schedule()
+    assert s.kv.num_free_blocks == 31 and s.transfers.stats.transfers_expired == 1
+    assert len(plan.kv_releases) == 1
+
+
+def _params(num_tokens: int, **changes) -> KVTransferParams:
+    fields = dict(transfer_id="t", token="k", worker_addresses=("p:1",), block_ids=tuple(range(-(-num_tokens // BLOCK))),
+                  num_tokens=num_tokens, deadline_unix_s=time.time() + 30, block_size=BLOCK, kv_cache_dtype="auto",
+                  model="tiny")
+    fields.update(changes)
+    return KVTransferParams(**fields)
+
+
+def test_a_consumer_pulls_the_prompt_and_computes_only_the_producer_s_token():
+    s = _scheduler("kv_consumer")
+    s.add_request(Request("r", list(range(40)), SamplingParams(max_tokens=5), output_token_ids=[7],
+                          kv_transfer_params=_params(40)))
+    plan = s.schedule()
+    (new,) = plan.scheduled_new_reqs
+    assert new.kv_load.transfer_id == "t" and new.num_computed_tokens == 40 and plan.num_scheduled_tokens == {"r": 1}
+    assert s.kv.block_pool.cached_block_hash_to_block == {}  # not in the prefix cache until the pull is confirmed
+    (out,) = _answer(s, plan, token=9)
+    assert out.new_token_ids == [9] and s.transfers.stats.transfers_received == 1
+    assert s.requests["r"].kv_load is None
+    _answer(s, s.schedule())
+    assert len(s.kv.block_pool.cached_block_hash_to_block) == 2  # confirmed: the prompt's full blocks are cached
+
+
+def test_a_failed_pull_falls_back_to_computing_the_prompt_here():
+    s = _scheduler("kv_consumer")
+    s.add_request(Request("r", list(range(40)), SamplingParams(max_tokens=5), output_token_ids=[7],
+                          kv_transfer_params=_params(40)))
+    plan = s.schedule()
+    outputs = s.update_from_output(plan, ModelRunnerOutput(kv_load_failed={"r": "NOT_FOUND"}))
+    assert outputs == [] and s.requests["r"].status == RequestStatus.PREEMPTED
+    assert s.kv.num_free_blocks == 31 and s.transfers.stats.transfers_failed == 1
+    forget = s.schedule()  # the worker forgets it first
+    assert "r" in forget.finished_req_ids and not forget.scheduled_new_reqs
+    again = s.schedule()
+    (new,) = again.scheduled_new_reqs
+    assert new.kv_load is None and new.num_computed_tokens == 0 and again.num_scheduled_tokens == {"r": 41}
+    (out,) = _answer(s, again, token=9)
+    assert out.new_token_ids == [9] and s.requests["r"].output_token_ids == [7, 9]
+
+
+@pytest.mark.parametrize("field, change", [("block_size", {"block_size": 32}), ("kv_cache_dtype", {"kv_cache_dtype": "bfloat16"}),
+                                           ("model", {"model": "other"}), ("quantization", {"quantization": "int8"})])
+def test_a_mismatched_producer_is_refused_naming_the_field(field, change):
+    config = GridserveConfig(model=ModelConfig(model="tiny"), cache=CacheConfig(block_size=BLOCK, kv_role="kv_consumer"))
+    with pytest.raises(ConfigError, match=f"kv_transfer_params.{field}"):
+        check_consumer(config, _params(40, **change), 40, 1)
+    with pytest.raises(InvalidArgumentError, match="output_token_ids"):
+        check_consumer(config, _params(40), 40, 0)
+    with pytest.raises(InvalidArgumentError, match="kv_role"):
+        check_consumer(GridserveConfig(model=ModelConfig(model="tiny")), _params(40), 40, 1)

@@ -1,0 +1,156 @@
+"""Disaggregated prefill / decode, the worker's side: KV blocks pulled over ``KVTransfer.PullBlocks``
+between two KV caches (chunked, checksummed, token-checked, released once pulled), the step hook's
+fallback when a pull fails, and the authorization row: only this deployment's workers may pull."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import pytest
+import torch
+
+from gridserve.api.worker.v1 import worker_pb2, worker_pb2_grpc
+from gridserve.certificates import LocalCA
+from gridserve.services.worker.kv_connector import GrpcKVConnector, KVCacheView, KVTransferError
+from gridserve.services.worker.kv_transfer import SERVICE, KVStepHook, KVTransferServicer
+from gridserve.shared.kv_transfer import KVSend, KVTransferParams
+from gridserve.shared.readiness import State
+from gridserve.shared.rpc import authz
+from gridserve.shared.rpc.client import make_channel
+from gridserve.shared.rpc.server import RpcServer
+from gridserve.shared.sampling_params import SamplingParams
+from gridserve.shared.scheduler_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
+
+NUM_BLOCKS, BLOCK_SIZE = 12, 4
+
+
+def _caches(seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    full = [torch.randn(2, NUM_BLOCKS, BLOCK_SIZE, 2, 8, generator=g) for _ in range(3)]  # K/V layers
+    return [*full, torch.randn(NUM_BLOCKS, BLOCK_SIZE, 24, generator=g).to(torch.bfloat16)]  # an MLA latent
+
+
+def _serve(connector: GrpcKVConnector, tls=None) -> RpcServer:
+    server = RpcServer("127.0.0.1", 0, role="worker", tls=tls)
+    servicer = KVTransferServicer(connector)
+    server.add_service(SERVICE, lambda s: worker_pb2_grpc.add_KVTransferServicer_to_server(servicer, s))
+    server.start()
+    server.readiness.set(State.READY)
+    return server
+
+
+def _params(address: str, send: KVSend, token: str | None = None) -> KVTransferParams:
+    return KVTransferParams(send.transfer_id, token or send.token, (address,), send.block_ids,
+                            len(send.block_ids) * BLOCK_SIZE, send.deadline_unix_s, BLOCK_SIZE, "auto", "m")
+
+
+@pytest.fixture()
+def pair():
+    producer_caches, consumer_caches = _caches(0), _caches(1)
+    producer = GrpcKVConnector(KVCacheView(lambda: producer_caches), chunk_bytes=600)  # several chunks a layer
+    consumer = GrpcKVConnector(KVCacheView(lambda: consumer_caches))
+    server = _serve(producer)
+    yield producer, consumer, producer_caches, consumer_caches, server.address
+    consumer.close()
+    server.shutdown()
+
+
+def test_pulled_blocks_equal_the_producer_s_and_the_transfer_is_released(pair):
+    producer, consumer, theirs, mine, address = pair
+    send = KVSend("t1", "secret", (7, 2, 9), time.time() + 30)
+    producer.register(send)
+    received = consumer.pull(_params(address, send), [1, 5, 3])
+    for p, c in zip(theirs, mine):
+        dim = 1 if p.dim() == 5 else 0
+        assert torch.equal(c.index_select(dim, torch.tensor([1, 5, 3])), p.index_select(dim, torch.tensor([7, 2, 9])))
+    expected = sum(t.element_size() * t.numel() // NUM_BLOCKS * 3 for t in theirs)
+    assert received == expected  # the KV bytes of exactly the prompt's blocks
+    assert producer.take_sent() == (["t1"], expected)
+    with pytest.raises(KVTransferError, match="NOT_FOUND"):  # pulled once: released
+        consumer.pull(_params(address, send), [1, 5, 3])
+
+
+def test_a_wrong_token_is_refused_and_an_expired_transfer_is_gone(pair):
+    producer, consumer, _, mine, address = pair
+    before = [t.clone() for t in mine]
+    send = KVSend("t2", "secret", (4,), time.time() + 30)
+    producer.register(send)
+    with pytest.raises(KVTransferError, match="PERMISSION_DENIED"):
+        consumer.pull(_params(address, send, token="guess"), [0])
+    producer.register(KVSend("t3", "s", (4,), time.time() - 1))
+    with pytest.raises(KVTransferError, match="NOT_FOUND"):
+        consumer.pull(_params(address, KVSend("t3", "s", (4,), time.time() + 5)), [0])
+    with pytest.raises(KVTransferError, match="expired"):
+        consumer.pull(_params(address, KVSend("t2", "secret", (4,), time.time() - 1)), [0])
+    assert all(torch.equal(a, b) for a, b in zip(before, mine))
+
+
+def test_a_corrupted_chunk_fails_its_checksum(pair):
+    producer, consumer, _, _, address = pair
+    send = KVSend("t4", "secret", (3,), time.time() + 30)
+    producer.register(send)
+    msg = next(iter(worker_pb2_grpc.KVTransferStub(make_channel(address)).PullBlocks(
+        worker_pb2.PullBlocksRequest(transfer_id="t4", token="secret"), timeout=5))).chunk
+    msg.data.data = bytes([msg.data.data[0] ^ 1]) + msg.data.data[1:]
+    with pytest.raises(KVTransferError, match="checksum"):
+        consumer._write(msg, [0], 4, set())
+
+
+def test_a_failed_pull_leaves_the_request_out_until_the_engine_forgets_it(pair):
+    producer, consumer, _, _, address = pair
+    hook = KVStepHook(consumer)
+    params = _params(address, KVSend("nope", "x", (1, 2), time.time() + 30))
+    new = NewRequestData("r", list(range(9)), SamplingParams(max_tokens=4), ([4, 5, 6],), 8, kv_load=params)
+    other = NewRequestData("o", [1, 2], SamplingParams(max_tokens=4), ([7],), 0)
+    plan = hook.before_step(SchedulerOutput(scheduled_new_reqs=[new, other], num_scheduled_tokens={"r": 1, "o": 2},
+                                            total_num_scheduled_tokens=3))
+    assert [r.req_id for r in plan.scheduled_new_reqs] == ["o"] and plan.total_num_scheduled_tokens == 2
+    out = ModelRunnerOutput()
+    hook.after_step(out)
+    assert list(out.kv_load_failed) == ["r"] and "NOT_FOUND" in out.kv_load_failed["r"]
+    later = hook.before_step(SchedulerOutput(num_scheduled_tokens={"r": 1}, total_num_scheduled_tokens=1))
+    assert later.is_empty  # still out of the step
+    hook.after_step(out := ModelRunnerOutput())
+    assert out.kv_load_failed == {}  # reported once
+    again = hook.before_step(SchedulerOutput(finished_req_ids={"r"}, num_scheduled_tokens={"r": 1},
+                                             total_num_scheduled_tokens=1))
+    assert again.total_num_scheduled_tokens == 1  # forgotten: back in the step as a new request would be
+
+
+def test_sends_and_releases_in_the_plan_reach_the_connector(pair):
+    producer, _, _, _, _ = pair
+    hook = KVStepHook(producer)
+    hook.before_step(SchedulerOutput(kv_sends=[KVSend("a", "t", (1,), time.time() + 9)]))
+    assert producer.num_registered == 1
+    hook.before_step(SchedulerOutput(kv_releases=["a"]))
+    assert producer.num_registered == 0
+
+
+def test_only_this_deployment_s_workers_may_pull(tmp_path, monkeypatch):
+    deployment = "pd.test"
+    monkeypatch.setattr(authz, "_deployment", authz._UNSET)  # read from the variable, as a worker does
+    monkeypatch.setenv("GRIDSERVE_TLS_DEPLOYMENT", deployment)
+    monkeypatch.delenv("GRIDSERVE_TLS_TRUST_DOMAIN", raising=False)
+    ca = LocalCA(tmp_path, deployment=deployment)
+    caches = _caches(0)
+    producer = GrpcKVConnector(KVCacheView(lambda: caches))
+    server = _serve(producer, tls=ca.issue("worker", name="producer"))
+    send = KVSend("t", "secret", (1,), time.time() + 30)
+    producer.register(send)
+    request = worker_pb2.PullBlocksRequest(transfer_id="t", token="secret")
+    try:
+        for files, allowed in ((ca.issue("engine"), False), (ca.issue("gateway"), False),
+                               (ca.issue("worker", name="foreign", deployment="other.test"), False),  # another deployment's
+                               (ca.issue("worker", name="consumer"), True)):
+            with make_channel(server.address, files) as channel:
+                stub = worker_pb2_grpc.KVTransferStub(channel)
+                if allowed:
+                    assert len(list(stub.PullBlocks(request, timeout=5))) == len(caches)
+                    continue
+                with pytest.raises(grpc.RpcError) as refused:
+                    list(stub.PullBlocks(request, timeout=5))
+                assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert {identity for _, identity in server.authorization.denied} >= {"engine", "gateway"}
+    finally:
+        server.shutdown()
