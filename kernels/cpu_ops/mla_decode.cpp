@@ -27,67 +27,20 @@
 #include <cstdint>
 #include <vector>
 
+#include "cpu_simd.h"
+
 namespace {
+
+using gs_simd::axpy;
+using gs_simd::dot;
+using gs_simd::to_float;
+using gs_simd::widen;
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define GS_MLA_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
 #else
 #define GS_MLA_CLONES
 #endif
-
-constexpr int kLanes = 16;  // independent partial sums: vectorizes without -ffast-math
-
-template <typename T>
-inline float to_float(T x) { return static_cast<float>(x); }
-
-template <typename F8>
-const float* fp8_table() {  // every value of an 8-bit float, indexed by its bits
-  static const std::vector<float> table = [] {
-    std::vector<float> t(256);
-    for (int b = 0; b < 256; ++b) t[b] = static_cast<float>(F8(static_cast<uint8_t>(b), F8::from_bits()));
-    return t;
-  }();
-  return table.data();
-}
-
-// An entry in float32: used in place when the cache is float32, widened into `buf` otherwise.
-template <typename C>
-inline const float* widen(const C* src, float* buf, int64_t d) {
-  for (int64_t j = 0; j < d; ++j) buf[j] = to_float(src[j]);
-  return buf;
-}
-template <>
-inline const float* widen<float>(const float* src, float*, int64_t) { return src; }
-template <typename F8>
-inline const float* widen_fp8(const F8* src, float* buf, int64_t d) {
-  const float* table = fp8_table<F8>();
-  const uint8_t* bits = reinterpret_cast<const uint8_t*>(src);
-  for (int64_t j = 0; j < d; ++j) buf[j] = table[bits[j]];
-  return buf;
-}
-template <>
-inline const float* widen<c10::Float8_e4m3fn>(const c10::Float8_e4m3fn* src, float* buf, int64_t d) {
-  return widen_fp8(src, buf, d);
-}
-template <>
-inline const float* widen<c10::Float8_e5m2>(const c10::Float8_e5m2* src, float* buf, int64_t d) {
-  return widen_fp8(src, buf, d);
-}
-
-inline float dot(const float* a, const float* b, int64_t d) {
-  float lanes[kLanes] = {0.f};
-  int64_t j = 0;
-  for (; j + kLanes <= d; j += kLanes)
-    for (int l = 0; l < kLanes; ++l) lanes[l] += a[j + l] * b[j + l];
-  float s = 0.f;
-  for (; j < d; ++j) s += a[j] * b[j];
-  for (int l = 0; l < kLanes; ++l) s += lanes[l];
-  return s;
-}
-
-inline void axpy(float p, const float* x, float* y, int64_t d) {
-  for (int64_t j = 0; j < d; ++j) y[j] += p * x[j];
-}
 
 struct Geometry {
   int64_t num_tokens, num_heads, entry, rank, block_size, max_blocks;

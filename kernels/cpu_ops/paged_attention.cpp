@@ -51,7 +51,11 @@
 
 namespace {
 
+using gs_simd::axpy;
 using gs_simd::best_isa;
+using gs_simd::dot;
+using gs_simd::to_float;
+using gs_simd::widen;
 
 // Hot loops get an AVX2 clone picked at load time on x86 (GCC ifunc); the default clone keeps
 // the library portable, so the build never depends on the machine it was compiled on.
@@ -60,62 +64,6 @@ using gs_simd::best_isa;
 #else
 #define GS_SIMD_CLONES
 #endif
-
-constexpr int kLanes = 16;  // independent partial sums: vectorizes without -ffast-math
-
-template <typename T>
-inline float to_float(T x) { return static_cast<float>(x); }
-
-// Every value of an 8-bit float, indexed by its bits.
-template <typename F8>
-const float* fp8_table() {
-  static const std::vector<float> table = [] {
-    std::vector<float> t(256);
-    for (int b = 0; b < 256; ++b) t[b] = static_cast<float>(F8(static_cast<uint8_t>(b), F8::from_bits()));
-    return t;
-  }();
-  return table.data();
-}
-
-// K/V rows in float32 are used in place; fp16/bf16 rows are widened into `buf` first, fp8 rows
-// through their lookup table.
-template <typename C>
-inline const float* widen(const C* src, float* buf, int64_t d) {
-  for (int64_t j = 0; j < d; ++j) buf[j] = to_float(src[j]);
-  return buf;
-}
-template <>
-inline const float* widen<float>(const float* src, float*, int64_t) { return src; }
-template <typename F8>
-inline const float* widen_fp8(const F8* src, float* buf, int64_t d) {
-  const float* table = fp8_table<F8>();
-  const uint8_t* bits = reinterpret_cast<const uint8_t*>(src);
-  for (int64_t j = 0; j < d; ++j) buf[j] = table[bits[j]];
-  return buf;
-}
-template <>
-inline const float* widen<c10::Float8_e4m3fn>(const c10::Float8_e4m3fn* src, float* buf, int64_t d) {
-  return widen_fp8(src, buf, d);
-}
-template <>
-inline const float* widen<c10::Float8_e5m2>(const c10::Float8_e5m2* src, float* buf, int64_t d) {
-  return widen_fp8(src, buf, d);
-}
-
-inline float dot(const float* a, const float* b, int64_t d) {
-  float lanes[kLanes] = {0.f};
-  int64_t j = 0;
-  for (; j + kLanes <= d; j += kLanes)
-    for (int l = 0; l < kLanes; ++l) lanes[l] += a[j + l] * b[j + l];
-  float s = 0.f;
-  for (; j < d; ++j) s += a[j] * b[j];
-  for (int l = 0; l < kLanes; ++l) s += lanes[l];
-  return s;
-}
-
-inline void axpy(float p, const float* x, float* y, int64_t d) {
-  for (int64_t j = 0; j < d; ++j) y[j] += p * x[j];
-}
 
 struct Geometry {
   int64_t num_tokens, num_heads, num_kv_heads, head_size, group, block_size, max_blocks;

@@ -13,7 +13,7 @@ import asyncio
 import json
 import shutil
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from tokenizers import AddedToken, Tokenizer
 
@@ -126,6 +126,33 @@ def routes(tokenizer_dir: Path, reply: str = "", options: Optional[ChatOptions] 
         _MEDIA.append(MediaLoader())
     service = GatewayService(tokenizer, [engine], "m", 4096, vocab, 20, media=_MEDIA[0], chat_options=options)
     return OpenAIRoutes(service, "m"), engine
+
+
+def recording_routes(tokenizer_dir: Path, keyword: str, default: Any = None) -> tuple[OpenAIRoutes, list]:
+    """``routes`` whose engine also records, per engine request, the ``keyword`` argument the gateway
+    passed to ``add_request`` (``default`` when it passed none)."""
+    chat, engine = routes(tokenizer_dir, "fine")
+    seen: list = []
+    add = engine.add_request
+
+    async def recording_add(request_id, token_ids, params, **kw):
+        seen.append(kw.get(keyword, default))
+        await add(request_id, token_ids, params, **kw)
+
+    engine.add_request = recording_add
+    return chat, seen
+
+
+async def call_route(chat: OpenAIRoutes, route: str, **fields):
+    """One short request on ``route`` (``completions``, ``chat`` or ``responses``) with ``fields``."""
+    from gridserve.services.gateway.responses_api import ResponsesAPI
+
+    if route == "completions":
+        return await chat.completions(json.dumps({"prompt": "Hi", "max_tokens": 2, **fields}).encode())
+    if route == "chat":
+        return await chat.chat_completions(json.dumps({"messages": [{"role": "user", "content": "Hi"}],
+                                                       "max_tokens": 2, **fields}).encode())
+    return await ResponsesAPI(chat).create(json.dumps({"input": "Hi", "max_output_tokens": 2, **fields}).encode())
 
 
 async def events(response) -> list[dict]:

@@ -6,15 +6,19 @@ or differently salted one)."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
-from gridserve.services.gateway.responses_api import ResponsesAPI
 from gridserve.shared.errors import InvalidArgumentError
 from gridserve.shared.prefix_hash import prompt_block_hashes
 from gridserve.shared.request_checks import MAX_CACHE_SALT_CHARS, check_cache_salt
-from tests.unit.gateway.scripted_engine import body, routes, run, tokenizer_folder
+from tests.unit.gateway.scripted_engine import (
+    body,
+    call_route,
+    recording_routes,
+    routes,
+    run,
+    tokenizer_folder,
+)
 
 ROUTES = ("completions", "chat", "responses")
 
@@ -26,25 +30,7 @@ def folder(llama_tiny, tmp_path_factory):
 
 def _gateway(folder):
     """The routes of a gateway and the salts its engine got, one per engine request."""
-    chat, engine = routes(folder, "fine")
-    seen: list = []
-    add = engine.add_request
-
-    async def recording_add(request_id, token_ids, params, **kw):
-        seen.append(kw.get("cache_salt"))
-        await add(request_id, token_ids, params, **kw)
-
-    engine.add_request = recording_add
-    return chat, seen
-
-
-async def _call(chat, route: str, **fields):
-    if route == "completions":
-        return await chat.completions(json.dumps({"prompt": "Hi", "max_tokens": 2, **fields}).encode())
-    if route == "chat":
-        return await chat.chat_completions(json.dumps({"messages": [{"role": "user", "content": "Hi"}],
-                                                       "max_tokens": 2, **fields}).encode())
-    return await ResponsesAPI(chat).create(json.dumps({"input": "Hi", "max_output_tokens": 2, **fields}).encode())
+    return recording_routes(folder, "cache_salt")
 
 
 @pytest.mark.parametrize("route", ROUTES)
@@ -52,9 +38,9 @@ async def _call(chat, route: str, **fields):
 def test_a_salt_reaches_the_engine_with_every_engine_request(folder, route, stream):
     async def go():
         chat, seen = _gateway(folder)
-        salted = await _call(chat, route, cache_salt="tenant-a", stream=stream)
+        salted = await call_route(chat, route, cache_salt="tenant-a", stream=stream)
         chunks = [c async for c in salted.chunks] if stream else []
-        plain = await _call(chat, route)
+        plain = await call_route(chat, route)
         return salted, plain, chunks, seen
 
     salted, plain, chunks, seen = run(go())
@@ -65,7 +51,7 @@ def test_a_salt_reaches_the_engine_with_every_engine_request(folder, route, stre
 def test_every_sample_of_a_request_carries_its_salt(folder):
     async def go():
         chat, seen = _gateway(folder)
-        response = await _call(chat, "completions", prompt=["Hi", "Ho"], n=2, cache_salt="s", temperature=1.0)
+        response = await call_route(chat, "completions", prompt=["Hi", "Ho"], n=2, cache_salt="s", temperature=1.0)
         return response, seen
 
     response, seen = run(go())
@@ -77,7 +63,7 @@ def test_every_sample_of_a_request_carries_its_salt(folder):
 def test_a_bad_salt_is_400_naming_it_and_reaches_no_engine(folder, route, value):
     async def go():
         chat, seen = _gateway(folder)
-        return await _call(chat, route, cache_salt=value), seen
+        return await call_route(chat, route, cache_salt=value), seen
 
     response, seen = run(go())
     assert response.status == 400 and body(response)["error"]["param"] == "cache_salt" and seen == []
@@ -86,7 +72,7 @@ def test_a_bad_salt_is_400_naming_it_and_reaches_no_engine(folder, route, value)
 def test_the_longest_salt_is_accepted_and_the_engine_checks_salts_itself(folder):
     async def go():
         chat, seen = _gateway(folder)
-        return await _call(chat, "completions", cache_salt="x" * MAX_CACHE_SALT_CHARS), seen
+        return await call_route(chat, "completions", cache_salt="x" * MAX_CACHE_SALT_CHARS), seen
 
     response, seen = run(go())
     assert response.status == 200 and seen == ["x" * MAX_CACHE_SALT_CHARS]

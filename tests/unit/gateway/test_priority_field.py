@@ -5,16 +5,20 @@ with every engine request of the completions, chat and Responses routes and the 
 from __future__ import annotations
 
 import argparse
-import json
 from dataclasses import replace
 
 import pytest
 
 from gridserve.services.gateway.limits import RequestLimits, add_limit_arguments
 from gridserve.services.gateway.protocol import check_priority
-from gridserve.services.gateway.responses_api import ResponsesAPI
 from gridserve.shared.errors import InvalidArgumentError
-from tests.unit.gateway.scripted_engine import body, routes, run, tokenizer_folder
+from tests.unit.gateway.scripted_engine import (
+    body,
+    call_route,
+    recording_routes,
+    run,
+    tokenizer_folder,
+)
 
 ROUTES = ("completions", "chat", "responses")
 
@@ -26,34 +30,17 @@ def folder(llama_tiny, tmp_path_factory):
 
 def _gateway(folder, allow: bool):
     """The routes of a gateway (``--allow-client-priority`` or not) and the priorities its engine got."""
-    chat, engine = routes(folder, "fine")
+    chat, seen = recording_routes(folder, "priority", 0)
     chat.service.limits = replace(chat.service.limits, allow_client_priority=allow)
-    seen: list[int] = []
-    add = engine.add_request
-
-    async def recording_add(request_id, token_ids, params, **kw):
-        seen.append(kw.get("priority", 0))
-        await add(request_id, token_ids, params, **kw)
-
-    engine.add_request = recording_add
     return chat, seen
-
-
-async def _call(chat, route: str, **fields):
-    if route == "completions":
-        return await chat.completions(json.dumps({"prompt": "Hi", "max_tokens": 2, **fields}).encode())
-    if route == "chat":
-        return await chat.chat_completions(json.dumps({"messages": [{"role": "user", "content": "Hi"}],
-                                                       "max_tokens": 2, **fields}).encode())
-    return await ResponsesAPI(chat).create(json.dumps({"input": "Hi", "max_output_tokens": 2, **fields}).encode())
 
 
 @pytest.mark.parametrize("route", ROUTES)
 def test_a_client_priority_is_400_naming_it_unless_the_gateway_allows_it(folder, route):
     async def go():
         chat, seen = _gateway(folder, allow=False)
-        refused = await _call(chat, route, priority=-1)
-        zero = await _call(chat, route, priority=0)
+        refused = await call_route(chat, route, priority=-1)
+        zero = await call_route(chat, route, priority=0)
         return refused, zero, seen
 
     refused, zero, seen = run(go())
@@ -68,7 +55,7 @@ def test_a_client_priority_is_400_naming_it_unless_the_gateway_allows_it(folder,
 def test_an_allowed_priority_reaches_the_engine_with_the_request(folder, route, stream):
     async def go():
         chat, seen = _gateway(folder, allow=True)
-        response = await _call(chat, route, priority=-7, stream=stream)
+        response = await call_route(chat, route, priority=-7, stream=stream)
         chunks = [c async for c in response.chunks] if stream else []
         return response, chunks, seen
 
@@ -80,7 +67,7 @@ def test_an_allowed_priority_reaches_the_engine_with_the_request(folder, route, 
 def test_every_sample_of_a_request_carries_its_priority(folder):
     async def go():
         chat, seen = _gateway(folder, allow=True)
-        response = await _call(chat, "completions", prompt=["Hi", "Ho"], n=2, priority=3, temperature=1.0)
+        response = await call_route(chat, "completions", prompt=["Hi", "Ho"], n=2, priority=3, temperature=1.0)
         return response, seen
 
     response, seen = run(go())
@@ -92,7 +79,7 @@ def test_every_sample_of_a_request_carries_its_priority(folder):
 def test_priority_must_be_an_int32(folder, route, value):
     async def go():
         chat, seen = _gateway(folder, allow=True)
-        return await _call(chat, route, priority=value), seen
+        return await call_route(chat, route, priority=value), seen
 
     response, seen = run(go())
     assert response.status == 400 and body(response)["error"]["param"] == "priority" and seen == []
@@ -101,7 +88,7 @@ def test_priority_must_be_an_int32(folder, route, value):
 def test_int32_bounds_are_accepted(folder):
     async def go():
         chat, seen = _gateway(folder, allow=True)
-        statuses = [(await _call(chat, "completions", priority=p)).status for p in (2**31 - 1, -(2**31))]
+        statuses = [(await call_route(chat, "completions", priority=p)).status for p in (2**31 - 1, -(2**31))]
         return statuses, seen
 
     statuses, seen = run(go())
