@@ -28,12 +28,14 @@ the first ``k - 1`` drafts): the engine reserves ``k`` slots past each step's to
    cache; rejected drafts' slots are simply overwritten;
 2. *propose*: ``k - 1`` one-token passes, each feeding the previous draft, give drafts 2..k.
 
-A greedy request's proposals are the draft's argmax (a point mass ``q = 1{d}``): the target
-accepts draft ``d`` iff its own sample at that position is ``d``, which is Leviathan et al.'s
-rejection sampling for a point mass, so greedy outputs are exactly the target's. A request that
-samples (``DraftRequest.params``) gets proposals drawn from the draft's own distribution ``q``
-(its temperature, top-k / top-p / min-p applied to the draft's logits; one uniform per position,
-counter-based for a seeded request): each kept with its ``q`` in ``proposals`` until the verify
+A greedy, structured or seeded request's proposals are the draft's argmax (a point mass
+``q = 1{d}``): the target accepts draft ``d`` iff its own sample at that position is ``d``, which
+is Leviathan et al.'s rejection sampling for a point mass, so greedy outputs are exactly the
+target's, and a seeded request's are exactly those of plain decoding (its counter-based draw at
+each position is the same with and without drafts). An unseeded request that samples
+(``DraftRequest.params``) gets proposals drawn from the draft's own distribution ``q`` (its
+temperature, top-k / top-p / min-p applied to the draft's logits; one uniform per position),
+which a good draft gets accepted more often: each kept with its ``q`` in ``proposals`` until the verify
 step takes it (``take_distribution``) for ``spec_decode.rejection_sample``. A proposal the engine
 did not schedule as proposed (another position, other tokens) is verified as point masses.
 

@@ -40,15 +40,11 @@ from gridserve.services.worker.parallel_state import get_parallel_state
 from gridserve.services.worker.pooler import run_pooling
 from gridserve.services.worker.request_failures import RequestFailures, check_new_request
 from gridserve.services.worker.sampler import (
-    ACCEPT_STREAM,
-    DRAFT_STREAM,
-    RESAMPLE_STREAM,
     Penalties,
     Sampler,
     SamplingMetadata,
     counter_uniform,
     gather_logprobs,
-    stream_uniform,
     trim_logprobs,
 )
 from gridserve.services.worker.spec_decode import DraftDistributions, accepted_run, ngram_propose
@@ -408,17 +404,16 @@ class ModelRunner:
         return {r: d for r, d in drafts.items() if d}
 
     def _draft_request(self, state: RequestState) -> DraftRequest:
-        """What the draft model needs of a request: a sampling one (unless a grammar cuts its drafts)
-        gets drafts drawn from ``q``, one uniform per draft (counter-based when seeded)."""
+        """What the draft model needs of a request: an unseeded sampling one (unless a grammar cuts
+        its drafts) gets drafts drawn from ``q``, one uniform per draft. Greedy, structured and
+        seeded requests get the draft's argmax (point masses, verified by exact match against the
+        target's own draw: a seeded request then gives exactly the tokens of plain decoding)."""
         request = DraftRequest(state.req_id, state.token_ids, state.block_ids)
         params = state.params
-        if params.greedy or params.structured_outputs is not None:
+        if params.greedy or params.structured_outputs is not None or params.seed is not None:
             return request
-        k, first = self.spec.num_speculative_tokens, state.num_output_tokens
-        if params.seed is None:
-            request.uniforms = torch.rand(k, dtype=torch.float64).clamp_(min=2.0**-53).tolist()
-        else:
-            request.uniforms = [stream_uniform(params.seed, DRAFT_STREAM, first + j) for j in range(k)]
+        k = self.spec.num_speculative_tokens
+        request.uniforms = torch.rand(k, dtype=torch.float64).clamp_(min=2.0**-53).tolist()
         request.params = params
         return request
 
@@ -436,12 +431,8 @@ class ModelRunner:
             q = self.drafter.take_distribution(req_id, len(state.token_ids), drafts)
             if q is None:
                 continue
-            seed, first = state.params.seed, state.num_output_tokens
-            if seed is None:
-                accept, resample = torch.rand(2, len(drafts), dtype=torch.float64).clamp_(min=2.0**-53).tolist()
-            else:
-                accept = [stream_uniform(seed, ACCEPT_STREAM, first + j) for j in range(len(drafts))]
-                resample = [stream_uniform(seed, RESAMPLE_STREAM, first + j) for j in range(len(drafts))]
+            # only unseeded requests have a q (seeded ones get point-mass drafts): fresh draws
+            accept, resample = torch.rand(2, len(drafts), dtype=torch.float64).clamp_(min=2.0**-53).tolist()
             found.add(first_rows[req_id], list(drafts), q, accept, resample)
         return found or None
 

@@ -15,8 +15,7 @@ Speculative decoding with a sampling draft model: ``meta.draft_distributions`` n
 drafts drawn from a distribution ``q``; after sampling, those rows are verified by rejection
 sampling against the rows' final distributions (``spec_decode.verify_drafts``) and rewritten to the
 verified run before logprobs are gathered, so logprobs are the target's for the tokens emitted.
-``sampling_probs`` is that final distribution (also the draft's ``q``); ``stream_uniform`` gives a
-seeded request's further counter-based draws (the draft's draw, the acceptance test, the residual).
+``sampling_probs`` is that final distribution (also the draft's ``q``).
 """
 
 from __future__ import annotations
@@ -149,16 +148,6 @@ def counter_uniform(seed: int, index: int) -> float:
     """A uniform in (0, 1) that depends only on ``(seed, index)``: 53 bits of a SplitMix64 hash."""
     x = _splitmix64((seed & _MASK64) ^ _splitmix64(index & _MASK64))
     return ((x >> 11) + 0.5) / float(1 << 53)
-
-
-# Further counter-based streams of a seeded request (the sampler's own draw is ``counter_uniform``).
-DRAFT_STREAM, ACCEPT_STREAM, RESAMPLE_STREAM = 1, 2, 3
-
-
-def stream_uniform(seed: int, stream: int, index: int) -> float:
-    """A uniform in (0, 1) of ``(seed, stream, index)``, independent of ``counter_uniform(seed, .)``
-    and of the other streams (the seed is hashed with the stream number first)."""
-    return counter_uniform(_splitmix64((seed & _MASK64) ^ (stream * 0xD1B54A32D192ED03 & _MASK64)), index)
 
 
 _ARGMAX_CHUNK = 128

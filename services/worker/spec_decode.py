@@ -27,13 +27,10 @@ follows it whatever ``q`` is (``tests/unit/worker/test_spec_decode.py``). ``veri
 rewrites the rows to the verified run (accepted drafts, then the drawn token, which differs from the
 draft it replaces: ``p - q`` is 0 there), so ``accepted_run`` gives the same run on every rank.
 
-Its draws are counter-based for a seeded request like the sampler's (``sampler.stream_uniform``:
-per output index, one stream each for the draft's draw, the acceptance test and the residual draw),
-so a seeded request is reproducible with a draft model at any batch size below
-``disable_by_batch_size``; its tokens differ from decoding without speculation (the same
-distribution, another coupling). Greedy requests, and
-structured-output ones (their drafts are cut at the grammar's first refusal, which would bias the
-rule), keep point-mass drafts and the exact-match verification above. EAGLE / MTP heads would plug
+Only unseeded requests get sampled drafts (their draws are fresh uniforms). Greedy, seeded and
+structured-output requests (the latter's drafts are cut at the grammar's first refusal, which would
+bias the rule) keep point-mass drafts and the exact-match verification above: a seeded request's
+tokens are then exactly those of decoding without speculation, at any batch size. EAGLE / MTP heads would plug
 in as a draft model does: tokens plus ``q`` per position.
 """
 

@@ -6,9 +6,10 @@ random checkpoints:
   32 prompts, chunked prefill on;
 * the target as its own draft accepts every draft; the random one few, with the same outputs;
 * a KV cache small enough to preempt, and prompts sharing prefixes (prefix-cache hits): same outputs;
-* sampling: drafts drawn from the draft's distribution and verified by rejection sampling — the
-  target as its own draft accepts nearly all of them; a seeded request gives the same tokens alone,
-  in a batch and on a second run; top-k 1 gives the greedy tokens and ``allowed_token_ids`` hold;
+* sampling: an unseeded request's drafts are drawn from the draft's distribution and verified by
+  rejection sampling — the target as its own draft accepts nearly all of them; a seeded request
+  (point-mass drafts) gives exactly the tokens of decoding without speculation, alone and in a
+  batch; top-k 1 gives the greedy tokens and ``allowed_token_ids`` hold;
 * aborts leak no block (the draft's lookahead slots included);
 * a JSON-schema request: the grammar's mask at each draft position keeps its output unchanged;
 * a draft of another vocabulary is refused at start, naming the field;
@@ -91,18 +92,30 @@ def _sampled(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
-def test_seeded_sampling_with_a_draft_model_is_reproducible_at_any_batch_size(llama_tiny):
-    """Sampled drafts are verified by rejection sampling (another coupling than plain decoding's
-    draw: other tokens, the same distribution); with counter-based draws a seed still fixes them."""
+def test_seeded_sampling_with_a_draft_model_gives_the_tokens_of_plain_decoding(llama_tiny):
+    """A seeded request's drafts are point masses verified by exact match against the target's own
+    counter-based draw: its tokens are those of decoding without speculation, alone or in a batch."""
     prompts = _prompts(6, 10, 40, seed=101)
     params = [SamplingParams(temperature=0.9, top_p=0.95, seed=200 + i, max_tokens=24, min_tokens=24)
               for i in range(len(prompts))]
     path = str(llama_tiny)
+    expected = _sampled(LLM(model=path, kv_cache_memory_bytes=KV_BYTES), prompts, params)
     spec = LLM(model=path, kv_cache_memory_bytes=KV_BYTES, speculative_config=_spec(path))
-    together = _sampled(spec, prompts, params)
-    alone = [_sampled(spec, [p], [q])[0] for p, q in zip(prompts, params)]
-    assert alone == together and _sampled(spec, prompts, params) == together
-    # the target as its own draft: q = p up to rounding (and min_tokens' EOS ban), nearly all accepted
+    assert _sampled(spec, prompts, params) == expected
+    assert [_sampled(spec, [p], [q])[0] for p, q in zip(prompts, params)] == expected
+    assert spec.stats().spec_num_accepted_tokens > 0
+    _assert_no_leak(spec)
+
+
+def test_unseeded_sampled_drafts_of_the_target_itself_are_nearly_all_accepted(llama_tiny):
+    """Drafts drawn from ``q`` = the target's own distribution: min(1, p / q) accepts them (up to
+    rounding and min_tokens' EOS ban)."""
+    prompts = _prompts(6, 10, 40, seed=131)
+    path = str(llama_tiny)
+    spec = LLM(model=path, kv_cache_memory_bytes=KV_BYTES, speculative_config=_spec(path))
+    outs = _sampled(spec, prompts, [SamplingParams(temperature=0.9, top_p=0.95, max_tokens=24, min_tokens=24)]
+                    * len(prompts))
+    assert all(len(o) == 24 for o in outs)
     assert _rate(spec) > 0.9
     _assert_no_leak(spec)
 

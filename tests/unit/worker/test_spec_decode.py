@@ -9,15 +9,11 @@ import pytest
 import torch
 
 from gridserve.services.worker.sampler import (
-    ACCEPT_STREAM,
-    DRAFT_STREAM,
-    RESAMPLE_STREAM,
     Sampler,
     SamplingMetadata,
     counter_uniform,
     inverse_cdf_sample,
     sampling_probs,
-    stream_uniform,
 )
 from gridserve.services.worker.spec_decode import (
     DraftDistributions,
@@ -131,8 +127,17 @@ def _batch_meta(logits: torch.Tensor, seeds: range, temperature: float, top_p: f
     )
 
 
+DRAFT_STREAM, ACCEPT_STREAM, RESAMPLE_STREAM = 1, 2, 3
+
+
+def stream_uniform(seed: int, stream: int, index: int) -> float:
+    """Counter-based uniforms of ``(seed, stream, index)``, apart from the sampler's own
+    ``counter_uniform(seed, index)``: reproducible draws for the draft and the verification."""
+    return counter_uniform((1 << 62) + 4 * seed + stream, index)
+
+
 def _seeded_drafts(q: torch.Tensor, seeds: range) -> DraftDistributions:
-    """Each seeded request's ``K`` drafts drawn from ``q`` with its draft stream, as the draft model draws."""
+    """Each request's ``K`` drafts drawn from ``q`` with reproducible draws, as the draft model draws."""
     drafts = DraftDistributions()
     for n, seed in enumerate(seeds):
         u = torch.tensor([stream_uniform(seed, DRAFT_STREAM, j) for j in range(K)], dtype=torch.float64)
@@ -191,7 +196,7 @@ def test_seeded_draft_verification_in_the_sampler_follows_the_target_whatever_th
             assert _chi_square(first, q[0] + 1e-9) > _critical(q[0])
 
 
-def test_seeded_draft_verification_is_reproducible_and_independent_of_the_batch():
+def test_draft_verification_is_a_function_of_its_draws_whatever_the_batch():
     target_logits = torch.randn(K + 1, VOCAB, generator=torch.Generator().manual_seed(4))
     q = torch.softmax(torch.randn(K, VOCAB, generator=torch.Generator().manual_seed(6)), -1)
 
