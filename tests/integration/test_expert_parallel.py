@@ -115,3 +115,17 @@ def test_a_killed_worker_ends_the_request_instead_of_hanging(ep):
         except grpc.RpcError as exc:
             assert exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED, "the request hung until its deadline"
     assert time.monotonic() - start < 150
+
+
+def test_tensor_parallelism_inside_each_expert_parallel_rank_keeps_the_tokens(tmp_path):
+    """DP=2 x TP=2 with expert parallelism (4 workers: each TP group splits its half of the experts
+    by intermediate size): one engine's greedy tokens, up to a near-tie flipped by the TP all-reduce's
+    summation order (as the TP tests allow)."""
+    expected, _ = _single_engine("qwen3_moe")
+    with deployment(CHECKPOINTS["qwen3_moe"](), tmp_path, data_parallel_size=2, tensor_parallel_size=2,
+                    engine_args=[*ENGINE_ARGS, "--enable-expert-parallel"]) as launcher:
+        with ThreadPoolExecutor(max_workers=len(PROMPTS)) as pool:
+            futures = [pool.submit(_generate, launcher, p, i % 2) for i, p in enumerate(PROMPTS)]
+            got = [f.result(timeout=300) for f in futures]
+    assert sum(g == e for g, e in zip(got, expected)) >= len(PROMPTS) - 1, (got, expected)
+    assert all(len(g) == TOKENS for g in got)
