@@ -28,6 +28,8 @@ BENCHMARKS = {
                  "add_arguments", "run"),
     "prefix": ("engine", "TTFT with a cached long prefix vs a cold one", "add_prefix_arguments",
                "run_prefix"),
+    "disaggregated": ("disagg_bench", "long prompts + long outputs: serve --disaggregated 1:1 vs -dp 2, workers "
+                      "pinned one per core (TTFT p99, ITL p99, throughput)", "add_arguments", "run"),
     "prefix-routing": ("prefix_routing", "DP=4 shared system prompts: --routing-policy prefix vs load (hit rate, "
                        "throughput, TTFT)", "add_arguments", "run"),
     "observability": ("observability", "engine step time with metrics / tracing off and on",
@@ -83,4 +85,4 @@ BENCHMARKS = {
 # Modules that are not a command's own but libraries the commands import (a test keeps the
 # package to commands + these).
 LIBRARIES = ("datasets", "metrics", "probe", "llama_server", "vllm_server", "peer_server", "peer_report",
-             "step_model")
+             "step_model", "harness")

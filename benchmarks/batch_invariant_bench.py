@@ -18,6 +18,8 @@ import statistics
 import time
 from pathlib import Path
 
+from gridserve.benchmarks import harness
+
 
 def _engines(model: str, batch: int):
     from gridserve import LLM
@@ -142,9 +144,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
+    return harness.standalone(__doc__, add_arguments, run, argv)
 
 
 if __name__ == "__main__":

@@ -36,6 +36,8 @@ from pathlib import Path
 from typing import Any
 from unittest import mock
 
+from gridserve.benchmarks import harness
+
 logger = logging.getLogger(__name__)
 
 # SmolLM2-135M (hidden 576, 9 / 3 heads of 64, MLP 1536, vocab 49152): (out, in) per GEMM
@@ -112,16 +114,8 @@ def bench_linear(rows: list[int], repeats: int) -> list[dict]:
 
 def _median_ms(calls: dict, repeats: int, flops: int) -> dict[str, float]:
     inner = max(1, int(1e8 // flops))  # ~0.1-10 ms per sample
-    times: dict[str, list[float]] = {name: [] for name in calls}
-    for fn in calls.values():
-        fn()
-    for _ in range(repeats):
-        for name, fn in calls.items():
-            start = time.perf_counter()
-            for _ in range(inner):
-                fn()
-            times[name].append((time.perf_counter() - start) / inner * 1e3)
-    return {f"{name}_ms": round(statistics.median(t), 4) for name, t in times.items()}
+    samples = harness.interleaved(calls, repeats, inner, warmup=True)
+    return {f"{name}_ms": round(statistics.median(s) * 1e3, 4) for name, s in samples.items()}
 
 
 def _packing(value: str) -> contextlib.AbstractContextManager:

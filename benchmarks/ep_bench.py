@@ -36,6 +36,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from gridserve.benchmarks import harness
+
 logger = logging.getLogger(__name__)
 
 LAYOUTS = {"no-ep": [], "ep": ["--enable-expert-parallel"]}
@@ -169,9 +171,7 @@ def _summary(runs: dict[str, dict]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
+    return harness.standalone(__doc__, add_arguments, run, argv)
 
 
 if __name__ == "__main__":

@@ -29,8 +29,9 @@ from __future__ import annotations
 import argparse
 import functools
 import statistics
-import time
 from typing import Any
+
+from gridserve.benchmarks import harness
 
 
 def per_expert_loop(layer: Any, x: Any, weights: Any, expert_ids: Any) -> Any:
@@ -148,13 +149,6 @@ def _layer(args: argparse.Namespace, dtype: Any, gen: Any) -> Any:
     return layer.to(dtype).requires_grad_(False)
 
 
-def _timed(fn, inner: int) -> float:
-    start = time.perf_counter()
-    for _ in range(inner):
-        fn()
-    return (time.perf_counter() - start) / inner
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--experts", type=int, default=128)
     parser.add_argument("--top-k", type=int, default=8)
@@ -215,11 +209,9 @@ def run(args: argparse.Namespace) -> int:
                             raise AssertionError(f"fused_int8 is {error:.3f} (relative) off the fused layer")
                     else:
                         torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-2, msg=name)
-                inner = args.inner or max(1, int(20e-3 / max(_timed(calls["loop"], 1), 1e-6)))
-                samples: dict[str, list[float]] = {name: [] for name in calls}
-                for _ in range(args.repeats):
-                    for name, call in calls.items():
-                        samples[name].append(_timed(call, inner))
+                inner = args.inner or harness.calls_per_sample(calls["loop"], 20e-3)
+                # the checks above warmed every variant up
+                samples = harness.interleaved(calls, args.repeats, inner, warmup=False)
             ms = {name: statistics.median(s) * 1e3 for name, s in samples.items()}
             cells = " | ".join(f"{ms[name]:.3f}" if name in ms else "–" for name in variants)
             speedups = [f"{ms['loop'] / ms['fused']:.2f}x"]
@@ -230,9 +222,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
+    return harness.standalone(__doc__, add_arguments, run, argv)
 
 
 if __name__ == "__main__":

@@ -16,8 +16,9 @@ from __future__ import annotations
 import argparse
 import functools
 import statistics
-import time
 from typing import TYPE_CHECKING
+
+from gridserve.benchmarks import harness
 
 if TYPE_CHECKING:  # torch is imported where it is used: `gridserve bench` lists this without it
     import torch
@@ -73,19 +74,11 @@ def bench(rows: list[int], shapes: list[tuple[int, int]], repeats: int, best: bo
             if m > 16 and torch_int_mm:  # torch._int_mm needs more than 16 rows
                 calls["int_mm_1row"] = functools.partial(_int_mm, x, wt, sw, 1)
                 calls["int_mm_2row"] = functools.partial(_int_mm, x, wt, sw, 2)
-            times: dict[str, list[float]] = {name: [] for name in calls}
             inner = max(1, int(2e8 // (m * n * k)))  # ~0.1-10 ms per sample
-            for fn in calls.values():
-                fn()  # warm up
-            for _ in range(repeats):
-                for name, fn in calls.items():
-                    start = time.perf_counter()
-                    for _ in range(inner):
-                        fn()
-                    times[name].append((time.perf_counter() - start) / inner * 1e3)
+            samples = harness.interleaved(calls, repeats, inner, warmup=True)
             row = {"m": m, "n": n, "k": k}
             pick = min if best else statistics.median
-            row.update({name: pick(t) for name, t in times.items()})
+            row.update({name: pick(s) * 1e3 for name, s in samples.items()})
             row["speedup_int16"] = row["fp32"] / row["int16"]
             row["speedup_group32"] = row["fp32"] / row["group32"]
             results.append(row)

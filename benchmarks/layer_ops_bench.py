@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
+
+from gridserve.benchmarks import harness
 
 
 def cases(tokens: int, hidden: int, heads: int, kv_heads: int, head_size: int, mlp: int, dtype, cache_dtype,
@@ -54,13 +55,6 @@ def cases(tokens: int, hidden: int, heads: int, kv_heads: int, head_size: int, m
     ]
 
 
-def timed(fn, inner: int) -> float:
-    start = time.perf_counter()
-    for _ in range(inner):
-        fn()
-    return (time.perf_counter() - start) / inner
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[256, 2048])
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 0], help="0 = torch's default")
@@ -94,13 +88,10 @@ def run(args: argparse.Namespace) -> int:
             torch.set_num_threads(threads or default_threads)
             for name, ref, cpp in cases(tokens, args.hidden, args.heads, args.kv_heads, args.head_size, args.mlp,
                                         dtype, cache_dtype, gen):
-                ref(), cpp()  # warm-up
-                inner = args.inner or max(1, int(2e-3 / max(timed(ref, 1), 1e-6)))
-                ref_t, cpp_t = [], []
-                for _ in range(args.repeats):
-                    ref_t.append(timed(ref, inner))
-                    cpp_t.append(timed(cpp, inner))
-                r, c = statistics.median(ref_t), statistics.median(cpp_t)
+                ref(), cpp()  # warm-up, before the sample size is taken from one reference call
+                inner = args.inner or harness.calls_per_sample(ref, 2e-3)
+                samples = harness.interleaved({"ref": ref, "cpp": cpp}, args.repeats, inner, warmup=False)
+                r, c = statistics.median(samples["ref"]), statistics.median(samples["cpp"])
                 print(f"{tokens:>6} {torch.get_num_threads():>7} {name:<26} {r * 1e3:>10.3f} {c * 1e3:>9.3f} "
                       f"{r / c:>8.2f}x", flush=True)
     torch.set_num_threads(default_threads)
@@ -108,9 +99,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
+    return harness.standalone(__doc__, add_arguments, run, argv)
 
 
 if __name__ == "__main__":

@@ -37,9 +37,10 @@ import random
 import statistics
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any, Optional
+
+from gridserve.benchmarks.harness import metric_sums, post_completion
 
 logger = logging.getLogger(__name__)
 
@@ -169,26 +170,15 @@ def _warm_up(base_url: str, model: str, num_engines: int) -> None:
     for rank in range(num_engines):
         body = {"model": model, "prompt": [rng.randrange(100, 4000) for _ in range(8)], "max_tokens": 2,
                 "temperature": 0.0, "data_parallel_rank": rank}
-        request = urllib.request.Request(f"{base_url}/v1/completions", json.dumps(body).encode(),
-                                         {"Content-Type": "application/json"})
-        with urllib.request.urlopen(request, timeout=120) as response:
-            response.read()
+        post_completion(base_url, body)
 
 
 def _counters(metrics_address: Optional[str]) -> dict[str, float]:
     """An engine's prefix-cache counters and finished requests, from its Prometheus /metrics."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    with urllib.request.urlopen(f"http://{metrics_address}/metrics", timeout=10) as response:
-        text = response.read().decode()
-    names = {"vllm:prefix_cache_queries_total": "queries", "vllm:prefix_cache_hits_total": "hits",
-             "vllm:request_prompt_tokens_count": "requests", "vllm:num_preemptions_total": "preemptions"}
-    out = dict.fromkeys(names.values(), 0.0)
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name in names:
-                out[names[sample.name]] += sample.value
-    return out
+    return metric_sums(metrics_address, {"vllm:prefix_cache_queries_total": "queries",
+                                         "vllm:prefix_cache_hits_total": "hits",
+                                         "vllm:request_prompt_tokens_count": "requests",
+                                         "vllm:num_preemptions_total": "preemptions"})
 
 
 def _run_line(r: dict[str, Any]) -> str:

@@ -18,6 +18,7 @@ from gridserve.kernels.triton_ops.activation import gelu, gelu_and_mul, silu_and
 from gridserve.kernels.triton_ops.attention import paged_attention
 from gridserve.kernels.triton_ops.cache import reshape_and_cache
 from gridserve.kernels.triton_ops.mla import mla_decode
+from gridserve.kernels.triton_ops.moe import moe_grouped_gemm
 from gridserve.kernels.triton_ops.norm import fused_add_rms_norm, rms_norm
 from gridserve.kernels.triton_ops.rotary import rotary_embedding
 
@@ -26,6 +27,7 @@ __all__ = [
     "gelu",
     "gelu_and_mul",
     "mla_decode",
+    "moe_grouped_gemm",
     "paged_attention",
     "reshape_and_cache",
     "rms_norm",

@@ -8,6 +8,13 @@ with the workers (``kv_sends``); a transfer ends when a worker reports it pulled
 when its deadline passes, and its blocks go back to the pool, the workers told first
 (``kv_releases``, applied before that step writes any block). While transfers wait the engine keeps
 polling its workers with empty steps (``waiting``), so a pull is noticed on an idle engine too.
+A gateway that ends the request at its first token (a stop string it applies, a client gone) aborts
+it here: the abort of a held request ``release``s its transfer at once (blocks freed, workers told),
+instead of at the deadline.
+
+Transfers move one KV cache group: a model whose plan has several (sliding-window layers beside
+full ones) is refused at start, naming ``cache.kv_role`` (``--disable-hybrid-kv-cache-manager``
+plans the window layers as full attention: one group, and the transfer works).
 
 ``check_consumer`` is a consumer's check of the params a gateway hands it (role, pairing, sizes).
 """
@@ -20,7 +27,7 @@ from dataclasses import dataclass
 
 from gridserve.services.engine.request import Request
 from gridserve.shared.config import GridserveConfig
-from gridserve.shared.errors import InvalidArgumentError
+from gridserve.shared.errors import ConfigError, InvalidArgumentError
 from gridserve.shared.kv_transfer import (
     KVSend,
     KVTransferParams,
@@ -45,7 +52,12 @@ class _Held:
 class KVTransfers:
     """The transfers a producer holds, and the sends / releases its workers have not seen yet."""
 
-    def __init__(self, config: GridserveConfig) -> None:
+    def __init__(self, config: GridserveConfig, num_kv_cache_groups: int = 1) -> None:
+        if num_kv_cache_groups != 1:
+            raise ConfigError("cache.kv_role", f"disaggregated prefill / decode moves one KV cache group; this "
+                                               f"model's plan has {num_kv_cache_groups} (sliding-window layers "
+                                               "beside full ones): start it with "
+                                               "--disable-hybrid-kv-cache-manager (window layers kept whole)")
         self.config = config
         self.timeout_s = config.cache.kv_transfer_timeout_s
         self.held: dict[str, _Held] = {}
@@ -85,6 +97,14 @@ class KVTransfers:
         self.stats.transfers_sent += len(done)
         return done
 
+    def release(self, request_ids: list[str]) -> list[Request]:
+        """Held transfers of requests the gateway aborted (ended at their first token): no consumer
+        will pull them; their requests (blocks to free now, not at the deadline)."""
+        wanted = set(request_ids)
+        if done := self._end([tid for tid, held in self.held.items() if held.request.request_id in wanted]):
+            logger.debug("%d KV transfer(s) released unpulled: their requests were aborted", len(done))
+        return done
+
     def expire(self) -> list[Request]:
         """Transfers past their deadline, never pulled: their requests (blocks to free)."""
         now = time.time()
@@ -109,7 +129,11 @@ class KVTransfers:
             held = self.held.pop(transfer_id, None)
             if held is None:
                 continue
-            self._releases.append(transfer_id)
+            unsent = [send for send in self._sends if send.transfer_id == transfer_id]
+            if unsent:  # ended before any plan registered it: the workers never hear of it
+                self._sends.remove(unsent[0])
+            else:
+                self._releases.append(transfer_id)
             self.stats.held_blocks -= len(held.params.block_ids)
             done.append(held.request)
         return done

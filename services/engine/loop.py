@@ -75,6 +75,9 @@ class EngineLoop:
         self.draining = False
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._routes: dict[str, str] = {}  # request id -> gateway id
+        # P/D: a finished request whose KV a producer still holds keeps its owner, so that its
+        # gateway may abort it (an early release of the transfer); pruned to what is still held.
+        self._held_routes: dict[str, str] = {}
         self._sinks: dict[str, OutputSink] = {}  # gateway id -> its open output stream
         self._stop = threading.Event()
         self._halted = False  # fault injection: the thread exits without a word (``halt``)
@@ -281,7 +284,13 @@ class EngineLoop:
     def _owned(self, request_ids: list[str], owner: Optional[str]) -> list[str]:
         if owner is None:
             return request_ids
-        return [rid for rid in request_ids if self._routes.get(rid, "").startswith(owner + "/")]
+        self._prune_held_routes()
+        return [rid for rid in request_ids
+                if (self._routes.get(rid) or self._held_routes.get(rid, "")).startswith(owner + "/")]
+
+    def _prune_held_routes(self) -> None:
+        held = self.core.scheduler.held_request_ids()
+        self._held_routes = {rid: gid for rid, gid in self._held_routes.items() if rid in held}
 
     def _abort(self, request_ids: list[str]) -> list[str]:
         aborted = self.core.abort_requests(request_ids)
@@ -299,6 +308,10 @@ class EngineLoop:
             batches[gateway_id].append(out)
             if out.finished:
                 del self._routes[out.request_id]
+                if out.kv_transfer_params is not None:
+                    self._held_routes[out.request_id] = gateway_id
+                    if len(self._held_routes) > 64:
+                        self._prune_held_routes()
         for gateway_id, batch in batches.items():
             sink = self._sinks.get(gateway_id)
             if sink is not None:
@@ -367,6 +380,7 @@ class EngineLoop:
         for sink in self._sinks.values():
             sink.put(self.error)
         self._routes.clear()
+        self._held_routes.clear()
 
     def _close_sinks(self) -> None:
         for sink in self._sinks.values():

@@ -25,7 +25,8 @@ Multi-LoRA: the running requests use at most ``max_loras`` distinct adapters; a 
 another adapter is passed over (it keeps its place) until one of them drains.
 
 Disaggregated prefill / decode (``--kv-role``, ``kv_transfers.py``): a producer's prefill-only
-request ends after its first token and keeps its blocks for a consumer; a consumer's request with
+request ends after its first token and keeps its blocks for a consumer (an abort of it releases
+them at once; a model of several KV cache groups is refused); a consumer's request with
 ``kv_load`` is admitted with its prompt counted as computed (pulled by the worker before the step,
 kept out of the prefix cache until confirmed) and goes back to the queue to compute its prompt when
 the pull fails.
@@ -121,7 +122,7 @@ class Scheduler:
         self.max_loras = config.lora.max_loras if config.lora.enable_lora else None
         self.spec_stats = SpecDecodeStats(self.spec.num_speculative_tokens if self.spec else 0)
         # Disaggregated prefill / decode (--kv-role): a producer's held transfers, both sides' counters.
-        self.transfers = KVTransfers(config) if config.cache.kv_role else None
+        self.transfers = KVTransfers(config, kv_cache_manager.num_groups) if config.cache.kv_role else None
         self.num_lookahead = self.spec.num_lookahead_tokens if self.spec else 0
 
     # ---- admission and removal ------------------------------------------------------------
@@ -141,7 +142,11 @@ class Scheduler:
         self.policy.queue(self.waiting, request)
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[str]:
-        """Abort requests that are still alive; unknown or finished ids are ignored (idempotent)."""
+        """Abort requests that are still alive; unknown or finished ids are ignored (idempotent). A
+        producer's finished request whose blocks wait for a consumer releases them (P/D)."""
+        request_ids = list(request_ids)
+        if self.transfers is not None and self.transfers.held:
+            self._free_transfers(self.transfers.release(list(request_ids)))
         aborted = []
         for request_id in request_ids:
             request = self.requests.get(request_id)
@@ -571,6 +576,12 @@ class Scheduler:
     def kv_transfers_waiting(self) -> bool:
         """A producer holds transfers (or owes its workers a release): the engine keeps stepping."""
         return self.transfers is not None and self.transfers.waiting
+
+    def held_request_ids(self) -> set[str]:
+        """The requests whose blocks a producer holds for a consumer (finished, still abortable)."""
+        if self.transfers is None:
+            return set()
+        return {held.request.request_id for held in self.transfers.held.values()}
 
     def _pulled_tokens(self, request: Request) -> int:
         """A consumer's request whose prompt KV is pulled from a producer: the prompt's tokens (their

@@ -16,7 +16,9 @@ Failure rules: a prefill engine lost before it answers, or no decode engine up t
 request continues on the decode pool with no params (plain serving; ``continuation_pool``); a decode
 engine's failed pull (the prefill engine died mid-transfer, the deadline passed) makes it compute the
 prompt itself; a decode engine lost mid-stream: the gateway's failover continues the stream on
-another decode engine. Requests that cannot be split go to the decode pool whole: ones pinned to an
+another decode engine; a request that ends at its first token (a stop string the gateway applies)
+or whose client leaves after the hand-off is aborted on the prefill engine, which releases the held
+blocks at once (not at the transfer's deadline). Requests that cannot be split go to the decode pool whole: ones pinned to an
 engine (``data_parallel_rank``), ones asking for prompt logprobs (the decode engine computes them).
 An in-process engine (``LocalEngineClient``) has no role: a plain engine.
 """

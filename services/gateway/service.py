@@ -30,7 +30,8 @@ missing token. ``n > 1`` samples fail over one by one; without a live engine wit
 Disaggregated prefill / decode (``disaggregation.py``): with prefill engines and decode engines up,
 a new request runs prefill-only on the prefill pool; its first token is streamed and the request
 continues on the decode pool with the prefill engine's ``KVTransferParams`` (``_Stream.hand_off``);
-failovers go to the decode pool.
+failovers go to the decode pool. A request that ends at its first token (a stop string), or whose
+client leaves after the hand-off, is aborted on the prefill engine too: it frees the held KV now.
 """
 
 from __future__ import annotations
@@ -569,6 +570,8 @@ class _Stream:
         self.data_parallel_rank = data_parallel_rank
         self.timer: Optional[asyncio.TimerHandle] = None  # the deadline's
         self.refused = False  # every engine refused it: nothing to abort
+        # P/D: the prefill engine of each sample handed off (it holds the prompt's KV until pulled)
+        self.producer_of: dict[str, EngineClientProtocol] = {}
         service._enter()
         self.observation.on_engine(service._engine_labels.get(id(self.engine), self.engine.address))
 
@@ -707,10 +710,14 @@ class _Stream:
             return chunk
         producer.unregister(child_id)
         self._register(child_id, engine)
+        self.producer_of[child_id] = producer
         try:
             await self._add(engine, child_id, self._continuation_params(child_id), list(sample.token_ids),
                             kv_transfer_params=prefilled.kv_transfer_params)
         except EngineDeadError as exc:
+            # nobody pulls: the prefill engine frees the blocks now (awaited: the failover may add
+            # the sample there again, and that one must not be aborted)
+            await producer.abort([child_id])
             await self.fail_over(EngineLostError(str(exc), engine, child_id, self.session_of[child_id]))
         return chunk
 
@@ -775,6 +782,10 @@ class _Stream:
             engine.unregister(child_id)
         if not self.finished and not self.refused:
             self.abort(list(self.sent))
+            # P/D: a decode engine that drops the request before its pull leaves the prefill engine
+            # holding the prompt's KV; the abort releases it there now, not at the deadline.
+            for child_id, producer in self.producer_of.items():
+                self.abort([child_id], producer)
         self.service._exit()
         self.observation.end(self.samples, len(self.processed.prompt_token_ids), error)
 

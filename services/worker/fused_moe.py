@@ -33,8 +33,15 @@ CPU) at 16 and 64 (runs on this machine vary by more), no private API, any dtype
 ``bmm`` pays for padding every group and gathering the weights. Holding each expert's fp32
 weights in oneDNN's blocked layout, as ``cpu_packed_linear`` holds the dense layers', would be
 ~1.5x faster at 16 and 64; not done yet (it needs the packed layout's load / sleep / weight-sync
-handling for stacked experts). On CUDA the same torch code runs (correct, not fast): a Triton
-grouped GEMM is not written yet.
+handling for stacked experts).
+
+On CUDA (and under ``GRIDSERVE_KERNELS=triton``, which the interpreter tests use on CPU) float
+experts run both projections through the Triton grouped GEMM (``kernels/triton_ops/moe.py``): one
+program per (row tile of one expert, block of output columns), each tile's expert read from a
+table built on the device from the per-expert counts, so the layer never syncs with the host (no
+``counts.tolist()``); the bias is added inside the kernel, the activation, routing-weight scaling
+and ``index_add_`` stay the torch / dispatched ops above. ``GRIDSERVE_KERNELS=reference`` (or a
+missing Triton) keeps the torch GEMMs on any device; int8 experts keep their own path.
 
 Expert parallelism (``--enable-expert-parallel``, ``ParallelState.ep``): the layer holds only its
 DP rank's contiguous ``experts`` (``E / DP`` of them; the loader skips the other experts' tensors).
@@ -65,6 +72,8 @@ router is ``topk_softmax`` (top-k logits, then their softmax).
 
 from __future__ import annotations
 
+import functools
+import logging
 import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Optional
@@ -76,8 +85,14 @@ from gridserve.kernels import silu_and_mul
 from gridserve.services.worker.checkpoint import CheckpointTensor
 from gridserve.services.worker.parallel_state import ParallelState
 from gridserve.services.worker.quantization.experts import QuantizedExperts
+from gridserve.shared import envs
 from gridserve.shared.errors import FailedPreconditionError
 from gridserve.shared.parallel import even_shard, expert_shard
+
+logger = logging.getLogger(__name__)
+
+# One projection of the sorted rows: (``"gate_up"`` / ``"down"``, rows, bias) -> [rows, N]
+GroupedGemm = Callable[[str, torch.Tensor, Optional[torch.Tensor]], torch.Tensor]
 
 # A checkpoint's expert tensors: one expert's projection (``...experts.3.w1.weight``) or a stacked
 # tensor (``...experts.gate_up_proj`` [E, 2I, H], ``...experts.down_proj`` [E, H, I]).
@@ -189,13 +204,27 @@ class FusedMoE(nn.Module):
             flat, flat_weights = flat[mine], flat_weights[mine]
         order = torch.argsort(flat, stable=True)  # assignments grouped by expert, ascending
         tokens = (order if mine is None else mine[order]) // expert_ids.shape[1]
-        counts = torch.bincount(flat, minlength=self.experts.size).tolist()
+        gemm = self._grouped_gemm(x, torch.bincount(flat, minlength=self.experts.size), tokens.shape[0])
         rows = x[tokens]
-        h = self.activation(self._project("gate_up", rows, self.gate_up_bias, counts))
+        h = self.activation(gemm("gate_up", rows, self.gate_up_bias))
         down_bias = self.down_bias if self.adds_down_bias else None
-        y = self._project("down", h, down_bias, counts)
+        y = gemm("down", h, down_bias)
         # fp32 routing weights promote a half-precision product, rounded once (as transformers does)
         return out.index_add_(0, tokens, (y * flat_weights[order].unsqueeze(-1)).to(x.dtype))
+
+    def _grouped_gemm(self, x: torch.Tensor, counts: torch.Tensor, num_rows: int) -> GroupedGemm:
+        """This batch's grouped GEMM over ``num_rows`` sorted rows (``counts`` [experts] each): the
+        Triton kernel for float experts on CUDA (or under ``GRIDSERVE_KERNELS=triton``), sharing one
+        tile table between the projections and never syncing with the host; else ``_project``."""
+        moe = _triton_moe(x) if self.down_quantized is None else None
+        if moe is not None:
+            tiles = moe.moe_tiles(counts, num_rows)
+
+            def triton_gemm(projection: str, rows: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+                return moe.moe_grouped_gemm(rows, getattr(self, f"{projection}_proj"), counts, bias, tiles=tiles)
+
+            return triton_gemm
+        return functools.partial(self._project, counts=counts.tolist())
 
     def _project(self, projection: str, rows: torch.Tensor, bias: Optional[torch.Tensor],
                  counts: list[int]) -> torch.Tensor:
@@ -307,6 +336,30 @@ def expert_parameter_bytes(model: nn.Module) -> tuple[int, str]:
     total = sum(m.weight_bytes() for m in layers)
     held = f"experts [{layers[0].experts.start}, {layers[0].experts.end}) of {layers[0].num_experts}" if layers else ""
     return total, held
+
+
+@functools.lru_cache(maxsize=1)
+def _triton_moe_module():
+    """``kernels.triton_ops.moe``, or None when Triton (or its kernels) cannot be imported."""
+    try:
+        from gridserve.kernels.triton_ops import moe
+    except ImportError as exc:
+        logger.info("Triton MoE kernel unavailable (%s); experts run torch GEMMs", exc)
+        return None
+    return moe
+
+
+def _triton_moe(x: torch.Tensor):
+    """The Triton grouped-GEMM module for activations ``x``, chosen as ``gridserve.kernels.dispatch``
+    chooses Triton (``GRIDSERVE_KERNELS``: CUDA tensors under ``auto`` / ``cpu``, any tensor under
+    ``triton``, never under ``reference``), or None for the torch GEMMs."""
+    mode = envs.GRIDSERVE_KERNELS
+    if mode == "reference" or not (x.is_cuda or mode == "triton"):
+        return None
+    moe = _triton_moe_module()
+    if moe is None and mode == "triton":
+        raise RuntimeError("GRIDSERVE_KERNELS=triton but the Triton MoE kernel cannot be imported")
+    return moe
 
 
 def _grouped_mm(a: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],

@@ -5,7 +5,8 @@ coordinator, a gateway and the Envoy edge).
 - P=1/D=1: greedy outputs through the gateway's gRPC and the openai client through the edge
   (streamed and not) equal the offline ``LLM``'s; the KV bytes the prefill engine served and the
   decode engine pulled equal the prompts' blocks' size; nothing stays held; ``/v1/status`` shows
-  each engine's role and transfers.
+  each engine's role and transfers; a stop string met by the first token leaves nothing held on the
+  prefill engine at once (the gateway's abort releases the transfer), not at its deadline.
 - P=1/D=2 (batch-invariant engines, supervised: dead roles restart): greedy outputs equal the
   ``LLM``'s and both decode engines decode; the prefill engine SIGKILLed under 24 streams and a
   decode engine SIGKILLed mid-stream: every stream completes with the fault-free run's tokens (no
@@ -15,6 +16,7 @@ coordinator, a gateway and the Envoy edge).
 from __future__ import annotations
 
 import json
+import signal
 import threading
 import time
 import urllib.request
@@ -95,7 +97,8 @@ def pd12(llama_tiny, tmp_path_factory):
 
 
 def _engines(launcher):
-    return [p for p in launcher.processes if p.role == "engine"]
+    """The engines in DP-rank order: the prefill engines (ranks below P), then the decode engines."""
+    return sorted((p for p in launcher.processes if p.role == "engine"), key=lambda p: p.group)
 
 
 def _generate(channel, prompt: list[int]) -> list[int]:
@@ -163,6 +166,33 @@ def test_p1_d1_openai_client_through_the_edge_sees_one_stream(pd11, reference):
         assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
 
 
+def test_a_stop_string_on_the_first_token_frees_the_prefill_engine_s_blocks_before_the_deadline(pd11):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"http://{pd11.edge_address}/v1", api_key="unused", max_retries=0, timeout=60)
+    producer = _engines(pd11)[0]
+    _idle(_engines(pd11))
+    before = _load(producer).kv_transfers
+    first = ""
+    for prompt in ("def fibonacci(n):\n", "import os\n\nclass Config:\n", "The quick brown fox"):
+        chunks = client.completions.create(model=pd11.model, prompt=prompt, max_tokens=4, temperature=0, stream=True)
+        first = next(c.choices[0].text for c in chunks if c.choices)
+        if first.strip():
+            break
+    assert first.strip(), "no prompt's first token has visible text"
+    _idle(_engines(pd11))
+    sent = _load(producer).kv_transfers.transfers_sent
+    started = time.monotonic()
+    done = client.completions.create(model=pd11.model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+                                     stop=[first])
+    assert done.choices[0].finish_reason == "stop" and done.choices[0].text == ""
+    # the gateway's abort released the transfer: no pull, no expiry, nothing held, long before 30 s
+    loads = _idle(_engines(pd11), timeout=5.0)
+    assert time.monotonic() - started < 10
+    after = loads[0].kv_transfers
+    assert after.transfers_sent == sent and after.transfers_expired == before.transfers_expired == 0
+    assert after.held_blocks == after.transfers_held == 0
+
+
 def test_p1_d2_outputs_equal_a_single_engine_on_both_decode_engines(pd12, reference):
     producer, *decoders = _engines(pd12)
     assert _generate_all(pd12) == reference[0]
@@ -172,10 +202,13 @@ def test_p1_d2_outputs_equal_a_single_engine_on_both_decode_engines(pd12, refere
     assert sum(lo.kv_transfers.transfers_received for lo in loads[1:]) == len(PROMPTS)
 
 
-def _kill_under_load(launcher, victim, when):
-    """The chaos load twice: fault-free, then with ``victim()`` SIGKILLed once ``when(progress)``."""
+def _kill_under_load(launcher, victim, when, before_fault=None):
+    """The chaos load twice: fault-free, then (after ``before_fault()``) with ``victim()`` SIGKILLed
+    once ``when(progress)``."""
     requests = make_requests(STREAMS, STREAM_TOKENS)
     clean = run_load(launcher.edge_address, launcher.model, requests, STREAMS)
+    if before_fault is not None:
+        before_fault()
     progress, out = Progress(), {}
     thread = threading.Thread(target=lambda: out.update(
         results=run_load(launcher.edge_address, launcher.model, requests, STREAMS, progress)))
@@ -215,18 +248,39 @@ def _wait_restarted(engine, pid: int) -> None:
 def test_prefill_engine_killed_under_load_every_stream_completes_unchanged(pd12):
     producer = _engines(pd12)[0]
     pid, before = producer.pid, _failovers(pd12).get("0", 0.0)
-    # killed while streams are still starting: some wait for their prefill (they go on, whole, on a
-    # decode engine), some for their pull (it fails: the decode engine computes the prompt)
-    _kill_under_load(pd12, lambda: producer, lambda p: p.events >= STREAMS // 2)
+    # frozen (SIGSTOP) as the load starts, so that its requests are surely in flight on it, then
+    # killed: they go on, whole, on a decode engine (a timed kill raced the fast prefill)
+    started = {}
+
+    def freeze() -> None:
+        producer.process.send_signal(signal.SIGSTOP)
+        started["at"] = time.monotonic()
+
+    _kill_under_load(pd12, lambda: producer, lambda p: time.monotonic() - started["at"] > 0.5, freeze)
     assert _failovers(pd12).get("0", 0.0) > before, "no stream was prefilling when the prefill engine died"
     _wait_restarted(producer, pid)
     _idle(_engines(pd12))
 
 
 def test_decode_engine_killed_mid_stream_every_stream_completes_unchanged(pd12):
-    decoder = _engines(pd12)[1]
-    pid, before = decoder.pid, _failovers(pd12).get("1", 0.0)
-    _kill_under_load(pd12, lambda: decoder, lambda p: p.events >= STREAMS * STREAM_TOKENS // 3)
-    assert _failovers(pd12).get("1", 0.0) > before, "no stream was decoding on the killed engine"
-    _wait_restarted(decoder, pid)
+    decoders = _engines(pd12)[1:]
+    chosen = {}
+
+    def busiest():  # the decode engine running the most streams when the fault comes
+        chosen["engine"] = max(decoders, key=_busy)
+        return chosen["engine"]
+
+    before = _failovers(pd12)
+    pids = {id(d): d.pid for d in decoders}
+    _kill_under_load(pd12, busiest, lambda p: p.events >= STREAMS * STREAM_TOKENS // 3)
+    victim = chosen["engine"]
+    label = str(victim.group)  # its DP rank: its index in the gateway's --engines
+    assert _failovers(pd12).get(label, 0.0) > before.get(label, 0.0), "no stream was decoding on the killed engine"
+    _wait_restarted(victim, pids[id(victim)])
     _idle(_engines(pd12))
+
+
+def _busy(engine) -> int:
+    """Requests running or waiting on ``engine`` now."""
+    load = _load(engine)
+    return load.num_running + load.num_waiting

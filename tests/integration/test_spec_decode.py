@@ -52,6 +52,34 @@ def _assert_no_leak(llm: LLM) -> None:
     assert kv.num_free_blocks == kv.num_total_blocks
 
 
+def _three_architectures_baseline(name: str, llama_tiny, opt_tiny,
+                                  seed: int) -> tuple[str, list[list[int]], list[list[int]]]:
+    """The model of ``name``, 32 prompts and their greedy tokens without speculation (chunked
+    prefill, 64 tokens a step)."""
+    path = _path(name, llama_tiny, opt_tiny)
+    prompts = _prompts(32, 10, 90, seed=seed)
+    plain = LLM(model=path, kv_cache_memory_bytes=KV_BYTES, max_num_batched_tokens=64)
+    return path, prompts, _tokens(plain, prompts, _greedy())
+
+
+def _abort_every_other_midway(llm: LLM, prompts: list[list[int]], params: SamplingParams,
+                              expected: list[list[int]]) -> None:
+    """Six engine steps of the prompts, then every other request aborted while drafts are in flight:
+    every block (the drafts' included) comes back, and the others still get ``expected``'s tokens."""
+    engine = llm.llm_engine
+    ids = [engine.add_request({"prompt_token_ids": p}, params) for p in prompts]
+    finished = {}
+    for _ in range(6):
+        finished.update({o.request_id: o for o in engine.step()})
+    assert llm.stats().spec_num_drafts > 0, "drafts were in flight when the aborts came"
+    engine.abort_request(ids[::2])
+    while engine.has_unfinished_requests():
+        finished.update({o.request_id: o for o in engine.step()})
+    _assert_no_leak(llm)
+    for i in range(1, len(prompts), 2):
+        assert list(finished[ids[i]].outputs[0].token_ids) == expected[i]
+
+
 def _path(name: str, llama_tiny, opt_tiny) -> str:
     return {"llama": str(llama_tiny), "opt": str(opt_tiny)}.get(name) or llama_family(name)
 
@@ -85,10 +113,7 @@ class _Oracle:
 
 @pytest.mark.parametrize("name", ["llama", "opt", "gemma2"])
 def test_greedy_outputs_are_identical_with_speculation_on_three_architectures(name, llama_tiny, opt_tiny):
-    path = _path(name, llama_tiny, opt_tiny)
-    prompts = _prompts(32, 10, 90, seed=61)
-    plain = LLM(model=path, kv_cache_memory_bytes=KV_BYTES, max_num_batched_tokens=64)
-    expected = _tokens(plain, prompts, _greedy())
+    path, prompts, expected = _three_architectures_baseline(name, llama_tiny, opt_tiny, seed=61)
     spec = LLM(model=path, kv_cache_memory_bytes=KV_BYTES, max_num_batched_tokens=64, speculative_config=NGRAM)
     _Oracle(spec, {tuple(p): e for p, e in zip(prompts, expected)}, wrong_at=2)
     alone = [_tokens(spec, [p], _greedy())[0] for p in prompts[:8]]  # speculation's case: one at a time
@@ -141,18 +166,7 @@ def test_aborting_requests_with_drafts_in_flight_leaks_no_block_and_spares_the_o
     expected = _tokens(plain, prompts, _greedy(40))
     spec = LLM(model=str(llama_tiny), kv_cache_memory_bytes=KV_BYTES, speculative_config=NGRAM)
     _Oracle(spec, {tuple(p): e for p, e in zip(prompts, expected)}, wrong_at=2)
-    engine = spec.llm_engine
-    ids = [engine.add_request({"prompt_token_ids": p}, _greedy(40)) for p in prompts]
-    finished = {}
-    for _ in range(6):
-        finished.update({o.request_id: o for o in engine.step()})
-    assert spec.stats().spec_num_drafts > 0, "drafts were in flight when the aborts came"
-    engine.abort_request(ids[::2])
-    while engine.has_unfinished_requests():
-        finished.update({o.request_id: o for o in engine.step()})
-    _assert_no_leak(spec)
-    for i in range(1, len(prompts), 2):
-        assert list(finished[ids[i]].outputs[0].token_ids) == expected[i]
+    _abort_every_other_midway(spec, prompts, _greedy(40), expected)
 
 
 def test_seeded_sampling_is_the_same_with_and_without_speculation_at_any_batch_size(llama_tiny):

@@ -26,7 +26,16 @@ from gridserve.shared.sampling_params import StructuredOutputsParams
 from tests.zoo import zoo_checkpoint
 
 from .test_llm_matches_hf import _prompts
-from .test_spec_decode import KV_BYTES, NGRAM, _assert_no_leak, _greedy, _Oracle, _path, _tokens
+from .test_spec_decode import (
+    KV_BYTES,
+    NGRAM,
+    _abort_every_other_midway,
+    _assert_no_leak,
+    _greedy,
+    _Oracle,
+    _three_architectures_baseline,
+    _tokens,
+)
 
 K = 4
 
@@ -50,10 +59,7 @@ def _rate(llm: LLM) -> float:
 
 @pytest.mark.parametrize("name", ["llama", "opt", "gemma2"])
 def test_greedy_outputs_are_identical_with_a_draft_model_on_three_architectures(name, llama_tiny, opt_tiny):
-    path = _path(name, llama_tiny, opt_tiny)
-    prompts = _prompts(32, 10, 90, seed=83)
-    plain = LLM(model=path, kv_cache_memory_bytes=KV_BYTES, max_num_batched_tokens=64)
-    expected = _tokens(plain, prompts, _greedy())
+    path, prompts, expected = _three_architectures_baseline(name, llama_tiny, opt_tiny, seed=83)
     # the target as its own draft too, where its layers are all full attention (a draft's must be)
     for draft in (_draft(), path) if name != "gemma2" else (_draft(),):
         spec = LLM(model=path, kv_cache_memory_bytes=KV_BYTES, max_num_batched_tokens=64,
@@ -143,18 +149,7 @@ def test_aborting_requests_with_a_draft_model_leaks_no_block(llama_tiny):
     plain = LLM(model=path, kv_cache_memory_bytes=KV_BYTES)
     expected = _tokens(plain, prompts, _greedy(40))
     spec = LLM(model=path, kv_cache_memory_bytes=KV_BYTES, speculative_config=_spec(_draft()))
-    engine = spec.llm_engine
-    ids = [engine.add_request({"prompt_token_ids": p}, _greedy(40)) for p in prompts]
-    finished = {}
-    for _ in range(6):
-        finished.update({o.request_id: o for o in engine.step()})
-    assert spec.stats().spec_num_drafts > 0, "drafts were in flight when the aborts came"
-    engine.abort_request(ids[::2])
-    while engine.has_unfinished_requests():
-        finished.update({o.request_id: o for o in engine.step()})
-    _assert_no_leak(spec)
-    for i in range(1, len(prompts), 2):
-        assert list(finished[ids[i]].outputs[0].token_ids) == expected[i]
+    _abort_every_other_midway(spec, prompts, _greedy(40), expected)
 
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},

@@ -68,6 +68,18 @@ helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version }}
 {{- if $d.enabled -}}{{ ternary "kv_producer" "kv_consumer" (lt (int .rank) (int $d.prefill.replicas)) }}{{- end -}}
 {{- end -}}
 
+{{/* "true" when the engine of DP rank .rank is a KEDA standby of its disaggregated pool (keda.enabled,
+     its index in the pool >= the pool's minReplicas): KEDA owns its replica count (and its workers'). */}}
+{{- define "gridserve.kedaStandby" -}}
+{{- $d := .root.Values.disaggregated -}}
+{{- if and .root.Values.keda.enabled $d.enabled -}}
+{{- $prefill := lt (int .rank) (int $d.prefill.replicas) -}}
+{{- $p := ternary $d.prefill $d.decode $prefill -}}
+{{- $index := ternary (int .rank) (sub (int .rank) (int $d.prefill.replicas)) $prefill -}}
+{{- if and (not (kindIs "invalid" $p.minReplicas)) (ge (int $index) (int $p.minReplicas)) -}}true{{- end -}}
+{{- end -}}
+{{- end -}}
+
 {{/* Stable DNS names. */}}
 {{- define "gridserve.svcSuffix" -}}
 {{- printf "%s.svc.%s" .Release.Namespace .Values.clusterDomain -}}

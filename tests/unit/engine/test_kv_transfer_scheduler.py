@@ -1,6 +1,7 @@
 """Disaggregated prefill / decode in the scheduler (real KV-cache manager, a fake worker): a producer's
-prefill-only request ends after one token holding its blocks until pulled or expired; a consumer
-pulls the prompt's KV instead of computing it, or computes it when the pull fails."""
+prefill-only request ends after one token holding its blocks until pulled, aborted or expired; a
+consumer pulls the prompt's KV instead of computing it, or computes it when the pull fails; a model
+of several KV cache groups is refused."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from gridserve.shared.config import (
     SchedulerConfig,
 )
 from gridserve.shared.errors import ConfigError, InvalidArgumentError
+from gridserve.shared.kv_cache_spec import FULL, SLIDING_WINDOW, KVCacheGroup
 from gridserve.shared.kv_transfer import KVTransferParams
 from gridserve.shared.outputs import FinishReason
 from gridserve.shared.sampling_params import SamplingParams
@@ -78,7 +80,17 @@ def test_an_unpulled_transfer_is_freed_at_its_deadline():
     time.sleep(0.1)
     plan = s.schedule()
     assert s.kv.num_free_blocks == 31 and s.transfers.stats.transfers_expired == 1
-    assert len(plan.kv_releases) == 1
+    assert plan.kv_sends == plan.kv_releases == []  # no plan named it: the workers never hear of it
+
+
+def test_an_expired_transfer_the_workers_serve_is_released_there():
+    s = _scheduler("kv_producer", timeout_s=0.05)
+    s.add_request(Request("r", list(range(40)), SamplingParams(max_tokens=5), prefill_only=True))
+    (out,) = _answer(s, s.schedule())
+    assert [k.transfer_id for k in s.schedule().kv_sends] == [out.kv_transfer_params.transfer_id]
+    time.sleep(0.1)
+    assert s.schedule().kv_releases == [out.kv_transfer_params.transfer_id]
+    assert s.kv.num_free_blocks == 31 and s.transfers.stats.transfers_expired == 1
 
 
 def _params(num_tokens: int, **changes) -> KVTransferParams:
@@ -131,3 +143,38 @@ def test_a_mismatched_producer_is_refused_naming_the_field(field, change):
         check_consumer(config, _params(40), 40, 0)
     with pytest.raises(InvalidArgumentError, match="kv_role"):
         check_consumer(GridserveConfig(model=ModelConfig(model="tiny")), _params(40), 40, 1)
+
+
+def test_aborting_a_held_request_releases_its_blocks_at_once_not_at_the_deadline():
+    s = _scheduler("kv_producer")
+    s.add_request(Request("r", list(range(40)), SamplingParams(max_tokens=20), prefill_only=True))
+    (out,) = _answer(s, s.schedule())
+    params = out.kv_transfer_params
+    assert s.schedule().kv_sends[0].transfer_id == params.transfer_id  # the workers serve it now
+    assert s.abort_requests(["r"]) == []  # finished already: nothing to publish as aborted
+    assert s.kv.num_free_blocks == 31 and s.transfers.stats.held_blocks == 0 and not s.transfers.held
+    assert s.schedule().kv_releases == [params.transfer_id]  # the workers stop serving it
+    assert s.transfers.stats.transfers_expired == s.transfers.stats.transfers_sent == 0
+    assert not s.kv_transfers_waiting
+
+
+def test_a_transfer_released_before_any_plan_named_it_never_reaches_the_workers():
+    s = _scheduler("kv_producer")
+    s.add_request(Request("r", list(range(40)), SamplingParams(max_tokens=20), prefill_only=True))
+    s.add_request(Request("other", list(range(20)), SamplingParams(max_tokens=20), prefill_only=True))
+    outputs = _answer(s, s.schedule())
+    kept = next(o.kv_transfer_params for o in outputs if o.request_id == "other")
+    s.abort_requests(iter(["r", "unknown"]))
+    plan = s.schedule()
+    assert [k.transfer_id for k in plan.kv_sends] == [kept.transfer_id] and plan.kv_releases == []
+    assert s.transfers.stats.held_blocks == 2 and s.kv.num_free_blocks == 29
+
+
+def test_a_model_with_several_kv_cache_groups_is_refused_naming_kv_role():
+    groups = (KVCacheGroup(SLIDING_WINDOW, ("w",), 32), KVCacheGroup(FULL, ("f",)))
+    config = GridserveConfig(model=ModelConfig(model="tiny", max_model_len=512),
+                             cache=CacheConfig(block_size=BLOCK, kv_role="kv_consumer"))
+    with pytest.raises(ConfigError, match="cache.kv_role.*2.*--disable-hybrid-kv-cache-manager"):
+        Scheduler(config, KVCacheManager(32, BLOCK, True, groups))
+    plain = GridserveConfig(model=ModelConfig(model="tiny", max_model_len=512), cache=CacheConfig(block_size=BLOCK))
+    assert Scheduler(plain, KVCacheManager(32, BLOCK, True, groups)).transfers is None  # no kv_role: served

@@ -140,3 +140,53 @@ def test_unsplittable_requests_and_a_missing_pool_are_served_whole_by_decode_eng
             d2.added.clear()
 
     asyncio.run(go())
+
+
+def test_a_stop_string_on_the_first_token_releases_the_prefill_engine_s_blocks_at_once():
+    async def go():
+        service, p, d1, d2 = _setup()
+        task = asyncio.ensure_future(_collect(service.generate("hi", _greedy(stop=["H"]))))
+        await _until(lambda: p.added, task)
+        rid = p.added[0]["id"]
+        p.emit(rid, 7, finish=FinishReason.LENGTH, kv=PARAMS)  # token 7 is "H": the stop string
+        chunks = await task
+        assert chunks[-1].final.outputs[0].finish_reason == "stop" and not d1.added and not d2.added
+        await _until(lambda: p.aborted)
+        assert p.aborted == [rid]  # the abort of the held request frees its KV on the prefill engine
+
+    asyncio.run(go())
+
+
+def test_a_client_gone_after_the_hand_off_aborts_on_the_decode_and_the_prefill_engine():
+    async def go():
+        service, p, d1, d2 = _setup()
+        stream = service.generate("hi", _greedy(max_tokens=8))
+        pending = asyncio.ensure_future(stream.__anext__())
+        await _until(lambda: p.added, pending)
+        rid = p.added[0]["id"]
+        p.emit(rid, 7, finish=FinishReason.LENGTH, kv=PARAMS)
+        first = await pending
+        assert _tokens([first]) == [7]
+        decoder = d1 if d1.added else d2
+        assert decoder.added[0]["kv"] == PARAMS
+        await stream.aclose()  # the client went away before the decode engine pulled
+        await _until(lambda: p.aborted and decoder.aborted)
+        assert p.aborted == decoder.aborted == [rid]
+
+    asyncio.run(go())
+
+
+def test_a_request_that_completes_on_the_decode_engine_aborts_nothing():
+    async def go():
+        service, p, d1, d2 = _setup()
+        task = asyncio.ensure_future(_collect(service.generate("hi", _greedy(max_tokens=2))))
+        await _until(lambda: p.added, task)
+        rid = p.added[0]["id"]
+        p.emit(rid, 7, finish=FinishReason.LENGTH, kv=PARAMS)
+        await _until(lambda: d1.added or d2.added, task)
+        (d1 if d1.added else d2).emit(rid, 8, finish=FinishReason.LENGTH)
+        assert _tokens(await task) == [7, 8]
+        await asyncio.sleep(0.05)
+        assert not p.aborted and not d1.aborted and not d2.aborted
+
+    asyncio.run(go())

@@ -26,12 +26,12 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from gridserve.kernels import triton_ops
-from gridserve.kernels.triton_ops import activation, attention, cache, lora, mla, norm, rotary
+from gridserve.kernels.triton_ops import activation, attention, cache, lora, mla, moe, norm, rotary
 
 TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
          torch.int32: "i32", torch.int64: "i64",
          torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5"}
-MODULES = (activation, attention, cache, lora, mla, norm, rotary)
+MODULES = (activation, attention, cache, lora, mla, moe, norm, rotary)
 Launch = tuple[triton.runtime.jit.JITFunction, tuple, dict]
 
 
@@ -55,6 +55,7 @@ def record_launches() -> list[Launch]:
     attention.compute_in_fp32 = lambda *ts: any(t.dtype == torch.float32 for t in ts)
     attention.num_sms = lambda device: 132
     mla.compute_in_fp32 = attention.compute_in_fp32
+    moe.compute_in_fp32 = attention.compute_in_fp32
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         _run_wrappers(dtype)
     for cache_dtype in (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2):  # kv_cache_dtype
@@ -70,6 +71,12 @@ def _run_wrappers(dtype: torch.dtype, cache_dtype: torch.dtype | None = None, no
             slots = torch.zeros(tokens, dtype=torch.int64)
             lora.add_lora_triton(torch.zeros(tokens, 96, dtype=dtype), torch.zeros(tokens, 64, dtype=dtype),
                                  torch.zeros(2, rank, 64, dtype=dtype), torch.zeros(2, 96, rank, dtype=dtype), slots)
+    if norms:  # the fused-MoE grouped GEMM: decode (16-row tiles) and prefill (64-row), bias off / on
+        for rows, bias in ((4, None), (300, torch.zeros(8, 512, dtype=dtype))):
+            counts = torch.zeros(8, dtype=torch.int64)
+            counts[0] = rows
+            moe.moe_grouped_gemm(torch.zeros(rows, 256, dtype=dtype), torch.zeros(8, 512, 256, dtype=dtype),
+                                 counts, bias)
     for head_size, heads, kv_heads in ((128, 32, 8), (64, 12, 2)):
         kv = torch.zeros(2, 8, 16, kv_heads, head_size, dtype=cache_dtype or dtype)
         table = torch.zeros(2, 64, dtype=torch.int32)
@@ -145,7 +152,8 @@ def main() -> int:
         kernel = compile_launch(launch, args.arch)
         dtypes = sorted({TYPES[a.dtype] for a in call_args if isinstance(a, torch.Tensor)})
         shape = {k: v for k, v in meta.items()
-                 if k in ("BLOCK_M", "TILE_N", "NUM_SPLITS", "HEAD_SIZE", "WINDOW", "SOFT_CAP", "ALIBI", "TANH")}
+                 if k in ("BLOCK_M", "TILE_N", "NUM_SPLITS", "HEAD_SIZE", "WINDOW", "SOFT_CAP", "ALIBI", "TANH",
+                          "HAS_BIAS")}
         print(f"sm_{args.arch} {fn.__name__} {','.join(dtypes)} {shape} {resource_usage(kernel)}")
     return 0
 

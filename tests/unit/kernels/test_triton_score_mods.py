@@ -9,21 +9,14 @@ window, split-K decode whose slices start at the window, GQA / MQA and 16-bit in
 
 from __future__ import annotations
 
-import os
-import sys
+import pytest
 
-# Must precede the first `import triton` in this process: triton.language binds to it then.
-_TRITON_IMPORTED_TOO_EARLY = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
-os.environ["TRITON_INTERPRET"] = "1"
+from tests.unit.kernels.triton_interpreter import use_triton_interpreter
 
-import pytest  # noqa: E402
+use_triton_interpreter()  # before anything imports triton (the kernel modules do)
+
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-
-pytest.importorskip("triton")
-if _TRITON_IMPORTED_TOO_EARLY:
-    pytest.skip("triton was imported before TRITON_INTERPRET=1 was set: run this file in its own process",
-                allow_module_level=True)
 
 from gridserve.kernels import dispatch, reference, triton_ops  # noqa: E402
 from gridserve.kernels.triton_ops import attention  # noqa: E402
