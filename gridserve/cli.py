@@ -281,7 +281,7 @@ def disaggregated_sizes(args: argparse.Namespace) -> Optional[tuple[int, int]]:
 def _serve(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from gridserve.launcher import Launcher
+    from gridserve.launcher import Launcher, RoleStartError
 
     check_parallel_sizes(args)
     if args.data_parallel_size < 1:
@@ -337,6 +337,9 @@ def _serve(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         logger.info("stopping (%s)", "SIGTERM" if stopping else "Ctrl-C")
         return 0
+    except RoleStartError as exc:  # the role printed why (e.g. a config field it refused): no traceback
+        print(f"gridserve serve: error: {exc}", file=sys.stderr, flush=True)
+        return 1
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         launcher.stop()

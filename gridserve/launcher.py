@@ -68,6 +68,10 @@ LIVENESS_FAILURE_THRESHOLD = 3
 KV_CACHE_INFO_TIMEOUT_S = 2.0  # each engine's GetInfo for the table's KV cache lines
 
 
+class RoleStartError(RuntimeError):
+    """A role exited while the launcher waited for it to start (its own error is in its output)."""
+
+
 @dataclass
 class RoleProcess:
     role: str
@@ -373,8 +377,8 @@ class Launcher:
 
     def _check_alive(self, proc: RoleProcess) -> None:
         if proc.process.poll() is not None:
-            raise RuntimeError(f"the {proc.role} (pid {proc.pid}) exited with {proc.process.returncode} "
-                               f"during startup{self._log_hint(proc)}")
+            raise RoleStartError(f"the {proc.role} (pid {proc.pid}) exited with {proc.process.returncode} "
+                                 f"during startup{self._log_hint(proc)}")
 
     def _log_hint(self, proc: RoleProcess, lines: int = 15) -> str:
         """Where its log is, and the log's last ``lines`` lines (why it died, without opening the file)."""

@@ -24,3 +24,21 @@ def test_admission_and_deadline_flags_reach_the_roles():
     argv = engine_argv(args)
     assert argv[argv.index("--max-waiting-requests") + 1] == "4"
     assert gateway_argv(args)[-2:] == ["--request-timeout", "30.0"]
+
+
+def test_a_role_that_exits_at_start_ends_serve_with_its_error_and_no_traceback(monkeypatch, capsys):
+    """The role printed why it stopped (e.g. a config field it refused); ``serve`` says which role
+    and exits 1, with every process stopped, instead of raising."""
+    from gridserve import launcher
+
+    stopped = []
+
+    def start(self):
+        raise launcher.RoleStartError("the engine (pid 1) exited with 2 during startup")
+
+    monkeypatch.setattr(launcher.Launcher, "start", start)
+    monkeypatch.setattr(launcher.Launcher, "stop", lambda self: stopped.append(True))
+    assert main(["serve", "m"]) == 1
+    err = capsys.readouterr().err
+    assert "gridserve serve: error: the engine (pid 1) exited with 2 during startup" in err
+    assert "Traceback" not in err and stopped == [True]
