@@ -51,9 +51,12 @@ def _single_engine(name: str) -> tuple[list[list[int]], int]:
 @pytest.fixture(scope="module", params=list(CHECKPOINTS))
 def ep(request, tmp_path_factory):
     log_dir = tmp_path_factory.mktemp(f"ep-{request.param}")
-    with deployment(CHECKPOINTS[request.param](), log_dir, data_parallel_size=2,
-                    engine_args=[*ENGINE_ARGS, "--enable-expert-parallel"]) as launcher:
-        yield request.param, launcher, log_dir
+    with pytest.MonkeyPatch.context() as env:
+        # the killed-worker test's request ends once the gateway stops looking for a live engine
+        env.setenv("GRIDSERVE_FAILOVER_TIMEOUT_S", "10")
+        with deployment(CHECKPOINTS[request.param](), log_dir, data_parallel_size=2,
+                        engine_args=[*ENGINE_ARGS, "--enable-expert-parallel"]) as launcher:
+            yield request.param, launcher, log_dir
 
 
 def _generate(launcher, prompt: list[int], rank: int, max_tokens: int = TOKENS, timeout: float = 120) -> list[int]:
