@@ -67,7 +67,7 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--disaggregated", default=None, metavar="P:D",
                        help="disaggregated prefill / decode: P prefill engines (--kv-role kv_producer) and D "
                             "decode engines (kv_consumer) behind a coordinator; the gateway runs each prompt on a "
-                            "prefill engine and decodes on a decode engine that pulls its KV (one worker per engine)")
+                            "prefill engine and decodes on a decode engine that pulls its KV (same -tp / -pp on both)")
     serve.add_argument("--api-server-count", type=int, default=None,
                        help="number of gateway processes (A; default: DP)")
     add_option(serve, "--served-model-name", help="model name of the OpenAI API (default: the model argument)")

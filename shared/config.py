@@ -675,9 +675,6 @@ class GridserveConfig:
         spec = self.scheduler.speculative
         if spec is not None and spec.method == DRAFT_MODEL:  # read now: a bad draft fails the start
             spec.draft_model_config(self.model)
-        if self.cache.kv_role and self.parallel.tensor_parallel_size * self.parallel.pipeline_parallel_size > 1:
-            raise ConfigError("cache.kv_role", "disaggregated prefill / decode runs one worker per engine (-tp 1 "
-                                               "-pp 1): KV re-sharding between parallel shapes is not implemented")
         if self.cache.kv_role and self.model.runner == "pooling":
             raise ConfigError("cache.kv_role", "a pooling model keeps no KV cache to transfer")
         if self.lora.enable_lora and "vision_config" in self.model.hf_config:

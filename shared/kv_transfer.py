@@ -39,7 +39,8 @@ class KVTransferParams:
     kv_cache_dtype: str
     model: str
     quantization: str = ""
-    world_size: int = 1
+    world_size: int = 1  # tensor x pipeline parallel ranks; worker_addresses has one per rank
+    tensor_parallel_size: int = 1
 
     @property
     def expired(self) -> bool:
@@ -63,6 +64,7 @@ class KVTransferStats:
     kv_role: str = ""
     transfers_sent: int = 0  # producer: transfers fully pulled by a consumer
     transfers_expired: int = 0  # producer: transfers freed at their deadline, never pulled
+    transfers_released: int = 0  # producer: transfers freed unpulled because the gateway aborted them
     transfers_received: int = 0  # consumer: pulls that succeeded
     transfers_failed: int = 0  # consumer: pulls that failed (the prompt was computed locally)
     bytes_sent: int = 0
@@ -77,14 +79,22 @@ def new_transfer(request_id: str) -> tuple[str, str]:
 
 
 def check_pairing(params: KVTransferParams, *, block_size: int, kv_cache_dtype: str, model: str,
-                  quantization: Optional[str], world_size: int) -> None:
-    """Refuse a producer whose cache or model differs from this consumer's, naming the field."""
+                  quantization: Optional[str], world_size: int, tensor_parallel_size: int = 1) -> None:
+    """Refuse a producer whose cache, model or parallel shape differs from this consumer's, naming the
+    field. Equal shapes pair rank by rank: a consumer's worker of rank r pulls from the producer's
+    worker of rank r, which holds the same KV heads of the same layers."""
     mine = {"block_size": block_size, "kv_cache_dtype": kv_cache_dtype, "model": model,
-            "quantization": quantization or "", "world_size": world_size}
+            "quantization": quantization or "", "world_size": world_size,
+            "tensor_parallel_size": tensor_parallel_size}
     theirs = {"block_size": params.block_size, "kv_cache_dtype": params.kv_cache_dtype, "model": params.model,
-              "quantization": params.quantization, "world_size": params.world_size}
+              "quantization": params.quantization, "world_size": params.world_size,
+              "tensor_parallel_size": params.tensor_parallel_size}
     for name, value in mine.items():
         if theirs[name] != value:
             raise ConfigError(f"kv_transfer_params.{name}",
                               f"the prefill engine has {name} {theirs[name]!r}, this decode engine "
                               f"{value!r}: P/D engines must match (no re-sharding or conversion)")
+    if len(params.worker_addresses) != world_size:
+        raise ConfigError("kv_transfer_params.worker_addresses",
+                          f"{len(params.worker_addresses)} producer workers for a parallel shape of "
+                          f"{world_size} ranks")

@@ -63,6 +63,10 @@ class KVTransfers:
         self.held: dict[str, _Held] = {}
         self._sends: list[KVSend] = []
         self._releases: list[str] = []
+        # Workers that served a transfer whole so far: it ends when all of them did (each rank of a
+        # TP / PP group serves its own shard, pulled by the consumer's worker of the same rank).
+        self._served_by: dict[str, int] = {}
+        self.world_size = config.parallel.world_size
         self.stats = KVTransferStats(kv_role=config.cache.kv_role or "")
 
     @property
@@ -79,7 +83,8 @@ class KVTransfers:
             block_ids=tuple(block_ids), num_tokens=request.num_prompt_tokens,
             deadline_unix_s=time.time() + self.timeout_s, block_size=cache.block_size,
             kv_cache_dtype=cache.kv_cache_dtype, model=model.model, quantization=model.quantization or "",
-            world_size=self.config.parallel.world_size)
+            world_size=self.config.parallel.world_size,
+            tensor_parallel_size=self.config.parallel.tensor_parallel_size)
         self.held[transfer_id] = _Held(request, params)
         self._sends.append(KVSend(transfer_id, token, params.block_ids, params.deadline_unix_s))
         self.stats.held_blocks += len(block_ids)
@@ -91,9 +96,17 @@ class KVTransfers:
         plan.kv_releases, self._releases = self._releases, []
 
     def pulled(self, transfer_ids: list[str], num_bytes: int) -> list[Request]:
-        """Transfers a worker served whole: their requests, whose blocks go back to the pool."""
+        """Transfers workers served whole (one id per worker that did, from every rank's output):
+        the requests whose transfers every rank has now served, whose blocks go back to the pool."""
         self.stats.bytes_sent += num_bytes
-        done = self._end(transfer_ids)
+        complete = []
+        for transfer_id in transfer_ids:
+            if transfer_id not in self.held:
+                continue
+            served = self._served_by[transfer_id] = self._served_by.get(transfer_id, 0) + 1
+            if served >= self.world_size:
+                complete.append(transfer_id)
+        done = self._end(complete)
         self.stats.transfers_sent += len(done)
         return done
 
@@ -103,6 +116,7 @@ class KVTransfers:
         wanted = set(request_ids)
         if done := self._end([tid for tid, held in self.held.items() if held.request.request_id in wanted]):
             logger.debug("%d KV transfer(s) released unpulled: their requests were aborted", len(done))
+        self.stats.transfers_released += len(done)
         return done
 
     def expire(self) -> list[Request]:
@@ -119,6 +133,7 @@ class KVTransfers:
         """The workers lost their KV (recovery): every transfer ends; nothing left to release there."""
         done = [held.request for held in self.held.values()]
         self.held.clear()
+        self._served_by.clear()
         self._sends, self._releases = [], []
         self.stats.held_blocks = 0
         return done
@@ -127,6 +142,7 @@ class KVTransfers:
         done = []
         for transfer_id in transfer_ids:
             held = self.held.pop(transfer_id, None)
+            self._served_by.pop(transfer_id, None)
             if held is None:
                 continue
             unsent = [send for send in self._sends if send.transfer_id == transfer_id]
@@ -157,7 +173,8 @@ def check_consumer(config: GridserveConfig, params: KVTransferParams, num_prompt
                                    "pulling KV needs --kv-role kv_consumer or kv_both")
     check_pairing(params, block_size=config.cache.block_size, kv_cache_dtype=config.cache.kv_cache_dtype,
                   model=config.model.model, quantization=config.model.quantization,
-                  world_size=config.parallel.world_size)
+                  world_size=config.parallel.world_size,
+                  tensor_parallel_size=config.parallel.tensor_parallel_size)
     if params.num_tokens != num_prompt_tokens:
         raise InvalidArgumentError("kv_transfer_params.num_tokens",
                                    f"{params.num_tokens} for a prompt of {num_prompt_tokens} tokens")

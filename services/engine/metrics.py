@@ -132,6 +132,8 @@ def _kv_transfer_families(stats: EngineLoad, names: list[str], values: list[str]
          kv.transfers_sent),
         ("gridserve:kv_transfers_expired", "KV transfers freed at their deadline, never pulled.",
          kv.transfers_expired),
+        ("gridserve:kv_transfers_released", "KV transfers freed unpulled at once: the gateway ended "
+         "the request at its first token.", kv.transfers_released),
         ("gridserve:kv_transfers_received", "KV transfers this decode engine pulled.", kv.transfers_received),
         ("gridserve:kv_transfers_failed", "KV pulls that failed (the prompt was computed locally).",
          kv.transfers_failed),

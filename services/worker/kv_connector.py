@@ -134,8 +134,9 @@ class KVConnector(ABC):
         """Transfers fully pulled since the last call, and the bytes served."""
 
     @abstractmethod
-    def pull(self, params: KVTransferParams, block_ids: Sequence[int]) -> int:
-        """Write the producer's blocks into ``block_ids`` (same order); the bytes received."""
+    def pull(self, params: KVTransferParams, block_ids: Sequence[int], rank: int = 0) -> int:
+        """Write the producer's blocks into ``block_ids`` (same order) from the producer's worker of
+        ``rank`` (this worker's own rank: the same shard); the bytes received."""
 
 
 class GrpcKVConnector(KVConnector):
@@ -196,27 +197,28 @@ class GrpcKVConnector(KVConnector):
         return sent, sent_bytes
 
     # ---- receive side ------------------------------------------------------------------------------
-    def pull(self, params: KVTransferParams, block_ids: Sequence[int]) -> int:
+    def pull(self, params: KVTransferParams, block_ids: Sequence[int], rank: int = 0) -> int:
         if len(block_ids) != len(params.block_ids):
             raise KVTransferError(f"{len(params.block_ids)} producer blocks for {len(block_ids)} local ones")
-        if not params.worker_addresses:
-            raise KVTransferError("kv_transfer_params names no producer worker")
+        if not 0 <= rank < len(params.worker_addresses):
+            raise KVTransferError(f"kv_transfer_params names {len(params.worker_addresses)} producer workers, "
+                                  f"none of rank {rank}")
+        address = params.worker_addresses[rank]
         remaining = min(params.deadline_unix_s - time.time(), MAX_PULL_S)
         if remaining <= 0:
             raise KVTransferError(f"transfer {params.transfer_id!r} expired")
         give_up = time.monotonic() + min(NOT_YET_S, remaining)
         while True:
             try:
-                return self._pull_once(params, block_ids, remaining)
+                return self._pull_once(address, params, block_ids, remaining)
             except grpc.RpcError as exc:
                 if exc.code() == grpc.StatusCode.NOT_FOUND and time.monotonic() < give_up:
                     time.sleep(RETRY_S)
                     continue
-                raise KVTransferError(f"pull from {params.worker_addresses[0]}: {exc.code().name}: "
-                                      f"{exc.details()}") from None
+                raise KVTransferError(f"pull from {address}: {exc.code().name}: {exc.details()}") from None
 
-    def _pull_once(self, params: KVTransferParams, block_ids: Sequence[int], timeout: float) -> int:
-        stub = worker_pb2_grpc.KVTransferStub(self._channel(params.worker_addresses[0]))
+    def _pull_once(self, address: str, params: KVTransferParams, block_ids: Sequence[int], timeout: float) -> int:
+        stub = worker_pb2_grpc.KVTransferStub(self._channel(address))
         request = worker_pb2.PullBlocksRequest(transfer_id=params.transfer_id, token=params.token, release=True)
         num_layers = len(self.view.tensors)
         received: set[tuple[int, int]] = set()

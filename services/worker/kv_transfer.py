@@ -12,6 +12,13 @@ that carries ``kv_load`` into its first blocks; a request whose pull failed is t
 and every later step until the engine tells the worker to forget it (``finished_req_ids``), and
 reported once in ``ModelRunnerOutput.kv_load_failed`` (the engine then computes its prompt). After
 the step it adds the transfers pulled from this worker (``kv_sent``) and the bytes moved.
+
+Engines of several workers (TP / PP, same shape on both sides): the worker of rank r pulls its own
+shard (its layers, its KV heads) from the producer's worker of rank r; the ranks then agree on the
+failed pulls (``agree``: OR over the worker group) so every rank leaves the same requests out of
+the step (a batch that differed between ranks would break the collectives). Every rank, not only
+the output rank, reports what it served (``report``), so the producer engine frees a transfer once
+every rank's shard was pulled.
 """
 
 from __future__ import annotations
@@ -19,7 +26,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from typing import Optional
 
 import grpc
 
@@ -64,6 +72,10 @@ class KVStepHook:
 
     def __init__(self, connector: KVConnector) -> None:
         self.connector = connector
+        # This worker's rank in its engine's group, and how ranks agree on failed pulls (set by the
+        # servicer once the worker's device is up; a single worker keeps the defaults).
+        self.rank = 0
+        self.agree: Optional[Callable[[list[bool]], list[bool]]] = None
         self._left_out: set[str] = set()  # pulls failed: out of every step until forgotten
         self._failed_now: dict[str, str] = {}
         self._bytes_received = 0
@@ -74,14 +86,22 @@ class KVStepHook:
         for send in plan.kv_sends:
             self.connector.register(send)
         self._left_out -= plan.finished_req_ids
-        for new in plan.scheduled_new_reqs:
-            if new.kv_load is None:
-                continue
+        loads = [new for new in plan.scheduled_new_reqs if new.kv_load is not None]
+        errors: list[Optional[str]] = []
+        for new in loads:
             try:
-                self._bytes_received += self.connector.pull(new.kv_load, new.block_ids[0][:len(new.kv_load.block_ids)])
+                self._bytes_received += self.connector.pull(new.kv_load, new.block_ids[0][:len(new.kv_load.block_ids)],
+                                                            self.rank)
+                errors.append(None)
             except KVTransferError as exc:
                 logger.warning("request %s: KV pull failed (%s); the engine computes its prompt", new.req_id, exc)
-                self._failed_now[new.req_id] = str(exc)
+                errors.append(str(exc))
+        failed = [e is not None for e in errors]
+        if self.agree is not None and loads:  # every rank holds the same plan: same flags, same order
+            failed = self.agree(failed)
+        for new, error, fail in zip(loads, errors, failed):
+            if fail:
+                self._failed_now[new.req_id] = error or "the pull failed on another worker of this engine"
                 self._left_out.add(new.req_id)
         return self._without(plan, self._left_out) if self._left_out else plan
 
@@ -89,6 +109,17 @@ class KVStepHook:
         out.kv_sent, out.kv_bytes_sent = self.connector.take_sent()
         out.kv_load_failed, self._failed_now = self._failed_now, {}
         out.kv_bytes_received, self._bytes_received = self._bytes_received, 0
+
+    def report(self) -> Optional[ModelRunnerOutput]:
+        """A rank other than the output rank: what it served and pulled since its last report, as an
+        output holding only those fields (None when there is nothing to say). Its failed pulls are
+        the output rank's too (agreed), so they are not repeated."""
+        sent, bytes_sent = self.connector.take_sent()
+        self._failed_now = {}
+        received, self._bytes_received = self._bytes_received, 0
+        if not (sent or bytes_sent or received):
+            return None
+        return ModelRunnerOutput(kv_sent=sent, kv_bytes_sent=bytes_sent, kv_bytes_received=received)
 
     @staticmethod
     def _without(plan: SchedulerOutput, left_out: set[str]) -> SchedulerOutput:

@@ -45,6 +45,7 @@ class ParallelState:
     tp_group: Optional[Any] = None
     pp_group: Optional[Any] = None
     ep: Optional[ExpertParallelGroup] = None  # expert parallelism across DP engines (None: off)
+    world_cpu_group: Optional[Any] = None  # every worker of the engine, gloo (host-side agreement)
 
     @classmethod
     def single(cls) -> ParallelState:
@@ -91,6 +92,17 @@ class ParallelState:
         if self.tp_size > 1:
             dist.broadcast(x, src=self.layout.tp_group_ranks()[0], group=self.tp_group)
         return x
+
+    # ---- the whole worker group ------------------------------------------------------------------
+    def any_across_workers(self, flags: list[bool]) -> list[bool]:
+        """Each flag OR-ed over every worker of the engine (all must call this with as many flags,
+        in the same step): how ranks agree on a host-side decision, e.g. a request whose KV pull
+        failed on one rank is left out of the step on all of them."""
+        if self.world_cpu_group is None or not flags:
+            return flags
+        values = torch.tensor([int(f) for f in flags], dtype=torch.int32)
+        dist.all_reduce(values, op=dist.ReduceOp.MAX, group=self.world_cpu_group)
+        return [bool(v) for v in values.tolist()]
 
     # ---- pipeline parallel -----------------------------------------------------------------------
     def send_to_next_stage(self, tensors: list[torch.Tensor]) -> None:
@@ -226,8 +238,10 @@ def init_distributed(layout: RankLayout, init_address: str, device: torch.device
         group = dist.new_group(ranks, timeout=timeout, backend=backend)
         if layout.rank in ranks:
             pp_group = group
+    # A gloo group of every rank, for host-side agreement (the default group is NCCL on CUDA).
+    world_cpu_group = dist.new_group(list(range(layout.world_size)), timeout=timeout, backend="gloo")
     state = ParallelState(layout, tp_group if layout.tp_size > 1 else None,
-                          pp_group if layout.pp_size > 1 else None)
+                          pp_group if layout.pp_size > 1 else None, world_cpu_group=world_cpu_group)
     set_parallel_state(state)
     return state
 

@@ -27,6 +27,7 @@ from gridserve.services.worker.extension import call_extension, worker_class
 from gridserve.services.worker.kv_connector import GrpcKVConnector, KVCacheView
 from gridserve.services.worker.kv_transfer import KVStepHook
 from gridserve.services.worker.observability import WorkerObserver
+from gridserve.services.worker.parallel_state import get_parallel_state
 from gridserve.services.worker.worker import Worker
 from gridserve.shared.errors import FailedPreconditionError
 from gridserve.shared.rpc.convert import lora_request_from_pb
@@ -115,6 +116,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 raise FailedPreconditionError(
                     f"world size {args.world_size} disagrees with the config's {self.worker.world_size}")
             self.worker.init_device()
+            self.kv_step.rank = self.worker.rank
+            if self.worker.world_size > 1:  # P/D: the ranks agree on failed KV pulls
+                self.kv_step.agree = get_parallel_state().any_across_workers
             return
         if self.worker is None:
             raise FailedPreconditionError(f"{method} before init_device")
@@ -125,9 +129,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 out = worker.execute_model(plan)
             else:
                 out = self.observer.execute(worker.execute_model, plan, worker.rank)
-            if out is not None:  # other ranks answer with an empty ack
+            if out is not None:
                 self.kv_step.after_step(out)
                 response.model_runner_output.CopyFrom(runner_output_to_pb(out))
+            elif (report := self.kv_step.report()) is not None:  # P/D: what this rank served / pulled
+                response.model_runner_output.CopyFrom(runner_output_to_pb(report))
+            # (otherwise other ranks answer with an empty ack)
         elif method == "determine_available_memory":
             response.available_memory_bytes = worker.determine_available_memory()
         elif method == "load_model":

@@ -18,7 +18,8 @@ def kv_params_to_pb(params: Optional[KVTransferParams]) -> Optional[common_pb2.K
         transfer_id=params.transfer_id, token=params.token, worker_addresses=list(params.worker_addresses),
         block_ids=list(params.block_ids), num_tokens=params.num_tokens, deadline_unix_s=params.deadline_unix_s,
         block_size=params.block_size, kv_cache_dtype=params.kv_cache_dtype, model=params.model,
-        quantization=params.quantization, world_size=params.world_size)
+        quantization=params.quantization, world_size=params.world_size,
+        tensor_parallel_size=params.tensor_parallel_size)
 
 
 def kv_params_from_pb(msg, field: str = "kv_transfer_params") -> Optional[KVTransferParams]:
@@ -30,7 +31,7 @@ def kv_params_from_pb(msg, field: str = "kv_transfer_params") -> Optional[KVTran
         transfer_id=m.transfer_id, token=m.token, worker_addresses=tuple(m.worker_addresses),
         block_ids=tuple(m.block_ids), num_tokens=m.num_tokens, deadline_unix_s=m.deadline_unix_s,
         block_size=m.block_size, kv_cache_dtype=m.kv_cache_dtype, model=m.model, quantization=m.quantization,
-        world_size=m.world_size or 1)
+        world_size=m.world_size or 1, tensor_parallel_size=m.tensor_parallel_size or 1)
 
 
 def kv_send_to_pb(send: KVSend) -> worker_pb2.KVSend:

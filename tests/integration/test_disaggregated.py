@@ -153,6 +153,26 @@ def test_p1_d1_outputs_equal_a_single_engine_and_the_kv_moved_is_the_prompts_blo
         == [("kv_producer", len(PROMPTS), 0), ("kv_consumer", 0, len(PROMPTS))]
 
 
+@pytest.mark.parametrize("shape", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}], ids=["tp2", "pp2"])
+def test_p1_d1_with_two_workers_per_engine_pairs_the_workers_rank_by_rank(llama_tiny, tmp_path, reference, shape):
+    """-tp 2 (or -pp 2) on both sides: each decode worker pulls its shard (half the KV heads, or
+    half the layers) from the prefill worker of its rank; outputs equal a single engine's, every
+    rank's shard moved (together the prompts' blocks, once), and the prefill engine frees each
+    transfer only once both ranks served."""
+    with deployment(llama_tiny, tmp_path, disaggregated=(1, 1), **shape) as launcher:
+        producer, consumer = _engines(launcher)
+        assert sum(p.role == "worker" for p in launcher.processes) == 4
+        assert _generate_all(launcher) == reference[0]
+        with grpc.insecure_channel(producer.address) as channel:
+            block_size = engine_stub(channel).GetInfo(engine_pb2.GetInfoRequest(), timeout=10).block_size
+        blocks = sum(-(-len(p) // block_size) for p in PROMPTS)
+        sent, received = (lo.kv_transfers for lo in _idle([producer, consumer]))
+        assert sent.transfers_sent == received.transfers_received == len(PROMPTS)
+        assert received.transfers_failed == 0 and sent.transfers_expired == 0
+        assert sent.bytes_sent == received.bytes_received == blocks * _bytes_per_block(llama_tiny, block_size)
+        assert sent.held_blocks == sent.transfers_held == 0
+
+
 def test_p1_d1_openai_client_through_the_edge_sees_one_stream(pd11, reference):
     openai = pytest.importorskip("openai")
     client = openai.OpenAI(base_url=f"http://{pd11.edge_address}/v1", api_key="unused", max_retries=0, timeout=60)

@@ -171,7 +171,9 @@ class GrpcExecutor(Executor):
     ) -> Union[ModelRunnerOutput, Future]:
         """Send the step to every worker; wait only for the output rank (the others send empty acks).
 
-        A non-output rank that answers with an error fails the whole group.
+        A non-output rank that answers with an error fails the whole group. Disaggregated serving
+        with several workers waits for every rank: each reports the KV shards it served or pulled,
+        added into the output rank's output (``_merge_kv``).
         """
         payload = worker_pb2.ExecuteModelArgs(scheduler_output=scheduler_output_to_pb(scheduler_output))
         futures = [worker.call("execute_model", execute_model=payload) for worker in self.workers]
@@ -179,11 +181,18 @@ class GrpcExecutor(Executor):
         for rank, future in enumerate(futures):
             if rank != self.output_rank:
                 future.add_done_callback(lambda f, g=generation: self._fail_group_on_error(f, g))
-        output = futures[self.output_rank]
-        if not non_block:
-            return self._wait(output, envs.GRIDSERVE_STEP_TIMEOUT_S, "execute_model")
+        merge = bool(self.config.cache.kv_role) and len(futures) > 1
+        if not non_block and not merge:
+            return self._wait(futures[self.output_rank], envs.GRIDSERVE_STEP_TIMEOUT_S, "execute_model")
         result: Future = Future()
-        _gather([output], envs.GRIDSERVE_STEP_TIMEOUT_S, self).add_done_callback(lambda f: chain_first(f, result))
+        if merge:
+            _gather(futures, envs.GRIDSERVE_STEP_TIMEOUT_S, self).add_done_callback(
+                lambda f: _merge_kv(f, result, self.output_rank))
+        else:
+            _gather([futures[self.output_rank]], envs.GRIDSERVE_STEP_TIMEOUT_S, self).add_done_callback(
+                lambda f: chain_first(f, result))
+        if not non_block:
+            return self._wait(result, envs.GRIDSERVE_STEP_TIMEOUT_S, "execute_model")
         return result
 
     def _fail_group_on_error(self, future: Future, generation: int) -> None:
@@ -322,6 +331,24 @@ _EMPTY_ARGS = {
     "shutdown": worker_pb2.ShutdownArgs,
     "list_loras": worker_pb2.ListLorasArgs,
 }
+
+
+def _merge_kv(done: Future, output: Future, output_rank: int) -> None:
+    """Complete ``output`` with the output rank's step result, the other ranks' KV transfer reports
+    (transfers served whole, bytes moved) added into it."""
+    exc = done.exception()
+    if exc is not None:
+        output.set_exception(exc)
+        return
+    results = done.result()
+    merged = results[output_rank]
+    for rank, result in enumerate(results):
+        if rank == output_rank or not isinstance(result, ModelRunnerOutput):
+            continue
+        merged.kv_sent = [*merged.kv_sent, *result.kv_sent]
+        merged.kv_bytes_sent += result.kv_bytes_sent
+        merged.kv_bytes_received += result.kv_bytes_received
+    output.set_result(merged)
 
 
 def _gather(futures: list[Future], timeout: float, executor: GrpcExecutor) -> Future:

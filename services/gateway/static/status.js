@@ -36,7 +36,7 @@ function transfers(t) {
   const n = (v) => Number(v || 0);
   const mib = (v) => (n(v) / (1 << 20)).toFixed(1) + " MiB";
   if (t.kv_role === "kv_producer") {
-    return `sent ${n(t.transfers_sent)} (${mib(t.bytes_sent)}), expired ${n(t.transfers_expired)}, ` +
+    return `sent ${n(t.transfers_sent)} (${mib(t.bytes_sent)}), expired ${n(t.transfers_expired)}, released ${n(t.transfers_released)}, ` +
            `held ${n(t.transfers_held)} (${n(t.held_blocks)} blocks)`;
   }
   const received = `received ${n(t.transfers_received)} (${mib(t.bytes_received)}), failed ${n(t.transfers_failed)}`;

@@ -40,6 +40,17 @@ def _scheduler(role: str, timeout_s: float = 30.0) -> Scheduler:
     return Scheduler(config, KVCacheManager(32, BLOCK, True))
 
 
+def _tp_scheduler(role: str) -> Scheduler:
+    """An engine of two TP workers."""
+    config = GridserveConfig(
+        model=ModelConfig(model="tiny", max_model_len=512),
+        cache=CacheConfig(block_size=BLOCK, kv_role=role),
+        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256),
+        parallel=ParallelConfig(tensor_parallel_size=2, worker_addresses=["10.0.0.1:7000", "10.0.0.2:7000"]),
+    )
+    return Scheduler(config, KVCacheManager(32, BLOCK, True))
+
+
 def _answer(s: Scheduler, out: SchedulerOutput, token: int = 7, **extra) -> list:
     sampled = [r for r in out.num_scheduled_tokens
                if s.requests.get(r) and s.requests[r].num_computed_tokens >= s.requests[r].num_tokens]
@@ -70,6 +81,19 @@ def test_a_natural_stop_on_the_first_token_holds_nothing():
     (out,) = _answer(s, s.schedule(), token=7)
     assert out.finish_reason == FinishReason.STOP and out.kv_transfer_params is None
     assert s.kv.num_free_blocks == 31 and not s.transfers.held
+
+
+def test_with_two_workers_a_transfer_ends_once_both_ranks_served_their_shard():
+    s = _tp_scheduler("kv_producer")
+    s.add_request(Request("r", list(range(40)), SamplingParams(max_tokens=20), prefill_only=True))
+    (out,) = _answer(s, s.schedule())
+    params = out.kv_transfer_params
+    assert params.worker_addresses == ("10.0.0.1:7000", "10.0.0.2:7000") and params.tensor_parallel_size == 2
+    s.update_from_output(s.schedule(), ModelRunnerOutput(kv_sent=[params.transfer_id], kv_bytes_sent=100))
+    assert s.kv.num_free_blocks == 31 - 3 and s.transfers.stats.transfers_sent == 0  # rank 1 not yet
+    s.update_from_output(s.schedule(), ModelRunnerOutput(kv_sent=[params.transfer_id], kv_bytes_sent=100))
+    assert s.kv.num_free_blocks == 31 and s.transfers.stats.transfers_sent == 1
+    assert s.transfers.stats.bytes_sent == 200 and s.schedule().kv_releases == [params.transfer_id]
 
 
 def test_an_unpulled_transfer_is_freed_at_its_deadline():
@@ -134,7 +158,10 @@ def test_a_failed_pull_falls_back_to_computing_the_prompt_here():
 
 
 @pytest.mark.parametrize("field, change", [("block_size", {"block_size": 32}), ("kv_cache_dtype", {"kv_cache_dtype": "bfloat16"}),
-                                           ("model", {"model": "other"}), ("quantization", {"quantization": "int8"})])
+                                           ("model", {"model": "other"}), ("quantization", {"quantization": "int8"}),
+                                           ("world_size", {"world_size": 2, "worker_addresses": ("p:1", "p:2")}),
+                                           ("tensor_parallel_size", {"tensor_parallel_size": 2}),
+                                           ("worker_addresses", {"worker_addresses": ("p:1", "p:2")})])
 def test_a_mismatched_producer_is_refused_naming_the_field(field, change):
     config = GridserveConfig(model=ModelConfig(model="tiny"), cache=CacheConfig(block_size=BLOCK, kv_role="kv_consumer"))
     with pytest.raises(ConfigError, match=f"kv_transfer_params.{field}"):
@@ -155,6 +182,7 @@ def test_aborting_a_held_request_releases_its_blocks_at_once_not_at_the_deadline
     assert s.kv.num_free_blocks == 31 and s.transfers.stats.held_blocks == 0 and not s.transfers.held
     assert s.schedule().kv_releases == [params.transfer_id]  # the workers stop serving it
     assert s.transfers.stats.transfers_expired == s.transfers.stats.transfers_sent == 0
+    assert s.transfers.stats.transfers_released == 1
     assert not s.kv_transfers_waiting
 
 

@@ -4,6 +4,7 @@ fallback when a pull fails, and the authorization row: only this deployment's wo
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import grpc
@@ -116,6 +117,37 @@ def test_a_failed_pull_leaves_the_request_out_until_the_engine_forgets_it(pair):
     again = hook.before_step(SchedulerOutput(finished_req_ids={"r"}, num_scheduled_tokens={"r": 1},
                                              total_num_scheduled_tokens=1))
     assert again.total_num_scheduled_tokens == 1  # forgotten: back in the step as a new request would be
+
+
+def test_each_rank_pulls_from_the_producer_worker_of_its_rank(pair):
+    producer, consumer, theirs, mine, address = pair
+    send = KVSend("t5", "secret", (3, 4), time.time() + 30)
+    producer.register(send)
+    params = dataclasses.replace(_params(address, send), worker_addresses=("127.0.0.1:1", address), world_size=2)
+    assert consumer.pull(params, [8, 9], rank=1) > 0  # rank 1's address, not the first (unreachable) one
+    assert torch.equal(mine[0][:, [8, 9]], theirs[0][:, [3, 4]])
+    with pytest.raises(KVTransferError, match="none of rank 2"):
+        consumer.pull(params, [8, 9], rank=2)
+
+
+def test_ranks_agree_on_failed_pulls_and_other_ranks_report_what_they_served(pair):
+    """A pull that succeeded here but failed on another rank (the agreement says so) leaves the
+    request out here too; a non-output rank reports its served transfers and bytes."""
+    producer, consumer, _, _, address = pair
+    send = KVSend("t6", "secret", (1,), time.time() + 30)
+    producer.register(send)
+    hook = KVStepHook(consumer)
+    seen = []
+    hook.agree = lambda flags: (seen.append(list(flags)), [True for _ in flags])[1]  # the other rank failed
+    new = NewRequestData("r", list(range(4)), SamplingParams(max_tokens=4), ([2],), 4, kv_load=_params(address, send))
+    plan = hook.before_step(SchedulerOutput(scheduled_new_reqs=[new], num_scheduled_tokens={"r": 1},
+                                            total_num_scheduled_tokens=1))
+    assert seen == [[False]] and plan.is_empty  # this rank's pull worked, but the group's did not
+    hook.after_step(out := ModelRunnerOutput())
+    assert "another worker" in out.kv_load_failed["r"]
+    serving = KVStepHook(producer)
+    assert serving.report() is not None and serving.report() is None  # t6 served once: reported once
+    assert KVStepHook(GrpcKVConnector(KVCacheView(lambda: []))).report() is None
 
 
 def test_sends_and_releases_in_the_plan_reach_the_connector(pair):
