@@ -6,6 +6,10 @@ A variant is one server setting measured on workload W:
 ``gridserve-fp32``            gridserve, fp32 weights and KV cache
 ``gridserve-bf16``            gridserve, ``--dtype bfloat16`` (bf16 weights and KV cache)
 ``gridserve-int8``            gridserve, ``--quantization int8 --kv-cache-dtype bfloat16``
+``gridserve-fp32-ngram``      gridserve-fp32 with n-gram speculation (``NGRAM_SPEC``; its
+                              ``disable_by_batch_size`` default): W's check that speculation costs
+                              nothing at a large batch (not a pair's ratio: the pair takes the
+                              first gridserve variant listed)
 ``vllm-bf16``, ``vllm-fp32``  vLLM's CPU build (``vllm serve --dtype bfloat16|float32``)
 ``lcpp-<weights>-np<N>``      llama.cpp's ``llama-server`` with ``<weights>`` (f32, f16, q8_0) GGUF
                               weights, its default f16 KV cache and ``-np N`` slots
@@ -34,9 +38,12 @@ GRIDSERVE = "gridserve"
 LLAMA_CPP = "llama.cpp"
 VLLM = "vllm"
 
+#: gridserve-fp32-ngram's speculative config (the settings of ``bench spec-decode``).
+NGRAM_SPEC = '{"method": "ngram", "num_speculative_tokens": 4}'
 #: gridserve's variants: (pair, weights, KV cache dtype, extra engine flags).
 GRIDSERVE_VARIANTS = {
     "gridserve-fp32": ("fp32", "fp32", "fp32", ()),
+    "gridserve-fp32-ngram": ("fp32", "fp32", "fp32", ("--speculative-config", NGRAM_SPEC)),
     "gridserve-bf16": ("bf16", "bf16", "bfloat16", ("--dtype", "bfloat16")),
     "gridserve-int8": ("int8", "int8", "bfloat16", ("--quantization", "int8", "--kv-cache-dtype", "bfloat16")),
 }

@@ -53,6 +53,9 @@ def test_variant_names_say_server_pair_weights_kv_and_slots():
     f32 = parse_variant("lcpp-f32-kvf32-np256")
     assert (f32.pair, f32.weights, f32.kv, f32.slots) == ("fp32", "f32", "f32", 256)
     assert parse_variant("lcpp-f16-np8").pair == "f16"
+    ngram = parse_variant("gridserve-fp32-ngram")
+    assert ngram.pair == "fp32" and ngram.engine_args[0] == "--speculative-config"
+    assert json.loads(ngram.engine_args[1])["method"] == "ngram"
 
 
 @pytest.mark.parametrize("text", ["gridserve-fp16", "lcpp-q4_0-np64", "lcpp-f32", "lcpp-f32-np0", "lcpp-f32-np-1",
