@@ -52,6 +52,8 @@ BENCHMARKS = {
                   "add_arguments", "run"),
     "bf16": ("bf16_bench", "bf16 weights on the CPU vs fp32: packed / plain GEMMs per SmolLM2 shape, offline "
              "prefill and decode throughput", "add_arguments", "run"),
+    "roofline": ("roofline", "W's GEMM FLOPs over this machine's best GEMM rate per precision: the fastest W "
+                 "could run, against measured servers", "add_arguments", "run"),
     "int8-gemm": ("int8_gemm_bench", "int8-weight CPU GEMM (int16 / group-32 / oneDNN) vs fp32 F.linear",
                   "add_arguments", "run"),
     "spec-decode": ("spec_decode_bench", "speculative decoding (n-gram or a draft model) vs plain, one request at a "

@@ -104,7 +104,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="HF folder (default: SmolLM2-135M-Instruct from the default model's GGUF, saved as an "
                              "HF folder on first use; 'recipe': the recipe's Llama base)")
     parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
-                        help="comma-separated: gridserve-fp32, gridserve-bf16, gridserve-int8, gridserve-fp32-ngram, vllm-bf16, vllm-fp32, "
+                        help="comma-separated: gridserve-fp32, gridserve-bf16, gridserve-int8, gridserve-int8-g32, gridserve-fp32-ngram, vllm-bf16, vllm-fp32, "
                              "lcpp-<f32|f16|q8_0>[-kv<T>]-np<N> "
                              f"(default: {','.join(DEFAULT_VARIANTS)})")
     w = parser.add_argument_group("workload (default: W)")

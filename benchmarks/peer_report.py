@@ -6,6 +6,8 @@ A variant is one server setting measured on workload W:
 ``gridserve-fp32``            gridserve, fp32 weights and KV cache
 ``gridserve-bf16``            gridserve, ``--dtype bfloat16`` (bf16 weights and KV cache)
 ``gridserve-int8``            gridserve, ``--quantization int8 --kv-cache-dtype bfloat16``
+``gridserve-int8-g32``        gridserve-int8 with int8 activations, one scale per 32 columns
+                              (``INT8_G32``; ``bench quantization``'s mode ``int8-g32+kv-bf16``)
 ``gridserve-fp32-ngram``      gridserve-fp32 with n-gram speculation (``NGRAM_SPEC``; its
                               ``disable_by_batch_size`` default): W's check that speculation costs
                               nothing at a large batch (not a pair's ratio: the pair takes the
@@ -40,12 +42,16 @@ VLLM = "vllm"
 
 #: gridserve-fp32-ngram's speculative config (the settings of ``bench spec-decode``).
 NGRAM_SPEC = '{"method": "ngram", "num_speculative_tokens": 4}'
+#: gridserve-int8-g32's weights: int8, activations int8 per 32 columns (llama.cpp q8_0's scheme).
+INT8_G32 = '{"method": "int8", "activation_group": 32}'
 #: gridserve's variants: (pair, weights, KV cache dtype, extra engine flags).
 GRIDSERVE_VARIANTS = {
     "gridserve-fp32": ("fp32", "fp32", "fp32", ()),
     "gridserve-fp32-ngram": ("fp32", "fp32", "fp32", ("--speculative-config", NGRAM_SPEC)),
     "gridserve-bf16": ("bf16", "bf16", "bfloat16", ("--dtype", "bfloat16")),
     "gridserve-int8": ("int8", "int8", "bfloat16", ("--quantization", "int8", "--kv-cache-dtype", "bfloat16")),
+    "gridserve-int8-g32": ("int8", "int8", "bfloat16", ("--quantization-config", INT8_G32,
+                                                        "--kv-cache-dtype", "bfloat16")),
 }
 #: llama.cpp's GGUF weight types and the pair each belongs to.
 LLAMA_CPP_WEIGHTS = {"f32": "fp32", "f16": "f16", "q8_0": "int8"}
