@@ -387,6 +387,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--text-file", default=None, help="held-out text (default: see held_out_text)")
     parser.add_argument("--greedy-tokens", type=int, default=64)
     parser.add_argument("--prompts", type=int, default=16, help="greedy prompts")
+    parser.add_argument("--max-model-len", type=int, default=2048,
+                        help="context per sequence (long-context models: their 256 MiB KV cache holds it)")
     parser.add_argument("--output-json", default=DEFAULT_OUTPUT_JSON)
 
 
@@ -411,6 +413,7 @@ def run(args: argparse.Namespace) -> int:
         modes,
         args.greedy_tokens,
         kv_cache_memory_bytes=2**28,
+        max_model_len=args.max_model_len,
     )
     print(
         f"{'mode':<16} {'mean KL':>9} {'greedy':>7} {'argmax':>7} {'ppl':>8} {'weights MiB':>12} "

@@ -13,7 +13,9 @@ step's adapters are put into the layers' slots before the forward (``services/wo
 
 Speculative decoding: a step verifies each request's drafts (``spec_decode.accepted_run``), then
 proposes the next ones, by n-gram lookup or with a draft model (``draft_model.py``, its layers in
-this runner's KV cache plan); the rejected drafts' blocks are dropped after the draft has run. A
+this runner's KV cache plan); the rejected drafts' blocks are dropped after the draft has run. Each
+draft row is sampled as plain decoding samples its position: its draw, ``min_tokens``, bad words
+and penalties count the drafts before it as output (``_sampling_metadata``). A
 draft model lives on the driver only (whole, also under TP): it samples a sampling request's drafts
 from its distribution ``q``, which the driver's sampler verifies by rejection sampling
 (``_draft_distributions``) and whose verified rows the other TP ranks receive by broadcast.
@@ -113,6 +115,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.model: Optional[torch.nn.Module] = None
         self.kv_caches: list[torch.Tensor] = []
+        self.kv_cache_groups: list[tuple[int, ...]] = []  # per tensor: the KV cache groups using it
         self.kv_cache_config: Optional[KVCacheConfig] = None
         self.windows: tuple[int, ...] = (0,)  # each KV cache group's window (0: none)
         self.structured_output: Optional[StructuredOutputManager] = None  # built on first use
@@ -204,10 +207,20 @@ class ModelRunner:
                     slots[slot] = tensor
             layer.kv_cache = tensor
             layer.kv_cache_group = group
+        self.kv_cache_groups = self._groups_of_tensors()
         self.kv_cache_config = plan
         self.windows = plan.windows
         # (re)built with the cache: graphs capture its tensors (wake-up, recovery re-capture lazily)
         self.cuda_graphs = self._make_cuda_graphs(self.cuda_graphs.graph_factory if self.cuda_graphs else None)
+
+    def _groups_of_tensors(self) -> list[tuple[int, ...]]:
+        """Parallel to ``kv_caches``: the groups whose layers use each tensor (P/D moves each
+        tensor's blocks of each of them)."""
+        index = {id(tensor): i for i, tensor in enumerate(self.kv_caches)}
+        groups: list[set[int]] = [set() for _ in self.kv_caches]
+        for _, layer in self._named_attention_layers():
+            groups[index[id(layer.kv_cache)]].add(layer.kv_cache_group)
+        return [tuple(sorted(g)) for g in groups]
 
     def _make_cuda_graphs(self, graph_factory=None) -> Optional[CudaGraphRunner]:
         """The decode-step graph runner on CUDA (not ``enforce_eager`` / ``batch_invariant``, one
@@ -229,7 +242,7 @@ class ModelRunner:
             self.cuda_graphs.release()
         for _, layer in self._named_attention_layers():
             layer.kv_cache = torch.empty(0, device=self.device)
-        self.kv_caches = []
+        self.kv_caches, self.kv_cache_groups = [], []
         self.requests.clear()
         if self.drafter is not None:
             self.drafter.clear()
@@ -274,7 +287,8 @@ class ModelRunner:
         if self.structured_output is not None and self.structured_output.has_requests:
             self.structured_output.apply_bitmask(logits, inputs.sampling_req_ids, inputs.drafts)
         with one_thread():
-            meta = self._sampling_metadata(inputs.sampling_req_ids, logits.shape[-1], inputs.row_offsets)
+            meta = self._sampling_metadata(inputs.sampling_req_ids, logits.shape[-1],
+                                           inputs.row_offsets, inputs.drafts)
             meta.draft_distributions = self._draft_distributions(inputs)
         sampled, logprobs = self.sampler(logits, meta)
         tokens = self._keep_samples(inputs, sampled)
@@ -387,13 +401,12 @@ class ModelRunner:
                 del ids[keep:]
 
     def _propose(self, req_ids: list[str]) -> dict[str, list[int]]:
-        """Drafts (n-gram or the draft model's) for the requests that can take them: no penalties or
-        bad words, whose effect at a draft position would depend on the drafts before it
-        (``min_tokens`` is applied per position, a grammar's mask too: a structured request's
-        drafts end before the first token its grammar refuses)."""
+        """Drafts (n-gram or the draft model's) for every request. Whatever depends on the tokens
+        before a position is applied per draft row at verification, counting the drafts before it
+        (``min_tokens``, penalties, bad words; see ``_sampling_metadata``); a grammar's mask too,
+        and a structured request's drafts end before the first token its grammar refuses."""
         spec = self.spec
         states = [self.requests[r] for r in req_ids]
-        states = [s for s in states if not (s.params.has_penalties or s.params.bad_words_token_ids)]
         if self.drafter is not None:
             drafts = self.drafter.propose([self._draft_request(s) for s in states])
         else:
@@ -593,11 +606,16 @@ class ModelRunner:
         return self.encoder_cache.step_rows(scheduled) if scheduled else None
 
     def _sampling_metadata(self, req_ids: list[str], vocab_size: int,
-                           offsets: Optional[list[int]] = None) -> SamplingMetadata:
+                           offsets: Optional[list[int]] = None,
+                           drafts: Optional[dict[str, list[int]]] = None) -> SamplingMetadata:
         """Per sampled row; ``offsets``: each row's position after its request's output so far
-        (draft rows of speculative decoding; 0 otherwise)."""
+        (draft rows of speculative decoding; 0 otherwise), ``drafts``: the step's drafts by request.
+        A row at offset ``j`` is sampled as plain decoding would sample that position: its draw,
+        ``min_tokens``, bad words and penalties count the request's first ``j`` drafts as output."""
         states = [self.requests[r] for r in req_ids]
         offsets = offsets or [0] * len(states)
+        drafts = drafts or {}
+        ahead = [drafts.get(r, [])[:offset] for r, offset in zip(req_ids, offsets)]
         params = [s.params for s in states]
         temperature = [0.0 if p.greedy else p.temperature for p in params]
         top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
@@ -613,14 +631,14 @@ class ModelRunner:
             need_top_k_top_p=any(params[i].top_p < 1.0 or top_k[i] < vocab_size for i in random_rows),
             need_min_p=any(params[i].min_p > 0 for i in random_rows),
             uniforms=self._uniforms(states, offsets) if random_rows else None,
-            banned_token_ids=_banned_token_ids(states, offsets),
+            banned_token_ids=_banned_token_ids(states, offsets, ahead),
             max_num_logprobs=max(requested) if requested else None,
             num_logprobs=num_logprobs,
             allowed_token_ids={i: p.allowed_token_ids for i, p in enumerate(params) if p.allowed_token_ids},
             logit_bias={
                 i: (list(p.logit_bias), list(p.logit_bias.values())) for i, p in enumerate(params) if p.logit_bias
             },
-            penalties=self._penalties(states, vocab_size),
+            penalties=self._penalties(states, ahead, vocab_size),
         )
 
     def _uniforms(self, states: list[RequestState], offsets: list[int]) -> torch.Tensor:
@@ -634,7 +652,10 @@ class ModelRunner:
                 draws[i] = counter_uniform(s.params.seed, s.num_output_tokens + offset)
         return draws.to(self.device)
 
-    def _penalties(self, states: list[RequestState], vocab_size: int) -> Optional[Penalties]:
+    def _penalties(self, states: list[RequestState], ahead: list[list[int]],
+                   vocab_size: int) -> Optional[Penalties]:
+        """The penalised rows' inputs: a row's output is its request's output so far, then
+        ``ahead[row]`` (the drafts before a draft row); it has "seen" the prompt and that output."""
         rows = [i for i, s in enumerate(states) if s.params.has_penalties]
         if not rows:
             return None
@@ -642,9 +663,11 @@ class ModelRunner:
         seen = torch.zeros(len(rows), vocab_size, dtype=torch.bool)
         for j, i in enumerate(rows):
             state = states[i]
-            output = torch.tensor(state.token_ids[state.num_prompt_tokens :], dtype=torch.int64)
+            n = state.num_prompt_tokens
+            output = torch.tensor([*state.token_ids[n:], *ahead[i]], dtype=torch.int64)
             counts[j].scatter_add_(0, output, torch.ones_like(output, dtype=torch.float32))
-            seen[j, torch.tensor(state.token_ids, dtype=torch.int64)] = True
+            seen[j, torch.tensor(state.token_ids[:n], dtype=torch.int64)] = True
+            seen[j, output] = True
         params = [states[i].params for i in rows]
         return Penalties(
             rows=torch.tensor(rows, dtype=torch.int64, device=self.device),
@@ -676,17 +699,28 @@ class ModelRunner:
         return result
 
 
-def _banned_token_ids(states: list[RequestState], offsets: list[int]) -> dict[int, list[int]]:
+def _banned_token_ids(states: list[RequestState], offsets: list[int],
+                      ahead: list[list[int]]) -> dict[int, list[int]]:
     """Per row, the ids this step must not produce: stop ids before min_tokens (a draft row counts
-    the output before it), and bad words."""
+    the output before it), and bad words (a draft row's output is followed by ``ahead[row]``, the
+    drafts before it)."""
     banned: dict[int, list[int]] = {}
     for i, (s, offset) in enumerate(zip(states, offsets)):
         ids = list(s.stop_ids) if s.stop_ids and s.num_output_tokens + offset < s.params.min_tokens else []
-        output = s.token_ids[s.num_prompt_tokens :]
-        for word in s.params.bad_words_token_ids:
-            prefix = word[:-1]
-            if not prefix or (len(output) >= len(prefix) and output[len(output) - len(prefix) :] == prefix):
-                ids.append(word[-1])
+        if s.params.bad_words_token_ids:
+            output = [*s.token_ids[s.num_prompt_tokens :], *ahead[i]]
+            ids += _bad_word_ends(s.params.bad_words_token_ids, output)
         if ids:
             banned[i] = ids
     return banned
+
+
+def _bad_word_ends(words: list[list[int]], output: list[int]) -> list[int]:
+    """The last token of each bad word whose other tokens end ``output`` (a one-token word's
+    always)."""
+    ends = []
+    for word in words:
+        prefix = word[:-1]
+        if len(output) >= len(prefix) and output[len(output) - len(prefix) :] == prefix:
+            ends.append(word[-1])
+    return ends

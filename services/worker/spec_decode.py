@@ -22,7 +22,8 @@ of the step's sampling metadata. The sampler then verifies those rows by Leviath
 (``rejection_sample``): accept ``d_i`` with probability ``min(1, p_i(d_i) / q_i(d_i))``; at the
 first rejection draw from ``max(0, p_i - q_i)`` normalised and stop; with every draft accepted the
 bonus token is the target's own sample after the last draft. ``p_i`` is the target's final
-distribution at row ``i`` (temperature, top-k / top-p / min-p, bans, grammar), so each emitted token
+distribution at row ``i`` (temperature, top-k / top-p / min-p, bans, penalties, grammar; those
+that depend on the tokens before it count the drafts before it), so each emitted token
 follows it whatever ``q`` is (``tests/unit/worker/test_spec_decode.py``). ``verify_drafts``
 rewrites the rows to the verified run (accepted drafts, then the drawn token, which differs from the
 draft it replaces: ``p - q`` is 0 there), so ``accepted_run`` gives the same run on every rank.

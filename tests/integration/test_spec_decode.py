@@ -8,13 +8,18 @@
   drafts right, partly right (a wrong third token) and random; acceptance 1.0 when the draft is the
   target itself, about 0 for random drafts;
 * seeded sampling: the same tokens with and without speculation, alone and in a batch of 8;
+* penalties (repetition; frequency + presence) and bad words, greedy and seeded: each draft row is
+  penalised and banned over the output and the drafts before it, so the tokens are those without
+  speculation, with the oracle's drafts and with real n-gram lookup;
 * tensor parallelism (TP=2 workers over gRPC) with speculation gives TP=2's tokens without it;
 * no block leaked.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import random
+from typing import Optional
 
 import pytest
 
@@ -185,6 +190,76 @@ def test_seeded_sampling_is_the_same_with_and_without_speculation_at_any_batch_s
     assert alone == expected and together == expected
     assert spec.stats().spec_num_accepted_tokens > 0  # the seeded draws verified drafts, not just decoded
     _assert_no_leak(spec)
+
+
+# 16 tokens: the outputs repeat themselves, so n-gram lookup finds drafts and the penalties (whose
+# counts a draft row takes from the drafts before it) decide most positions
+ALLOWED = list(range(300, 316))
+PENALTIES = {"repetition": {"repetition_penalty": 1.3},
+             "frequency-presence": {"frequency_penalty": 0.5, "presence_penalty": 0.5}}
+
+
+def _bad_words(llm: LLM, outputs: list[list[int]]) -> list[str]:
+    """Per output, its first word of two tokens that the output holds in a row: banning them moves
+    the outputs, and a ban's prefix is then often a draft before the row it bans at."""
+    tok, words = llm.get_tokenizer(), []
+    for out in outputs:
+        for word in tok.decode(out).split():
+            ids = tok.encode(" " + word, add_special_tokens=False)
+            if len(ids) == 2 and any(out[i:i + 2] == ids for i in range(len(out) - 1)):
+                words.append(word)
+                break
+    return words
+
+
+def _penalised(kind: str, plain: LLM, prompts: list[list[int]],
+               allowed: Optional[list[int]] = ALLOWED) -> SamplingParams:
+    """Greedy (over ``allowed``), 32 tokens, with ``kind``'s penalties or bad words (which must change
+    the outputs)."""
+    free = SamplingParams(temperature=0.0, max_tokens=32, min_tokens=32, allowed_token_ids=allowed)
+    free_outputs = _tokens(plain, prompts, free)
+    if kind == "bad-words":
+        params = dataclasses.replace(free, bad_words=_bad_words(plain, free_outputs))
+    else:
+        params = dataclasses.replace(free, **PENALTIES[kind])
+    assert _tokens(plain, prompts, params) != free_outputs, "the constraint changes nothing"
+    return params
+
+
+def _check_penalised_speculation(path: str, prompts: list[list[int]], params: list[SamplingParams],
+                                 expected: list[list[int]]) -> None:
+    """The oracle's drafts (a wrong fourth one) and real n-gram lookup: ``expected`` either way,
+    and runs of three drafts accepted (rows penalised over the drafts before them)."""
+    inputs = [{"prompt_token_ids": p} for p in prompts]
+    oracle = LLM(model=path, kv_cache_memory_bytes=KV_BYTES, max_num_batched_tokens=64, speculative_config=NGRAM)
+    _Oracle(oracle, {tuple(p): e for p, e in zip(prompts, expected)}, wrong_at=3)
+    assert [list(o.outputs[0].token_ids) for o in oracle.generate(inputs, params, use_tqdm=False)] == expected
+    assert oracle.stats().spec_accepted_per_pos[2] > 0
+    _assert_no_leak(oracle)
+    ngram = LLM(model=path, kv_cache_memory_bytes=KV_BYTES, max_num_batched_tokens=64,
+                speculative_config={**NGRAM, "prompt_lookup_min": 1})
+    assert [list(o.outputs[0].token_ids) for o in ngram.generate(inputs, params, use_tqdm=False)] == expected
+    assert ngram.stats().spec_num_accepted_tokens > 0  # n-gram drafts were proposed and verified
+    _assert_no_leak(ngram)
+
+
+@pytest.mark.parametrize("kind", ["repetition", "frequency-presence", "bad-words"])
+def test_greedy_outputs_with_penalties_or_bad_words_are_identical_with_speculation(kind, llama_tiny):
+    prompts = _prompts(6, 10, 40, seed=141)
+    plain = LLM(model=str(llama_tiny), kv_cache_memory_bytes=KV_BYTES, max_num_batched_tokens=64)
+    params = _penalised(kind, plain, prompts)
+    expected = _tokens(plain, prompts, params)
+    _check_penalised_speculation(str(llama_tiny), prompts, [params] * len(prompts), expected)
+
+
+def test_seeded_sampling_with_penalties_is_the_same_with_and_without_speculation(llama_tiny):
+    prompts = _prompts(6, 10, 40, seed=143)
+    plain = LLM(model=str(llama_tiny), kv_cache_memory_bytes=KV_BYTES, max_num_batched_tokens=64)
+    params = [SamplingParams(temperature=0.8, seed=300 + i, max_tokens=32, min_tokens=32, allowed_token_ids=ALLOWED,
+                             repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.5)
+              for i in range(len(prompts))]
+    outs = plain.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    _check_penalised_speculation(str(llama_tiny), prompts, params, [list(o.outputs[0].token_ids) for o in outs])
 
 
 @pytest.mark.slow

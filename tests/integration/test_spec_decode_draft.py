@@ -10,6 +10,9 @@ random checkpoints:
   rejection sampling — the target as its own draft accepts nearly all of them; a seeded request
   (point-mass drafts) gives exactly the tokens of decoding without speculation, alone and in a
   batch; top-k 1 gives the greedy tokens and ``allowed_token_ids`` hold;
+* penalties (repetition; frequency + presence) and bad words with the target as its own draft:
+  its unpenalised proposals are sometimes rejected, and the tokens are those without speculation,
+  greedy and seeded;
 * aborts leak no block (the draft's lookahead slots included);
 * a JSON-schema request: the grammar's mask at each draft position keeps its output unchanged;
 * a draft of another vocabulary is refused at start, naming the field;
@@ -29,10 +32,12 @@ from .test_llm_matches_hf import _prompts
 from .test_spec_decode import (
     KV_BYTES,
     NGRAM,
+    PENALTIES,
     _abort_every_other_midway,
     _assert_no_leak,
     _greedy,
     _Oracle,
+    _penalised,
     _three_architectures_baseline,
     _tokens,
 )
@@ -140,6 +145,37 @@ def test_sampling_requests_with_a_draft_model_keep_their_constraints(llama_tiny)
                                                    max_tokens=24, min_tokens=24)] * len(prompts))
     assert all(len(o) == 24 and set(o) <= set(allowed) for o in outs)
     assert spec.stats().spec_num_draft_tokens > 0
+    _assert_no_leak(spec)
+
+
+@pytest.mark.parametrize("kind", ["repetition", "frequency-presence", "bad-words"])
+def test_greedy_outputs_with_penalties_or_bad_words_are_identical_with_the_target_as_its_own_draft(
+        kind, llama_tiny):
+    """The draft proposes the target's unpenalised argmax; each draft row is penalised (and banned)
+    over the output and the drafts before it, so some proposals are rejected and none changes the
+    tokens. Every token is free (no allowed ids: the draft does not apply them)."""
+    prompts = _prompts(6, 10, 40, seed=151)
+    path = str(llama_tiny)
+    plain = LLM(model=path, kv_cache_memory_bytes=KV_BYTES, max_num_batched_tokens=64)
+    params = _penalised(kind, plain, prompts, allowed=None)
+    expected = _tokens(plain, prompts, params)
+    spec = LLM(model=path, kv_cache_memory_bytes=KV_BYTES, max_num_batched_tokens=64,
+               speculative_config=_spec(path))
+    assert _tokens(spec, prompts, params) == expected
+    assert 0.3 < _rate(spec) < 1.0
+    _assert_no_leak(spec)
+
+
+def test_seeded_sampling_with_penalties_and_a_draft_model_gives_the_tokens_of_plain_decoding(llama_tiny):
+    prompts = _prompts(6, 10, 40, seed=153)
+    params = [SamplingParams(temperature=0.8, seed=400 + i, max_tokens=32, min_tokens=32,
+                             **PENALTIES["repetition"], **PENALTIES["frequency-presence"])
+              for i in range(len(prompts))]
+    path = str(llama_tiny)
+    expected = _sampled(LLM(model=path, kv_cache_memory_bytes=KV_BYTES), prompts, params)
+    spec = LLM(model=path, kv_cache_memory_bytes=KV_BYTES, speculative_config=_spec(path))
+    assert _sampled(spec, prompts, params) == expected
+    assert spec.stats().spec_num_accepted_tokens > 0
     _assert_no_leak(spec)
 
 

@@ -1,13 +1,17 @@
 """Speculative decoding's pieces in the worker (``services/worker/spec_decode.py``): n-gram
 proposals, the accepted run of a verification, and the rejection sampler for draft distributions,
 whose outputs must follow the target's distribution at every draft position (chi-square), alone and
-inside the batched sampler (seeded draws, temperature / top-p, drafts far from the target)."""
+inside the batched sampler (seeded draws, temperature / top-p, drafts far from the target); and the
+runner's sampling metadata, which treats a draft row as plain decoding treats its position (its draw,
+``min_tokens``, bad words and penalties counting the drafts before it)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from gridserve.services.worker.model_runner import ModelRunner
+from gridserve.services.worker.parallel_state import ParallelState, set_parallel_state
 from gridserve.services.worker.sampler import (
     Sampler,
     SamplingMetadata,
@@ -21,6 +25,9 @@ from gridserve.services.worker.spec_decode import (
     ngram_propose,
     rejection_sample,
 )
+from gridserve.shared.config import GridserveConfig
+from gridserve.shared.sampling_params import SamplingParams
+from gridserve.shared.scheduler_output import NewRequestData, SchedulerOutput
 
 # chi-square critical values at p = 0.01: a sample that follows the distribution exceeds them 1% of the time
 CHI2_CRITICAL_01 = {15: 30.578}
@@ -211,3 +218,38 @@ def test_draft_verification_is_a_function_of_its_draws_whatever_the_batch():
     assert together == runs(range(100, 164))
     assert [runs(range(s, s + 1))[0] for s in range(100, 164)] == together
     assert len({tuple(r) for r in together}) > 10  # the seeds matter
+
+
+# ---- the runner's metadata: a draft row is sampled as plain decoding samples its position ---------
+
+
+def test_a_draft_row_is_penalised_and_banned_as_plain_decoding_would_be_at_its_position(llama_tiny):
+    """A request with drafts and, for each draft offset ``j``, the same request with ``drafts[:j]``
+    already in its output: row ``j``'s processed logits and draw equal the latter's."""
+    set_parallel_state(ParallelState.single())
+    config = GridserveConfig.from_kwargs(model=str(llama_tiny), device="cpu").finalize()
+    runner = ModelRunner(config, torch.device("cpu"))
+    prompt, output, drafts = [5, 6, 7, 8], [9, 10, 9], [10, 12, 9, 10]
+    params = SamplingParams(temperature=0.8, seed=7, repetition_penalty=1.3, frequency_penalty=0.5,
+                            presence_penalty=0.4, min_tokens=6, stop_token_ids=[30])
+    # banned after "9 10" (rows 1 and 4: their outputs end with drafts), after 12 (row 2), always
+    params.bad_words_token_ids = [[9, 10, 20], [12, 21], [22]]
+    new = [NewRequestData("spec", prompt, params, [1], 0, output_token_ids=output)]
+    new += [NewRequestData(f"plain{j}", prompt, params, [1], 0, output_token_ids=output + drafts[:j])
+            for j in range(len(drafts) + 1)]
+    runner._update_states(SchedulerOutput(scheduled_new_reqs=new))
+    vocab, rows = config.model.vocab_size, len(drafts) + 1
+    logits = torch.randn(1, vocab, generator=torch.Generator().manual_seed(8)).repeat(rows, 1)
+    logits[:, [9, 10, 11, 12, 20, 21, 22, 30]] += 3.0  # the tokens that matter, positive and negative
+    logits[:, [5, 6, 7]] -= 6.0
+    meta = runner._sampling_metadata(["spec"] * rows, vocab, list(range(rows)), {"spec": drafts})
+    got = Sampler.process_logits(logits.clone(), meta)
+    for j in range(rows):
+        plain = runner._sampling_metadata([f"plain{j}"], vocab)
+        assert torch.equal(got[j], Sampler.process_logits(logits[j:j + 1].clone(), plain)[0]), j
+        assert meta.uniforms[j] == plain.uniforms[0]
+        assert sorted(meta.banned_token_ids.get(j, [])) == sorted(plain.banned_token_ids.get(0, [])), j
+    assert [20 in meta.banned_token_ids[j] for j in range(rows)] == [False, True, False, False, True]
+    assert [21 in meta.banned_token_ids[j] for j in range(rows)] == [False, False, True, False, False]
+    assert [30 in meta.banned_token_ids[j] for j in range(rows)] == [True, True, True, False, False]
+    assert all(not torch.equal(got[j], got[j + 1]) for j in range(rows - 1))  # each draft counts
