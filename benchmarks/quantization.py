@@ -26,6 +26,7 @@ logger = logging.getLogger(__name__)
 MODES: dict[str, dict[str, Any]] = {
     "fp32": {},
     "kv-bf16": {"kv_cache_dtype": "bfloat16"},
+    "bf16": {"dtype": "bfloat16"},  # bf16 weights and KV cache: vLLM's CPU precision (no bar: reported)
     "kv-fp16": {"kv_cache_dtype": "float16"},
     "kv-fp8_e4m3": {"kv_cache_dtype": "fp8_e4m3"},
     "kv-fp8_e5m2": {"kv_cache_dtype": "fp8_e5m2"},

@@ -8,6 +8,12 @@ allocates blocks for the prompt, its worker pulls the producer's blocks into the
 producer's worker serves a transfer only while its engine keeps it registered (``KVSend``): until
 pulled, or until the deadline passes.
 
+A model whose KV cache plan has several groups (sliding-window layers beside full ones) moves every
+group: ``block_ids`` is group 0's list, ``more_group_block_ids`` the others' (``group_block_ids``:
+all of them, in group order), each the prompt's blocks in token order. A window group's list starts
+with the null block (``NULL_BLOCK``, the pool's block 0) for the blocks the consumer's first step no
+longer sees: those are not sent, and the consumer leaves its own blocks there untouched.
+
 ``check_pairing`` is the one compatibility check of a pairing (block size, KV dtype, model,
 quantization, parallel shape): a mismatch is a ``ConfigError`` naming the field. Plain data, no
 torch, no protobuf.
@@ -17,12 +23,14 @@ from __future__ import annotations
 
 import secrets
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Optional
 
 from gridserve.shared.errors import ConfigError
 
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+NULL_BLOCK = 0  # a block id that is not sent: out of a window group's window (the pool's null block)
 
 
 @dataclass(frozen=True)
@@ -41,10 +49,16 @@ class KVTransferParams:
     quantization: str = ""
     world_size: int = 1  # tensor x pipeline parallel ranks; worker_addresses has one per rank
     tensor_parallel_size: int = 1
+    more_group_block_ids: tuple[tuple[int, ...], ...] = ()  # KV cache groups 1.. (block_ids: group 0)
 
     @property
     def expired(self) -> bool:
         return time.time() >= self.deadline_unix_s
+
+    @property
+    def group_block_ids(self) -> tuple[tuple[int, ...], ...]:
+        """Every KV cache group's blocks, in group order."""
+        return (tuple(self.block_ids), *self.more_group_block_ids)
 
 
 @dataclass(frozen=True)
@@ -55,6 +69,17 @@ class KVSend:
     token: str
     block_ids: tuple[int, ...]
     deadline_unix_s: float
+    more_group_block_ids: tuple[tuple[int, ...], ...] = ()  # KV cache groups 1.. (block_ids: group 0)
+
+    @property
+    def group_block_ids(self) -> tuple[tuple[int, ...], ...]:
+        """Every KV cache group's blocks, in group order."""
+        return (tuple(self.block_ids), *self.more_group_block_ids)
+
+
+def count_blocks(group_block_ids: Sequence[Sequence[int]]) -> int:
+    """The non-null block ids over every group (a transfer's blocks sent, or a request's held)."""
+    return sum(1 for ids in group_block_ids for block in ids if block != NULL_BLOCK)
 
 
 @dataclass
@@ -69,7 +94,7 @@ class KVTransferStats:
     transfers_failed: int = 0  # consumer: pulls that failed (the prompt was computed locally)
     bytes_sent: int = 0
     bytes_received: int = 0
-    held_blocks: int = 0  # producer: blocks waiting to be pulled now
+    held_blocks: int = 0  # producer: blocks held for transfers now (every group's prompt blocks)
     transfers_held: int = 0  # producer: transfers waiting to be pulled now
 
 

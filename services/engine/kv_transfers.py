@@ -12,9 +12,11 @@ A gateway that ends the request at its first token (a stop string it applies, a 
 it here: the abort of a held request ``release``s its transfer at once (blocks freed, workers told),
 instead of at the deadline.
 
-Transfers move one KV cache group: a model whose plan has several (sliding-window layers beside
-full ones) is refused at start, naming ``cache.kv_role`` (``--disable-hybrid-kv-cache-manager``
-plans the window layers as full attention: one group, and the transfer works).
+A transfer moves every KV cache group of the model's plan (sliding-window layers beside full ones):
+the prompt's blocks of each group, all held until the transfer ends. A window group's blocks wholly
+before the window of the consumer's first step (the token after the prompt) are not sent: their
+place in the group's list is the null block (``NULL_BLOCK``), whether this engine already freed
+them or not.
 
 ``check_consumer`` is a consumer's check of the params a gateway hands it (role, pairing, sizes).
 """
@@ -27,12 +29,15 @@ from dataclasses import dataclass
 
 from gridserve.services.engine.request import Request
 from gridserve.shared.config import GridserveConfig
-from gridserve.shared.errors import ConfigError, InvalidArgumentError
+from gridserve.shared.errors import InvalidArgumentError
+from gridserve.shared.kv_cache_spec import num_skipped_blocks
 from gridserve.shared.kv_transfer import (
+    NULL_BLOCK,
     KVSend,
     KVTransferParams,
     KVTransferStats,
     check_pairing,
+    count_blocks,
     new_transfer,
 )
 from gridserve.shared.scheduler_output import SchedulerOutput
@@ -47,18 +52,15 @@ CONSUMERS = ("kv_consumer", "kv_both")
 class _Held:
     request: Request
     params: KVTransferParams
+    num_blocks: int  # blocks the request holds (a window group's unsent ones too, until it ends)
 
 
 class KVTransfers:
     """The transfers a producer holds, and the sends / releases its workers have not seen yet."""
 
-    def __init__(self, config: GridserveConfig, num_kv_cache_groups: int = 1) -> None:
-        if num_kv_cache_groups != 1:
-            raise ConfigError("cache.kv_role", f"disaggregated prefill / decode moves one KV cache group; this "
-                                               f"model's plan has {num_kv_cache_groups} (sliding-window layers "
-                                               "beside full ones): start it with "
-                                               "--disable-hybrid-kv-cache-manager (window layers kept whole)")
+    def __init__(self, config: GridserveConfig, windows: tuple[int, ...] = (0,)) -> None:
         self.config = config
+        self.windows = windows  # each KV cache group's sliding window (0: keeps every token)
         self.timeout_s = config.cache.kv_transfer_timeout_s
         self.held: dict[str, _Held] = {}
         self._sends: list[KVSend] = []
@@ -74,21 +76,42 @@ class KVTransfers:
         """Transfers wait for a consumer, or workers must still hear of a release."""
         return bool(self.held or self._releases)
 
-    def hold(self, request: Request, block_ids: list[int]) -> KVTransferParams:
-        """Keep ``request``'s blocks (already referenced by it) for a consumer; its params."""
+    def hold(self, request: Request, block_ids: tuple[list[int], ...]) -> KVTransferParams:
+        """Keep ``request``'s blocks (already referenced by it; ``block_ids``: its lists, one per KV
+        cache group) for a consumer; its params."""
         transfer_id, token = new_transfer(request.request_id)
         cache, model = self.config.cache, self.config.model
+        prompt = self.prompt_blocks(request.num_prompt_tokens, block_ids)
         params = KVTransferParams(
             transfer_id=transfer_id, token=token, worker_addresses=tuple(self.config.parallel.worker_addresses),
-            block_ids=tuple(block_ids), num_tokens=request.num_prompt_tokens,
+            block_ids=prompt[0], num_tokens=request.num_prompt_tokens,
             deadline_unix_s=time.time() + self.timeout_s, block_size=cache.block_size,
             kv_cache_dtype=cache.kv_cache_dtype, model=model.model, quantization=model.quantization or "",
             world_size=self.config.parallel.world_size,
-            tensor_parallel_size=self.config.parallel.tensor_parallel_size)
-        self.held[transfer_id] = _Held(request, params)
-        self._sends.append(KVSend(transfer_id, token, params.block_ids, params.deadline_unix_s))
-        self.stats.held_blocks += len(block_ids)
+            tensor_parallel_size=self.config.parallel.tensor_parallel_size,
+            more_group_block_ids=prompt[1:])
+        # what the request holds of the prompt (a block a window group already freed is null)
+        num_blocks = count_blocks(tuple(ids[:len(prompt[0])] for ids in block_ids))
+        self.held[transfer_id] = _Held(request, params, num_blocks)
+        self._sends.append(KVSend(transfer_id, token, prompt[0], params.deadline_unix_s,
+                                  prompt[1:]))
+        self.stats.held_blocks += num_blocks
         return params
+
+    def prompt_blocks(self, num_prompt_tokens: int,
+                      block_ids: tuple[list[int], ...]) -> tuple[tuple[int, ...], ...]:
+        """Per group, the blocks of a prompt of ``num_prompt_tokens`` a consumer pulls; in a window
+        group, those wholly before the window of the token after the prompt are ``NULL_BLOCK``."""
+        if len(block_ids) != len(self.windows):
+            raise ValueError(f"block ids of {len(block_ids)} KV cache groups, the plan has "
+                             f"{len(self.windows)}")
+        block_size = self.config.cache.block_size
+        num_blocks = -(-num_prompt_tokens // block_size)
+        prompt = []
+        for ids, window in zip(block_ids, self.windows):
+            skipped = num_skipped_blocks(window, num_prompt_tokens, block_size)
+            prompt.append((NULL_BLOCK,) * skipped + tuple(ids[skipped:num_blocks]))
+        return tuple(prompt)
 
     def fill(self, plan: SchedulerOutput) -> None:
         """Hand the workers the sends and releases they have not seen, in this plan."""
@@ -150,7 +173,7 @@ class KVTransfers:
                 self._sends.remove(unsent[0])
             else:
                 self._releases.append(transfer_id)
-            self.stats.held_blocks -= len(held.params.block_ids)
+            self.stats.held_blocks -= held.num_blocks
             done.append(held.request)
         return done
 
@@ -178,9 +201,12 @@ def check_consumer(config: GridserveConfig, params: KVTransferParams, num_prompt
     if params.num_tokens != num_prompt_tokens:
         raise InvalidArgumentError("kv_transfer_params.num_tokens",
                                    f"{params.num_tokens} for a prompt of {num_prompt_tokens} tokens")
-    if len(params.block_ids) != -(-params.num_tokens // config.cache.block_size):
-        raise InvalidArgumentError("kv_transfer_params.block_ids",
-                                   f"{len(params.block_ids)} blocks for {params.num_tokens} tokens")
+    num_blocks = -(-params.num_tokens // config.cache.block_size)
+    for group, ids in enumerate(params.group_block_ids):
+        if len(ids) != num_blocks:
+            field = "block_ids" if group == 0 else f"more_group_block_ids[{group - 1}]"
+            raise InvalidArgumentError(f"kv_transfer_params.{field}", f"{len(ids)} blocks of KV "
+                                       f"cache group {group} for {params.num_tokens} tokens")
     if num_output_tokens < 1:
         raise InvalidArgumentError("output_token_ids", "a request with kv_transfer_params continues from the "
                                    "prefill engine's first token: send it as output")

@@ -25,11 +25,11 @@ Multi-LoRA: the running requests use at most ``max_loras`` distinct adapters; a 
 another adapter is passed over (it keeps its place) until one of them drains.
 
 Disaggregated prefill / decode (``--kv-role``, ``kv_transfers.py``): a producer's prefill-only
-request ends after its first token and keeps its blocks for a consumer (an abort of it releases
-them at once; a model of several KV cache groups is refused); a consumer's request with
-``kv_load`` is admitted with its prompt counted as computed (pulled by the worker before the step,
-kept out of the prefix cache until confirmed) and goes back to the queue to compute its prompt when
-the pull fails.
+request ends after its first token and keeps its blocks, of every KV cache group, for a consumer
+(an abort of it releases them at once); a consumer's request with ``kv_load`` is admitted with its
+prompt counted as computed (pulled by the worker before the step, kept out of the prefix cache
+until confirmed) and goes back to the queue to compute its prompt when the pull fails or the
+producer's plan has other KV cache groups than this engine's.
 """
 
 from __future__ import annotations
@@ -122,7 +122,7 @@ class Scheduler:
         self.max_loras = config.lora.max_loras if config.lora.enable_lora else None
         self.spec_stats = SpecDecodeStats(self.spec.num_speculative_tokens if self.spec else 0)
         # Disaggregated prefill / decode (--kv-role): a producer's held transfers, both sides' counters.
-        self.transfers = KVTransfers(config, kv_cache_manager.num_groups) if config.cache.kv_role else None
+        self.transfers = KVTransfers(config, self.kv.windows) if config.cache.kv_role else None
         self.num_lookahead = self.spec.num_lookahead_tokens if self.spec else 0
 
     # ---- admission and removal ------------------------------------------------------------
@@ -563,8 +563,8 @@ class Scheduler:
         if self.step_stats is not None:
             self.step_stats.finished.append(request)
         if request.kv_hold and self.transfers is not None and status == RequestStatus.FINISHED_LENGTH_CAPPED:
-            prompt_blocks = self.kv.get_block_ids(request.request_id)[0][:-(-request.num_prompt_tokens // self.kv.block_size)]
-            request.kv_transfer_out = self.transfers.hold(request, prompt_blocks)  # blocks stay referenced
+            blocks = self.kv.get_block_ids(request.request_id)
+            request.kv_transfer_out = self.transfers.hold(request, blocks)  # blocks stay referenced
         else:
             self.kv.free(request)
         self._forget.add(request.request_id)
@@ -588,6 +588,13 @@ class Scheduler:
         blocks kept out of the prefix cache until the pull is confirmed); 0 otherwise."""
         params = request.kv_load
         if params is None or request.num_tokens <= params.num_tokens or request.sampling_params.prompt_logprobs:
+            return 0
+        num_groups = len(params.group_block_ids)
+        if num_groups != self.kv.num_groups:  # e.g. one side --disable-hybrid-kv-cache-manager
+            logger.warning("request %s: the producer's KV comes in %d KV cache group(s), this engine "
+                           "plans %d: computing its prompt here", request.request_id, num_groups,
+                           self.kv.num_groups)
+            request.kv_load = None
             return 0
         self.kv.defer_caching(request.request_id)
         return params.num_tokens

@@ -8,10 +8,11 @@ the connector in a thread (never on the event loop).
 ``KVStepHook`` runs around every ``execute_model`` (the worker servicer calls it): before the step it
 applies the plan's ``kv_releases`` and ``kv_sends`` to the connector (a released transfer is no
 longer served once the step that may reuse its blocks runs) and pulls the KV of every new request
-that carries ``kv_load`` into its first blocks; a request whose pull failed is taken out of this
-and every later step until the engine tells the worker to forget it (``finished_req_ids``), and
-reported once in ``ModelRunnerOutput.kv_load_failed`` (the engine then computes its prompt). After
-the step it adds the transfers pulled from this worker (``kv_sent``) and the bytes moved.
+that carries ``kv_load`` into its first blocks of every KV cache group (``block_ids[g]``); a request
+whose pull failed is taken out of this and every later step until the engine tells the worker to
+forget it (``finished_req_ids``), and reported once in ``ModelRunnerOutput.kv_load_failed`` (the
+engine then computes its prompt). After the step it adds the transfers pulled from this worker
+(``kv_sent``) and the bytes moved.
 
 Engines of several workers (TP / PP, same shape on both sides): the worker of rank r pulls its own
 shard (its layers, its KV heads) from the producer's worker of rank r; the ranks then agree on the
@@ -39,7 +40,7 @@ from gridserve.services.worker.kv_connector import (
     TransferRefused,
     chunk_to_pb,
 )
-from gridserve.shared.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from gridserve.shared.scheduler_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -90,8 +91,8 @@ class KVStepHook:
         errors: list[Optional[str]] = []
         for new in loads:
             try:
-                self._bytes_received += self.connector.pull(new.kv_load, new.block_ids[0][:len(new.kv_load.block_ids)],
-                                                            self.rank)
+                local = self._local_blocks(new)
+                self._bytes_received += self.connector.pull(new.kv_load, local, self.rank)
                 errors.append(None)
             except KVTransferError as exc:
                 logger.warning("request %s: KV pull failed (%s); the engine computes its prompt", new.req_id, exc)
@@ -104,6 +105,12 @@ class KVStepHook:
                 self._failed_now[new.req_id] = error or "the pull failed on another worker of this engine"
                 self._left_out.add(new.req_id)
         return self._without(plan, self._left_out) if self._left_out else plan
+
+    @staticmethod
+    def _local_blocks(new: NewRequestData) -> tuple[list[int], ...]:
+        """The request's first blocks of each KV cache group, as many as the producer's list has."""
+        theirs = new.kv_load.group_block_ids
+        return tuple(ids[:len(remote)] for ids, remote in zip(new.block_ids, theirs))
 
     def after_step(self, out: ModelRunnerOutput) -> None:
         out.kv_sent, out.kv_bytes_sent = self.connector.take_sent()

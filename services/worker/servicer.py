@@ -60,7 +60,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="worker")
         # Disaggregated prefill / decode: the KV connector (served by main's KVTransfer service) and
         # its part of each step; idle unless the engine sends transfers or loads.
-        self.kv_connector = GrpcKVConnector(KVCacheView(self._kv_caches))
+        self.kv_connector = GrpcKVConnector(KVCacheView(self._kv_caches, self._kv_cache_groups))
         self.kv_step = KVStepHook(self.kv_connector)
 
     async def CollectiveRPC(
@@ -84,6 +84,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     def _kv_caches(self) -> list:
         return self.worker.runner.kv_caches if self.worker is not None and self.worker.runner is not None else []
+
+    def _kv_cache_groups(self) -> list[tuple[int, ...]]:
+        """Parallel to ``_kv_caches``: the KV cache groups whose layers use each tensor."""
+        runner = self.worker.runner if self.worker is not None else None
+        return runner.kv_cache_groups if runner is not None else []
 
     def _stream_ended(self) -> None:
         """A worker of a parallel group belongs to one engine session: when its stream ends (the

@@ -1,6 +1,7 @@
 """protobuf <-> the disaggregated-serving data (``shared.kv_transfer``): ``KVTransferParams`` (engine
 and worker protos), ``KVSend`` (the step plan) and ``KVTransferStats`` (``KVTransferCounters``: the
-engine's load report and the gateway's status)."""
+engine's load report and the gateway's status). KV cache groups 1.. travel in
+``more_group_block_ids`` (``block_ids`` is group 0's)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ def kv_params_to_pb(params: Optional[KVTransferParams]) -> Optional[common_pb2.K
         block_ids=list(params.block_ids), num_tokens=params.num_tokens, deadline_unix_s=params.deadline_unix_s,
         block_size=params.block_size, kv_cache_dtype=params.kv_cache_dtype, model=params.model,
         quantization=params.quantization, world_size=params.world_size,
-        tensor_parallel_size=params.tensor_parallel_size)
+        tensor_parallel_size=params.tensor_parallel_size,
+        more_group_block_ids=[common_pb2.BlockIdList(ids=g) for g in params.more_group_block_ids])
 
 
 def kv_params_from_pb(msg, field: str = "kv_transfer_params") -> Optional[KVTransferParams]:
@@ -31,16 +33,19 @@ def kv_params_from_pb(msg, field: str = "kv_transfer_params") -> Optional[KVTran
         transfer_id=m.transfer_id, token=m.token, worker_addresses=tuple(m.worker_addresses),
         block_ids=tuple(m.block_ids), num_tokens=m.num_tokens, deadline_unix_s=m.deadline_unix_s,
         block_size=m.block_size, kv_cache_dtype=m.kv_cache_dtype, model=m.model, quantization=m.quantization,
-        world_size=m.world_size or 1, tensor_parallel_size=m.tensor_parallel_size or 1)
+        world_size=m.world_size or 1, tensor_parallel_size=m.tensor_parallel_size or 1,
+        more_group_block_ids=tuple(tuple(g.ids) for g in m.more_group_block_ids))
 
 
 def kv_send_to_pb(send: KVSend) -> worker_pb2.KVSend:
+    more = [worker_pb2.BlockIds(ids=ids) for ids in send.more_group_block_ids]
     return worker_pb2.KVSend(transfer_id=send.transfer_id, token=send.token, block_ids=list(send.block_ids),
-                             deadline_unix_s=send.deadline_unix_s)
+                             deadline_unix_s=send.deadline_unix_s, more_group_block_ids=more)
 
 
 def kv_send_from_pb(msg: worker_pb2.KVSend) -> KVSend:
-    return KVSend(msg.transfer_id, msg.token, tuple(msg.block_ids), msg.deadline_unix_s)
+    return KVSend(msg.transfer_id, msg.token, tuple(msg.block_ids), msg.deadline_unix_s,
+                  tuple(tuple(g.ids) for g in msg.more_group_block_ids))
 
 
 def kv_stats_to_pb(stats: Optional[KVTransferStats]) -> Optional[common_pb2.KVTransferCounters]:

@@ -7,6 +7,9 @@ coordinator, a gateway and the Envoy edge).
   decode engine pulled equal the prompts' blocks' size; nothing stays held; ``/v1/status`` shows
   each engine's role and transfers; a stop string met by the first token leaves nothing held on the
   prefill engine at once (the gateway's abort releases the transfer), not at its deadline.
+- P=1/D=1 of a sliding-window model (Gemma 2's layout: window 16 on every other layer, two KV cache
+  groups; one worker per engine, and -pp 2): greedy outputs equal the offline ``LLM``'s; every group's prompt blocks move except the
+  window's blocks out of the decode engine's first window (the bytes count them out); nothing held.
 - P=1/D=2 (batch-invariant engines, supervised: dead roles restart): greedy outputs equal the
   ``LLM``'s and both decode engines decode; the prefill engine SIGKILLed under 24 streams and a
   decode engine SIGKILLed mid-stream: every stream completes with the fault-free run's tokens (no
@@ -21,6 +24,7 @@ import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import grpc
 import pytest
@@ -32,6 +36,7 @@ from gridserve.api.engine.v1 import engine_pb2
 from gridserve.api.gateway.v1 import gateway_pb2
 from gridserve.benchmarks.chaos import Progress, make_requests, run_load, stream_faults
 from gridserve.launcher import free_port
+from gridserve.shared.kv_cache_spec import num_skipped_blocks
 from gridserve.shared.rpc.client import wait_until_serving
 
 from .services import (
@@ -43,6 +48,7 @@ from .services import (
     greedy,
     token_prompt,
 )
+from .test_kv_cache_groups import gemma2
 
 pytestmark = pytest.mark.slow
 
@@ -170,6 +176,50 @@ def test_p1_d1_with_two_workers_per_engine_pairs_the_workers_rank_by_rank(llama_
         assert sent.transfers_sent == received.transfers_received == len(PROMPTS)
         assert received.transfers_failed == 0 and sent.transfers_expired == 0
         assert sent.bytes_sent == received.bytes_received == blocks * _bytes_per_block(llama_tiny, block_size)
+        assert sent.held_blocks == sent.transfers_held == 0
+
+
+def _window_bytes(model, block_size: int, length: int) -> int:
+    """The KV bytes a transfer of a ``length``-token prompt moves: every block of each full layer,
+    and of each window layer only the blocks the decode engine's first token's window reaches."""
+    config = json.loads((model / "config.json").read_text())
+    per_layer_block = 2 * config["num_key_value_heads"] * config["head_dim"] * 4 * block_size  # K and V, fp32
+    blocks = -(-length // block_size)
+    window = config["sliding_window"]
+    return per_layer_block * sum(blocks - (num_skipped_blocks(window, length, block_size) if kind == "sliding_attention"
+                                           else 0) for kind in config["layer_types"])
+
+
+@pytest.fixture(scope="module")
+def hybrid_reference():
+    """Gemma 2's layout (window 16 on layers 0 and 2, full 1 and 3) and the offline ``LLM``'s outputs."""
+    model = Path(gemma2())
+    llm = LLM(model=str(model), kv_cache_memory_bytes=KV_BYTES)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    return model, [o.outputs[0].token_ids for o in outputs]
+
+
+@pytest.mark.parametrize("shape", [{}, {"pipeline_parallel_size": 2}], ids=["one-worker", "pp2"])
+def test_p1_d1_of_a_sliding_window_model_moves_every_kv_cache_group(hybrid_reference, tmp_path, shape):
+    """Two KV cache groups (window, full) sharing each KV tensor; with -pp 2 each rank's tensor
+    holds one layer of each group."""
+    model, expected = hybrid_reference
+    with deployment(model, tmp_path, disaggregated=(1, 1), **shape) as launcher:
+        producer, consumer = _engines(launcher)
+        assert _generate_all(launcher) == expected
+        with grpc.insecure_channel(producer.address) as channel:
+            info = engine_stub(channel).GetInfo(engine_pb2.GetInfoRequest(), timeout=10)
+        assert len(info.kv_cache_groups) == 2  # the hybrid plan: a window group and a full one
+        sent, received = (lo.kv_transfers for lo in _idle([producer, consumer]))
+        assert sent.transfers_sent == received.transfers_received == len(PROMPTS)  # pulled, not recomputed
+        assert received.transfers_failed == 0 and sent.transfers_expired == 0
+        moved = sum(_window_bytes(model, info.block_size, len(p)) for p in PROMPTS)
+        assert moved < sum(-(-len(p) // info.block_size) for p in PROMPTS) * _bytes_per_block(model, info.block_size)
+        assert sent.bytes_sent == received.bytes_received == moved
         assert sent.held_blocks == sent.transfers_held == 0
 
 

@@ -1,7 +1,8 @@
 """Disaggregated prefill / decode in the scheduler (real KV-cache manager, a fake worker): a producer's
 prefill-only request ends after one token holding its blocks until pulled, aborted or expired; a
 consumer pulls the prompt's KV instead of computing it, or computes it when the pull fails; a model
-of several KV cache groups is refused."""
+of several KV cache groups (a sliding window beside full attention) moves every group, the window's
+blocks out of the consumer's first window unsent."""
 
 from __future__ import annotations
 
@@ -198,11 +199,69 @@ def test_a_transfer_released_before_any_plan_named_it_never_reaches_the_workers(
     assert s.transfers.stats.held_blocks == 2 and s.kv.num_free_blocks == 29
 
 
-def test_a_model_with_several_kv_cache_groups_is_refused_naming_kv_role():
-    groups = (KVCacheGroup(SLIDING_WINDOW, ("w",), 32), KVCacheGroup(FULL, ("f",)))
-    config = GridserveConfig(model=ModelConfig(model="tiny", max_model_len=512),
-                             cache=CacheConfig(block_size=BLOCK, kv_role="kv_consumer"))
-    with pytest.raises(ConfigError, match="cache.kv_role.*2.*--disable-hybrid-kv-cache-manager"):
-        Scheduler(config, KVCacheManager(32, BLOCK, True, groups))
-    plain = GridserveConfig(model=ModelConfig(model="tiny", max_model_len=512), cache=CacheConfig(block_size=BLOCK))
-    assert Scheduler(plain, KVCacheManager(32, BLOCK, True, groups)).transfers is None  # no kv_role: served
+WINDOW = 32
+HYBRID = (KVCacheGroup(SLIDING_WINDOW, ("w",), WINDOW), KVCacheGroup(FULL, ("f",)))  # group 0: the window
+
+
+def _hybrid_config(role: str) -> GridserveConfig:
+    return GridserveConfig(model=ModelConfig(model="tiny", max_model_len=512),
+                           cache=CacheConfig(block_size=BLOCK, kv_role=role),
+                           scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256),
+                           parallel=ParallelConfig(worker_addresses=["10.0.0.1:7000"]))
+
+
+def _hybrid_scheduler(role: str) -> Scheduler:
+    return Scheduler(_hybrid_config(role), KVCacheManager(64, BLOCK, True, HYBRID))
+
+
+def test_a_hybrid_model_s_prefill_only_request_holds_every_group_s_prompt_blocks_until_pulled():
+    """80 prompt tokens: 5 blocks a group; the consumer's first token (position 80) sees positions
+    49.. in the window, so the window group's first 3 blocks are not sent (null in the params)."""
+    s = _hybrid_scheduler("kv_producer")
+    s.add_request(Request("r", list(range(80)), SamplingParams(max_tokens=20), prefill_only=True))
+    plan = s.schedule()
+    window, full = s.kv.get_block_ids("r")
+    (out,) = _answer(s, plan)
+    params = out.kv_transfer_params
+    assert params.block_ids == (0, 0, 0, *window[3:5]) and params.more_group_block_ids == (tuple(full[:5]),)
+    assert s.kv.num_free_blocks == 63 - 10 and s.transfers.stats.held_blocks == 10  # every block held
+    check_consumer(_hybrid_config("kv_consumer"), params, 80, 1)  # a consumer of the same model takes them
+    plan = s.schedule()
+    (send,) = plan.kv_sends
+    assert send.group_block_ids == params.group_block_ids
+    s.update_from_output(plan, ModelRunnerOutput(kv_sent=[params.transfer_id]))
+    assert s.kv.num_free_blocks == 63 and s.kv.blocks_in_use == [0, 0]  # no leak in any group
+    assert s.transfers.stats.held_blocks == 0 and s.schedule().kv_releases == [params.transfer_id]
+
+
+def test_a_hybrid_consumer_pulls_every_group_and_frees_the_window_s_skipped_blocks_after():
+    s = _hybrid_scheduler("kv_consumer")
+    params = _params(80, block_ids=(0, 0, 0, 9, 10), more_group_block_ids=((1, 2, 3, 4, 5),))
+    check_consumer(_hybrid_config("kv_consumer"), params, 80, 1)
+    s.add_request(Request("r", list(range(80)), SamplingParams(max_tokens=5), output_token_ids=[7],
+                          kv_transfer_params=params))
+    plan = s.schedule()
+    (new,) = plan.scheduled_new_reqs
+    assert new.kv_load.group_block_ids == params.group_block_ids and new.num_computed_tokens == 80
+    assert [len(ids) for ids in new.block_ids] == [6, 6] and plan.num_scheduled_tokens == {"r": 1}
+    (out,) = _answer(s, plan, token=9)
+    assert out.new_token_ids == [9] and s.transfers.stats.transfers_received == 1
+    _answer(s, s.schedule())  # position 81 on: the window's first 3 blocks (never written) go back
+    assert s.kv.get_block_ids("r")[0][:3] == [0, 0, 0] and s.kv.blocks_in_use == [3, 6]
+    bad = _params(80, block_ids=(0, 0, 9, 10), more_group_block_ids=((1, 2, 3, 4, 5),))
+    with pytest.raises(InvalidArgumentError, match=r"kv_transfer_params\.block_ids.*group 0"):
+        check_consumer(_hybrid_config("kv_consumer"), bad, 80, 1)
+    bad = _params(80, more_group_block_ids=((1, 2, 3, 4),))
+    with pytest.raises(InvalidArgumentError, match=r"kv_transfer_params\.more_group_block_ids\[0\]"):
+        check_consumer(_hybrid_config("kv_consumer"), bad, 80, 1)
+
+
+def test_params_of_another_group_count_are_computed_here_not_pulled():
+    """A producer planned with --disable-hybrid-kv-cache-manager (one group) and a hybrid consumer."""
+    s = _hybrid_scheduler("kv_consumer")
+    s.add_request(Request("r", list(range(40)), SamplingParams(max_tokens=5), output_token_ids=[7],
+                          kv_transfer_params=_params(40)))
+    plan = s.schedule()
+    (new,) = plan.scheduled_new_reqs
+    assert new.kv_load is None and new.num_computed_tokens == 0 and plan.num_scheduled_tokens == {"r": 41}
+    assert s.requests["r"].kv_load is None

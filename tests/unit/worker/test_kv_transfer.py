@@ -1,5 +1,6 @@
 """Disaggregated prefill / decode, the worker's side: KV blocks pulled over ``KVTransfer.PullBlocks``
-between two KV caches (chunked, checksummed, token-checked, released once pulled), the step hook's
+between two KV caches (chunked, checksummed, token-checked, released once pulled), every KV cache
+group of a hybrid cache (a window group's null entries neither sent nor written), the step hook's
 fallback when a pull fails, and the authorization row: only this deployment's workers may pull."""
 
 from __future__ import annotations
@@ -13,12 +14,23 @@ import torch
 
 from gridserve.api.worker.v1 import worker_pb2, worker_pb2_grpc
 from gridserve.certificates import LocalCA
-from gridserve.services.worker.kv_connector import GrpcKVConnector, KVCacheView, KVTransferError
+from gridserve.services.worker.kv_connector import (
+    GrpcKVConnector,
+    KVCacheView,
+    KVTransferError,
+    Receipt,
+)
 from gridserve.services.worker.kv_transfer import SERVICE, KVStepHook, KVTransferServicer
 from gridserve.shared.kv_transfer import KVSend, KVTransferParams
 from gridserve.shared.readiness import State
 from gridserve.shared.rpc import authz
 from gridserve.shared.rpc.client import make_channel
+from gridserve.shared.rpc.kv_convert import (
+    kv_params_from_pb,
+    kv_params_to_pb,
+    kv_send_from_pb,
+    kv_send_to_pb,
+)
 from gridserve.shared.rpc.server import RpcServer
 from gridserve.shared.sampling_params import SamplingParams
 from gridserve.shared.scheduler_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
@@ -95,7 +107,7 @@ def test_a_corrupted_chunk_fails_its_checksum(pair):
         worker_pb2.PullBlocksRequest(transfer_id="t4", token="secret"), timeout=5))).chunk
     msg.data.data = bytes([msg.data.data[0] ^ 1]) + msg.data.data[1:]
     with pytest.raises(KVTransferError, match="checksum"):
-        consumer._write(msg, [0], 4, set())
+        Receipt(consumer.view, ((3,),), ([0],)).write(msg)
 
 
 def test_a_failed_pull_leaves_the_request_out_until_the_engine_forgets_it(pair):
@@ -157,6 +169,77 @@ def test_sends_and_releases_in_the_plan_reach_the_connector(pair):
     assert producer.num_registered == 1
     hook.before_step(SchedulerOutput(kv_releases=["a"]))
     assert producer.num_registered == 0
+
+
+def _hybrid_caches(seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(2, NUM_BLOCKS, BLOCK_SIZE, 2, 8, generator=g) for _ in range(3)]
+
+
+# Slot tensors 0 and 1 hold a layer of group 0 (full) and one of group 1 (window); tensor 2 only a
+# layer of group 0 (a kind's last group may have fewer layers than the others).
+HYBRID_GROUPS = [(0, 1), (0, 1), (0,)]
+
+
+def test_every_kv_cache_group_is_pulled_and_a_window_group_s_null_blocks_are_skipped():
+    theirs, mine = _hybrid_caches(0), _hybrid_caches(1)
+    # 3 blocks a chunk: group 0's four blocks go in two chunks, group 1's two in one (first_block 2)
+    producer = GrpcKVConnector(KVCacheView(lambda: theirs, lambda: HYBRID_GROUPS), chunk_bytes=3 * 512)
+    consumer = GrpcKVConnector(KVCacheView(lambda: mine, lambda: HYBRID_GROUPS))
+    server = _serve(producer)
+    try:
+        full, window = (7, 2, 9, 4), (0, 0, 5, 11)  # the window group's first two blocks: out of the window
+        send = KVSend("h", "secret", full, time.time() + 30, (window,))
+        producer.register(send)
+        params = dataclasses.replace(_params(server.address, send), more_group_block_ids=(window,))
+        local = ([1, 3, 6, 8, 5], [10, 2, 4, 9, 7])  # a block more than the prompt's in each group
+        before = [t.clone() for t in mine]
+        hook = KVStepHook(consumer)
+        new = NewRequestData("r", list(range(16)), SamplingParams(max_tokens=4), local, 16, kv_load=params)
+        plan = hook.before_step(SchedulerOutput(scheduled_new_reqs=[new], num_scheduled_tokens={"r": 1},
+                                                total_num_scheduled_tokens=1))
+        assert plan.scheduled_new_reqs == [new]
+        hook.after_step(out := ModelRunnerOutput())
+        assert out.kv_load_failed == {}
+        for t, groups in enumerate(HYBRID_GROUPS):
+            for g in (0, 1):
+                for position, (src, dst) in enumerate(zip((full, window)[g], local[g])):
+                    copied = torch.equal(mine[t][:, dst], theirs[t][:, src])
+                    untouched = torch.equal(mine[t][:, dst], before[t][:, dst])
+                    if g in groups and src != 0:
+                        assert copied, (t, g, position)
+                    else:  # null on the producer, or a group that does not use this tensor
+                        assert untouched and not copied, (t, g, position)
+        assert all(torch.equal(m[:, [5, 7]], b[:, [5, 7]]) for m, b in zip(mine, before))  # past the prompt
+        per_block = 2 * BLOCK_SIZE * 2 * 8 * 4
+        expected = per_block * (4 + 2 + 4 + 2 + 4)  # the non-null blocks of each tensor's groups
+        assert out.kv_bytes_received == expected
+        assert producer.take_sent() == (["h"], expected)
+    finally:
+        consumer.close()
+        server.shutdown()
+
+
+def test_a_pull_whose_groups_do_not_match_the_local_blocks_fails():
+    caches = _hybrid_caches(1)
+    consumer = GrpcKVConnector(KVCacheView(lambda: caches, lambda: HYBRID_GROUPS))
+    send = KVSend("x", "s", (1, 2), time.time() + 30, ((0, 3),))
+    params = dataclasses.replace(_params("127.0.0.1:1", send), more_group_block_ids=((0, 3),))
+    with pytest.raises(KVTransferError, match="2 KV cache group.*local ones of 1"):
+        consumer.pull(params, [4, 5])
+    with pytest.raises(KVTransferError, match="KV cache group 1: 2 producer blocks for 1 local"):
+        consumer.pull(params, ([4, 5], [6]))
+    with pytest.raises(KVTransferError, match="1 KV cache group.*cache has 2"):  # the producer's plan: 1 group
+        Receipt(consumer.view, ((1, 2),), ([4, 5],))
+
+
+def test_every_group_s_block_ids_survive_the_wire():
+    send = KVSend("w", "s", (0, 3), 1e12, ((1, 2), (0, 5)))
+    params = dataclasses.replace(_params("h:1", send), more_group_block_ids=send.more_group_block_ids)
+    assert kv_send_from_pb(kv_send_to_pb(send)) == send
+    msg = worker_pb2.NewRequestData(kv_load=kv_params_to_pb(params))
+    assert kv_params_from_pb(msg, "kv_load") == params
+    assert kv_params_from_pb(msg, "kv_load").group_block_ids == ((0, 3), (1, 2), (0, 5))
 
 
 def test_only_this_deployment_s_workers_may_pull(tmp_path, monkeypatch):
