@@ -82,6 +82,30 @@ def count_blocks(group_block_ids: Sequence[Sequence[int]]) -> int:
     return sum(1 for ids in group_block_ids for block in ids if block != NULL_BLOCK)
 
 
+@dataclass(frozen=True)
+class KVLayout:
+    """What a prefill and a decode engine must share for one to pull the other's KV: the cache's
+    block size and dtype, the model and its quantization, the parallel shape and the number of KV
+    cache groups (engine.v1 ``GetInfo``; a gateway pairs engines by it)."""
+
+    block_size: int
+    kv_cache_dtype: str
+    model: str
+    quantization: str = ""
+    world_size: int = 1
+    tensor_parallel_size: int = 1
+    num_kv_cache_groups: int = 1
+
+    def mismatch(self, consumer: KVLayout) -> Optional[str]:
+        """The first field where ``consumer`` differs from this (the producer's) layout, as
+        "field: prefill X, decode Y"; None when the two pair."""
+        for name, mine in vars(self).items():
+            theirs = getattr(consumer, name)
+            if mine != theirs:
+                return f"{name}: prefill {mine!r}, decode {theirs!r}"
+        return None
+
+
 @dataclass
 class KVTransferStats:
     """A side's transfer counters since start (engine metrics and ``/v1/status``)."""

@@ -34,6 +34,7 @@ from gridserve.shared.errors import (
     InvalidArgumentError,
     PermissionDeniedError,
 )
+from gridserve.shared.kv_transfer import KVLayout
 from gridserve.shared.lora import LoRARequest
 from gridserve.shared.observability.tracing import traceparent_from_metadata
 from gridserve.shared.pooling import embedding_size
@@ -45,7 +46,7 @@ from gridserve.shared.rpc.convert import (
     pooling_params_from_pb,
     sampling_params_from_pb,
 )
-from gridserve.shared.rpc.kv_convert import kv_params_from_pb, kv_stats_to_pb
+from gridserve.shared.rpc.kv_convert import kv_layout_to_pb, kv_params_from_pb, kv_stats_to_pb
 from gridserve.shared.rpc.values import decode, encode
 from gridserve.shared.sampling_params import SamplingParams
 
@@ -170,6 +171,7 @@ class EngineServicer(engine_pb2_grpc.EngineCoreServicer):
             max_logprobs=model.max_logprobs,
             metrics_port=self.metrics_port,
             kv_role=cache.kv_role or "",
+            kv_layout=self._kv_layout(),
             default_sampling_params=common_pb2.SamplingParams(**model.default_sampling_params),
             kv_cache_groups=self._kv_cache_groups(),
             runner=model.runner,
@@ -178,6 +180,17 @@ class EngineServicer(engine_pb2_grpc.EngineCoreServicer):
             hidden_size=(embedding_size(model.model_path, int(model.text_config.get("hidden_size", 0)))
                          if model.runner == "pooling" else 0),
         )
+
+    def _kv_layout(self):
+        """With a kv_role, once the KV cache is planned: what a P/D partner must share; else None."""
+        groups = self._kv_cache_groups()
+        if not self.config.cache.kv_role or not groups:
+            return None
+        model, cache, parallel = self.config.model, self.config.cache, self.config.parallel
+        return kv_layout_to_pb(KVLayout(
+            block_size=cache.block_size, kv_cache_dtype=cache.kv_cache_dtype, model=model.model,
+            quantization=model.quantization or "", world_size=parallel.world_size,
+            tensor_parallel_size=parallel.tensor_parallel_size, num_kv_cache_groups=len(groups)))
 
     def _kv_cache_groups(self) -> list[engine_pb2.KVCacheGroupInfo]:
         """The planned groups; none while the engine starts (no core yet: GetInfo answers anyway)."""

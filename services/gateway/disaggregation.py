@@ -21,10 +21,18 @@ or whose client leaves after the hand-off is aborted on the prefill engine, whic
 blocks at once (not at the transfer's deadline). Requests that cannot be split go to the decode pool whole: ones pinned to an
 engine (``data_parallel_rank``), ones asking for prompt logprobs (the decode engine computes them).
 An in-process engine (``LocalEngineClient``) has no role: a plain engine.
+
+Pairing: each engine with a role reports its ``KVLayout`` (block size, KV dtype, model,
+quantization, parallel shape, KV cache groups) in ``GetInfo``. A prefilled request goes only to a
+decode engine whose layout equals its prefill engine's (``compatible``); a pair that differs is
+logged once as an error naming the field (a deployment whose pools were configured apart), and
+requests are not split while no prefill engine has a compatible decode engine up: they are served
+whole on the decode pool instead of failing on a pull that cannot work.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Optional
@@ -32,6 +40,8 @@ from typing import Optional
 from gridserve.shared.engine_client_protocol import EngineClientProtocol
 from gridserve.shared.outputs import EngineCoreOutput
 from gridserve.shared.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 PRODUCER = "kv_producer"
 
@@ -57,6 +67,7 @@ class EnginePools:
 
     def __init__(self, engines: list[EngineClientProtocol]) -> None:
         self.engines = engines
+        self._reported: set[tuple[str, str]] = set()  # mismatched pairs already logged
 
     @property
     def deployed(self) -> bool:
@@ -68,7 +79,28 @@ class EnginePools:
         engine up, and the request can be split (not pinned, no prompt logprobs, not pooling)."""
         if params is None or data_parallel_rank is not None or params.prompt_logprobs is not None:
             return False
-        return self._up(is_prefill) and self._up(is_decode)
+        decoders = [e for e in self.engines if is_decode(e) and self._is_up(e)]
+        return any(self._is_up(p) and any(self.compatible(p, d) for d in decoders)
+                   for p in self.engines if is_prefill(p))
+
+    def decode_pool_for(self, producer: EngineClientProtocol) -> Pool:
+        """The decode engines a request prefilled on ``producer`` may continue on (with its KV)."""
+        return lambda engine: is_decode(engine) and self.compatible(producer, engine)
+
+    def compatible(self, producer: EngineClientProtocol, consumer: EngineClientProtocol) -> bool:
+        """Whether ``consumer`` can pull ``producer``'s KV: equal layouts (an engine that has not
+        reported one yet is taken at its word: the decode engine still checks every transfer)."""
+        mine, theirs = getattr(producer, "kv_layout", None), getattr(consumer, "kv_layout", None)
+        if mine is None or theirs is None:
+            return True
+        mismatch = mine.mismatch(theirs)
+        if mismatch is not None:
+            pair = (producer.address, consumer.address)
+            if pair not in self._reported:
+                self._reported.add(pair)
+                logger.error("prefill engine %s and decode engine %s cannot pair (%s): requests prefilled "
+                             "there are not handed to it", *pair, mismatch)
+        return mismatch is None
 
     def continuation_pool(self) -> Optional[Pool]:
         """Where a request goes whole (a failover, a request not split): the decode pool in a
@@ -77,8 +109,9 @@ class EnginePools:
             return is_decode
         return None
 
-    def _up(self, pool: Pool) -> bool:
-        return any(pool(e) and e.ready.is_set() and e.serving for e in self.engines)
+    @staticmethod
+    def _is_up(engine: EngineClientProtocol) -> bool:
+        return engine.ready.is_set() and engine.serving
 
 
 def first_token(output: EngineCoreOutput) -> EngineCoreOutput:

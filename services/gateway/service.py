@@ -54,7 +54,6 @@ from gridserve.services.gateway.disaggregation import (
     EnginePools,
     Pool,
     first_token,
-    is_decode,
     is_prefill,
 )
 from gridserve.services.gateway.limits import RequestBudget, RequestLimits, current_budget
@@ -703,8 +702,11 @@ class _Stream:
         if sample is None or sample.finish_reason is not None:  # a stop string ended it at once
             return chunk
         try:
-            engine = self.service._pick_engine(prefix_keys=self.prefix_keys, pool=is_decode)
+            engine = self.service._pick_engine(prefix_keys=self.prefix_keys,
+                                               pool=self.service.pools.decode_pool_for(producer))
         except EngineDeadError as exc:
+            # none up, or none whose KV layout pairs with the producer's: continued whole (the
+            # failover aborts it on the producer, which frees the held blocks at once)
             await self.fail_over(EngineLostError(f"no decode engine for the hand-off: {exc}", producer, child_id,
                                                  session))
             return chunk

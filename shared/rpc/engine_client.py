@@ -35,7 +35,7 @@ from gridserve.api.common.v1 import common_pb2
 from gridserve.api.engine.v1 import engine_pb2, engine_pb2_grpc
 from gridserve.shared.engine_client_protocol import EngineClientProtocol, OutputSink
 from gridserve.shared.errors import EngineDeadError, InvalidArgumentError, ResourceExhaustedError
-from gridserve.shared.kv_transfer import KVTransferParams
+from gridserve.shared.kv_transfer import KVLayout, KVTransferParams
 from gridserve.shared.multimodal import ImageFeature
 from gridserve.shared.observability.tracing import TRACEPARENT
 from gridserve.shared.pooling import PoolingParams
@@ -48,7 +48,7 @@ from gridserve.shared.rpc.convert import (
     pooling_params_to_pb,
     sampling_params_to_pb,
 )
-from gridserve.shared.rpc.kv_convert import kv_params_to_pb
+from gridserve.shared.rpc.kv_convert import kv_layout_from_pb, kv_params_to_pb
 from gridserve.shared.rpc.reconnect import ReconnectingStream
 from gridserve.shared.sampling_params import SamplingParams
 
@@ -107,6 +107,7 @@ class EngineClient:
         self._sinks: dict[str, OutputSink] = {}  # one dict operation at a time: safe across threads
         self._metrics_port: Optional[int] = None
         self.kv_role = ""  # disaggregated prefill / decode: the engine's --kv-role (from GetInfo)
+        self.kv_layout: Optional[KVLayout] = None  # ... and what a P/D partner must share (GetInfo)
         self.sessions = 0  # output streams opened so far (a request added now rides on this one)
         self._stream = ReconnectingStream(f"engine-{address}", self._session, self._lost)
         self.serving = True  # the engine's readiness, as its health service last said
@@ -228,6 +229,7 @@ class EngineClient:
             try:
                 info = await self.info(timeout=INFO_DEADLINE_S)
                 self._metrics_port, self.kv_role = info.metrics_port, info.kv_role
+                self.kv_layout = kv_layout_from_pb(info)
             except grpc.RpcError as exc:
                 logger.info("engine %s: no GetInfo (%s)", self.address, exc.code().name)
         self.sessions += 1

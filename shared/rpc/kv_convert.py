@@ -9,7 +9,7 @@ from typing import Optional
 
 from gridserve.api.common.v1 import common_pb2
 from gridserve.api.worker.v1 import worker_pb2
-from gridserve.shared.kv_transfer import KVSend, KVTransferParams, KVTransferStats
+from gridserve.shared.kv_transfer import KVLayout, KVSend, KVTransferParams, KVTransferStats
 
 
 def kv_params_to_pb(params: Optional[KVTransferParams]) -> Optional[common_pb2.KVTransferParams]:
@@ -60,3 +60,15 @@ def kv_stats_from_pb(msg, field: str = "kv_transfers") -> Optional[KVTransferSta
         return None
     m = getattr(msg, field)
     return KVTransferStats(**{name: getattr(m, name) for name in vars(KVTransferStats())})
+
+
+def kv_layout_to_pb(layout: Optional[KVLayout]) -> Optional[common_pb2.KVLayout]:
+    return None if layout is None else common_pb2.KVLayout(**vars(layout))
+
+
+def kv_layout_from_pb(msg, field: str = "kv_layout") -> Optional[KVLayout]:
+    """The layout in ``msg.<field>``; None when the field is unset."""
+    if not msg.HasField(field):
+        return None
+    m = getattr(msg, field)
+    return KVLayout(**{name: getattr(m, name) for name in KVLayout.__dataclass_fields__})

@@ -145,8 +145,14 @@ def test_p1_d1_outputs_equal_a_single_engine_and_the_kv_moved_is_the_prompts_blo
     assert [_load(e).kv_transfers.kv_role for e in (producer, consumer)] == ["kv_producer", "kv_consumer"]
     assert "dp 0, kv_producer" in pd11.table() and "dp 1, kv_consumer" in pd11.table()
     assert _generate_all(pd11) == reference[0]
-    with grpc.insecure_channel(producer.address) as channel:
-        block_size = engine_stub(channel).GetInfo(engine_pb2.GetInfoRequest(), timeout=10).block_size
+    layouts = []
+    for engine in (producer, consumer):
+        with grpc.insecure_channel(engine.address) as channel:
+            info = engine_stub(channel).GetInfo(engine_pb2.GetInfoRequest(), timeout=10)
+        layouts.append(info.kv_layout)
+    block_size = info.block_size
+    assert layouts[0] == layouts[1] and layouts[0].block_size == block_size  # the gateway pairs them by it
+    assert layouts[0].num_kv_cache_groups == 1 and layouts[0].world_size == 1
     blocks = sum(-(-len(p) // block_size) for p in PROMPTS)
     sent, received = (lo.kv_transfers for lo in _idle([producer, consumer]))
     assert sent.transfers_sent == received.transfers_received == len(PROMPTS)

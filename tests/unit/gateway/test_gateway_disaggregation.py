@@ -7,10 +7,11 @@ split, and deployments without both pools up, are served whole on the decode poo
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 from gridserve.services.gateway.service import GatewayService
 from gridserve.shared.errors import EngineDeadError
-from gridserve.shared.kv_transfer import KVTransferParams
+from gridserve.shared.kv_transfer import KVLayout, KVTransferParams
 from gridserve.shared.outputs import EngineCoreOutput, FinishReason
 from gridserve.shared.rpc.engine_client import EngineLostError
 from gridserve.shared.sampling_params import SamplingParams
@@ -138,6 +139,44 @@ def test_unsplittable_requests_and_a_missing_pool_are_served_whole_by_decode_eng
             await task
             d1.added.clear()
             d2.added.clear()
+
+    asyncio.run(go())
+
+
+LAYOUT = KVLayout(block_size=16, kv_cache_dtype="auto", model="m")
+
+
+def test_a_prefilled_request_goes_only_to_a_decode_engine_whose_kv_layout_pairs(caplog):
+    async def go():
+        service, p, d1, d2 = _setup()
+        p.kv_layout, d1.kv_layout = LAYOUT, replace(LAYOUT, kv_cache_dtype="bfloat16")
+        d2.kv_layout = LAYOUT
+        for _ in range(3):  # the load router would spread them; the pairing keeps them off d1
+            task = asyncio.ensure_future(_collect(service.generate("hi", _greedy())))
+            await _until(lambda: len(p.added) == len(d2.added) + 1, task)
+            rid = p.added[-1]["id"]
+            p.emit(rid, 7, finish=FinishReason.LENGTH, kv=PARAMS)
+            await _until(lambda rid=rid: d2.added and d2.added[-1]["id"] == rid, task)
+            d2.emit(rid, 8, finish=FinishReason.LENGTH)
+            assert _tokens(await task) == [7, 8]
+        assert not d1.added and [a["kv"] for a in d2.added] == [PARAMS] * 3
+        assert sum("cannot pair (kv_cache_dtype: prefill 'auto', decode 'bfloat16')" in r.message
+                   for r in caplog.records) == 1  # logged once per pair
+
+    asyncio.run(go())
+
+
+def test_without_a_decode_engine_that_pairs_requests_are_not_split():
+    async def go():
+        service, p, d1, d2 = _setup()
+        p.kv_layout = LAYOUT
+        d1.kv_layout = d2.kv_layout = replace(LAYOUT, tensor_parallel_size=2, world_size=2)
+        task = asyncio.ensure_future(_collect(service.generate("hi", _greedy())))
+        await _until(lambda: d1.added or d2.added, task)
+        decoder = d1 if d1.added else d2
+        assert not p.added and decoder.added[0]["kv"] is None and not decoder.added[0]["prefill_only"]
+        decoder.emit(decoder.added[0]["id"], 5, finish=FinishReason.LENGTH)
+        assert _tokens(await task) == [5]
 
     asyncio.run(go())
 
