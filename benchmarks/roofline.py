@@ -209,7 +209,10 @@ def run(args: argparse.Namespace) -> int:
     from transformers import AutoConfig
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    peer = json.loads(Path(args.peer_json).read_text()) if args.peer_json else None
+    try:
+        peer = json.loads(Path(args.peer_json).read_text()) if args.peer_json else None
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"--peer-json: cannot read a bench peer JSON from {args.peer_json!r}: {exc}") from None
     totals: dict[str, Optional[int]] = {"prompt_tokens": None, "output_tokens": None}
     model = args.model
     if peer:
@@ -223,7 +226,13 @@ def run(args: argparse.Namespace) -> int:
     input_lens = parse_range(args.input_lens, "--input-lens")
     output_lens = parse_range(args.output_lens, "--output-lens")
     flops = workload_flops(shape, args.num_prompts, input_lens, output_lens, **totals)
-    rows = [int(r) for r in args.rows.split(",") if r]
+    try:
+        rows = [int(r) for r in args.rows.split(",") if r.strip()]
+    except ValueError:
+        rows = []
+    if not rows or min(rows) < 1 or args.repeats < 1:
+        raise SystemExit(f"--rows: positive row counts, comma separated (got {args.rows!r}); "
+                         f"--repeats >= 1 (got {args.repeats})")
     load_start = os.getloadavg()[0]
     rates = gemm_rates(shape, rows, args.repeats)
     table = report(flops, rates, peer, args.target)
