@@ -11,15 +11,17 @@ from __future__ import annotations
 
 import sys
 
+_installed = None
 if __name__ == "kernels":
     # This folder is ``gridserve.kernels``. It is importable as a top-level ``kernels`` only when a
     # process runs with the checkout's root on sys.path (``python -m`` or pytest from the root),
     # where it would shadow the distribution that owns that name (Hugging Face's ``kernels``, which
-    # transformers imports): load that one in this module's place, or fail as a missing module would
-    # (tests/unit/kernels/test_top_level_name.py).
-    from gridserve.kernels._top_level import load_real_kernels
+    # transformers imports): that one takes this module's place when installed (kernels/_top_level.py).
+    from gridserve.kernels._top_level import installed_kernels
 
-    sys.modules["kernels"] = load_real_kernels(__file__)
+    _installed = installed_kernels(__file__)
+if _installed is not None:
+    sys.modules["kernels"] = _installed
 else:
     from gridserve.kernels.attention_backend import (
         AttentionBackend,
