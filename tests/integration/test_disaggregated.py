@@ -140,6 +140,17 @@ def _bytes_per_block(model, block_size: int) -> int:
     return config["num_hidden_layers"] * per_token * block_size
 
 
+def _assert_prompts_moved_once(model, producer, consumer, block_size: int) -> None:
+    """Once both engines are idle: every prompt was pulled once, none failed or expired, the bytes
+    sent = received = the prompts' blocks, and the prefill engine holds nothing."""
+    blocks = sum(-(-len(p) // block_size) for p in PROMPTS)
+    sent, received = (lo.kv_transfers for lo in _idle([producer, consumer]))
+    assert sent.transfers_sent == received.transfers_received == len(PROMPTS)
+    assert received.transfers_failed == 0 and sent.transfers_expired == 0
+    assert sent.bytes_sent == received.bytes_received == blocks * _bytes_per_block(model, block_size)
+    assert sent.held_blocks == sent.transfers_held == 0
+
+
 def test_p1_d1_outputs_equal_a_single_engine_and_the_kv_moved_is_the_prompts_blocks(pd11, reference, llama_tiny):
     producer, consumer = _engines(pd11)
     assert [_load(e).kv_transfers.kv_role for e in (producer, consumer)] == ["kv_producer", "kv_consumer"]
@@ -153,12 +164,7 @@ def test_p1_d1_outputs_equal_a_single_engine_and_the_kv_moved_is_the_prompts_blo
     block_size = info.block_size
     assert layouts[0] == layouts[1] and layouts[0].block_size == block_size  # the gateway pairs them by it
     assert layouts[0].num_kv_cache_groups == 1 and layouts[0].world_size == 1
-    blocks = sum(-(-len(p) // block_size) for p in PROMPTS)
-    sent, received = (lo.kv_transfers for lo in _idle([producer, consumer]))
-    assert sent.transfers_sent == received.transfers_received == len(PROMPTS)
-    assert received.transfers_failed == 0 and sent.transfers_expired == 0
-    assert sent.bytes_sent == received.bytes_received == blocks * _bytes_per_block(llama_tiny, block_size)
-    assert sent.held_blocks == sent.transfers_held == 0
+    _assert_prompts_moved_once(llama_tiny, producer, consumer, block_size)
     with grpc.insecure_channel(pd11.gateway_addresses[0]) as channel:
         status = gateway_stub(channel).GetStatus(gateway_pb2.GetStatusRequest(), timeout=10)
     assert [(e.kv_role, e.kv_transfers.transfers_sent, e.kv_transfers.transfers_received) for e in status.engines] \
@@ -177,12 +183,7 @@ def test_p1_d1_with_two_workers_per_engine_pairs_the_workers_rank_by_rank(llama_
         assert _generate_all(launcher) == reference[0]
         with grpc.insecure_channel(producer.address) as channel:
             block_size = engine_stub(channel).GetInfo(engine_pb2.GetInfoRequest(), timeout=10).block_size
-        blocks = sum(-(-len(p) // block_size) for p in PROMPTS)
-        sent, received = (lo.kv_transfers for lo in _idle([producer, consumer]))
-        assert sent.transfers_sent == received.transfers_received == len(PROMPTS)
-        assert received.transfers_failed == 0 and sent.transfers_expired == 0
-        assert sent.bytes_sent == received.bytes_received == blocks * _bytes_per_block(llama_tiny, block_size)
-        assert sent.held_blocks == sent.transfers_held == 0
+        _assert_prompts_moved_once(llama_tiny, producer, consumer, block_size)
 
 
 def _window_bytes(model, block_size: int, length: int) -> int:
