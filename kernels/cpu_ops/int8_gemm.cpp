@@ -27,10 +27,12 @@
 // with zero weights. One quad of a group is 256 contiguous bytes: four 64-byte vectors whose 32-bit
 // lane c holds column c's four values, against four activation digits broadcast to every lane.
 //
-// Blocking: threads split the column groups. Each thread walks K in blocks of kKC quads, per block
-// its groups, per group the rows in tiles of R: an R x 64 tile of int32 sums in registers (exact;
-// int8 groups: float sums of exact group sums), added as float into the output, which holds the
-// running sum until the last block applies the scales, the offset and the bias.
+// Blocking: threads split the column groups. Each thread walks K in blocks of kKC quads (int8
+// groups: one block spanning K, as their sums are float), per block its groups, per group the rows
+// in tiles of R: an R x 64 tile of int32 sums in registers (exact; int8 groups: float sums of exact
+// group sums), added as float into the output, which holds the running sum until the last block
+// applies the scales, the offset and the bias (16 columns at a time on AVX-512). One block instead
+// of 512-column ones: 1.06x on SmolLM2's four projections at 256 rows (docs/benchmarks/README.md, int8-gemm).
 
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -574,6 +576,25 @@ void int8_gemm_pack(const at::Tensor& packed, const at::Tensor& weight) {
 
 // out [m, n] float32 = (x quantized to int16 per row, or with activation_group 32 to int8 per 32
 // columns) @ (packed int8 weight).T * scales (+ bias).
+#if defined(GS_X86)
+// The last block's epilogue for one row of a full 64-column group, 16 columns at a time:
+// ((src [+ running]) - off) * s * sw (+ bias), each operation rounded on its own, in the scalar
+// loop's order (the empty asm keeps GCC from contracting a product and a sum into an fma), so
+// both give the same floats.
+__attribute__((target("avx512f"))) void finish_row_avx512(const float* src, const float* running, float off,
+                                                       float s, const float* sw, const float* bias, float* dst) {
+  const __m512 vo = _mm512_set1_ps(off), vs = _mm512_set1_ps(s);
+  for (int64_t c = 0; c < kGroup; c += 16) {
+    __m512 t = _mm512_loadu_ps(src + c);
+    if (running != nullptr) t = _mm512_add_ps(_mm512_loadu_ps(running + c), t);
+    __m512 v = _mm512_mul_ps(_mm512_mul_ps(_mm512_sub_ps(t, vo), vs), _mm512_loadu_ps(sw + c));
+    __asm__("" : "+v"(v));
+    v = _mm512_add_ps(v, bias != nullptr ? _mm512_loadu_ps(bias + c) : _mm512_setzero_ps());
+    _mm512_storeu_ps(dst + c, v);
+  }
+}
+#endif
+
 void int8_gemm(const at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
                const at::Tensor& scales, const c10::optional<at::Tensor>& bias, int64_t isa_cap,
                int64_t activation_group) {
@@ -605,10 +626,14 @@ void int8_gemm(const at::Tensor& out, const at::Tensor& x, const at::Tensor& pac
   const int mr = tile_rows(isa);
   const uint8_t* w = packed.data_ptr<uint8_t>();
   const float* sw = scales.data_ptr<float>();
+  // int16 rows: K blocks of kKC quads keep the int32 sums exact. int8 groups sum in float per
+  // group, so one block spans K: each output is written once, never read back and added to.
+  const int64_t block_quads = activation_group ? quads : kKC;
+  const bool wide_epilogue = isa == Isa::kAvx512Vnni;
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
     alignas(64) float acc[kMaxRows * kGroup];
-    for (int64_t kb = 0; kb < quads; kb += kKC) {
-      const int64_t kc = std::min(kKC, quads - kb);
+    for (int64_t kb = 0; kb < quads; kb += block_quads) {
+      const int64_t kc = std::min(block_quads, quads - kb);
       const bool first = kb == 0, last = kb + kc == quads;
       for (int64_t g = g0; g < g1; ++g) {
         const uint8_t* wb = w + (g * quads + kb) * kQuadBytes;
@@ -625,6 +650,12 @@ void int8_gemm(const at::Tensor& out, const at::Tensor& x, const at::Tensor& pac
             }
             const float s = a.scale[r0 + r], off = a.offset[r0 + r];
             const float* swc = sw + col0;
+#if defined(GS_X86)
+            if (wide_epilogue && cols == kGroup) {
+              finish_row_avx512(src, first ? nullptr : dst, off, s, swc, bias_ptr ? bias_ptr + col0 : nullptr, dst);
+              continue;
+            }
+#endif
             for (int64_t c = 0; c < cols; ++c) {
               const float total = first ? src[c] : dst[c] + src[c];
               dst[c] = (total - off) * s * swc[c] + (bias_ptr ? bias_ptr[col0 + c] : 0.f);
