@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import functools
 import gc
 import json
 import logging
@@ -35,7 +36,7 @@ import os
 import platform
 import random
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -289,11 +290,14 @@ def run_gridserve(
     max_num_batched_tokens: Optional[int] = None,
     kv_cache_memory_bytes: Optional[int] = None,
     name: str = "gridserve",
+    profile: int = 0,
     **engine_kwargs: Any,
 ) -> SystemResult:
     """``LLM.generate`` on the whole workload in one call (after an untimed warm-up).
 
     ``engine_kwargs`` go to ``LLM`` as they are (e.g. ``quantization``, ``kv_cache_dtype``).
+    ``profile``: after the timed run, the workload once more under ``torch.profiler``; the ``profile``
+    ops with the most self CPU time go into ``extra["profile"]`` (the timed run is not profiled).
     """
     from gridserve import LLM, SamplingParams
 
@@ -312,6 +316,8 @@ def run_gridserve(
         with _Timed() as timed:
             results = llm.generate(prompts, params, use_tqdm=False)
         stats = llm.stats()
+        rerun = functools.partial(_generate_uncached, llm, prompts, params)
+        top_ops = profile_ops(rerun, profile) if profile else None
     finally:
         llm.shutdown()
         del llm
@@ -329,8 +335,38 @@ def run_gridserve(
         generated_tokens=sum(len(o) for o in outputs),
         setup_s=setup_s,
         **timed.fields(),
-        extra={"num_preemptions": stats.num_preemptions, "engine_kwargs": kwargs},
+        extra={"num_preemptions": stats.num_preemptions, "engine_kwargs": kwargs,
+               **({"profile": top_ops} if top_ops is not None else {})},
     )
+
+
+def _generate_uncached(llm: Any, prompts: list[Any], params: list[Any]) -> Any:
+    """``generate`` with the prefix cache emptied first: a rerun computes its prompts again, as the
+    timed run did (otherwise every prompt would be a cache hit and the profile would have no prefill)."""
+    llm.reset_prefix_cache()
+    return llm.generate(prompts, params, use_tqdm=False)
+
+
+def profile_ops(fn: Callable[[], Any], top: int) -> dict[str, Any]:
+    """Run ``fn`` under ``torch.profiler`` (CPU): its wall time and the ``top`` ops by self CPU time
+    (the calling thread's, where the forward runs in-process), each with its share of the wall."""
+    from torch.profiler import ProfilerActivity, profile
+
+    start = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    wall = time.perf_counter() - start
+    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
+    ops = [{"op": e.key, "calls": e.count, "self_s": e.self_cpu_time_total / 1e6,
+            "share": e.self_cpu_time_total / 1e6 / wall} for e in events]
+    return {"wall_s": wall, "ops": ops}
+
+
+def format_profile(profile: dict[str, Any]) -> str:
+    lines = [f"where the time goes (a profiled rerun, {profile['wall_s']:.1f} s):",
+             "| op | calls | self s | share of wall |", "|---|---|---|---|"]
+    lines += [f"| {o['op']} | {o['calls']} | {o['self_s']:.1f} | {100 * o['share']:.1f}% |" for o in profile["ops"]]
+    return "\n".join(lines)
 
 
 def _warm_up_gridserve(llm: Any, workload: Workload, sampling_params_cls: Any) -> None:
@@ -436,6 +472,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=None,
                         help="gridserve KV cache size (default: enough for the whole workload at once)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (default: the core count)")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="after the timed run, run gridserve's workload again under torch.profiler "
+                             "and print (and save) its top N ops by self CPU time")
     parser.add_argument("--output-json", default=DEFAULT_OUTPUT_JSON)
 
 
@@ -486,6 +525,7 @@ def run(args: argparse.Namespace) -> int:
     results.append(run_gridserve(
         model, workload, dtype=args.dtype, device=device, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory_bytes=kv_bytes,
+        profile=args.profile,
     ))
     logger.info("gridserve: %.2fs", results[-1].elapsed_s)
     hf_setup_s = None
@@ -517,6 +557,8 @@ def run(args: argparse.Namespace) -> int:
           f"{args.input_len_max}, outputs {args.output_len_min}..{args.output_len_max} tokens "
           f"(seed {args.seed}), {Path(model).name}, {args.dtype}, {device}, {threads} threads")
     print(format_table(rows))
+    if "profile" in by_name["gridserve"].extra:
+        print(format_profile(by_name["gridserve"].extra["profile"]))
     loads = ", ".join(f"{r.name} {r.load_avg[0]:.1f}->{r.load_avg[1]:.1f}" for r in results if r.load_avg)
     print(f"host: {cpu_count()} cores, 1-min load average before->after each run: {loads}")
     if "hf_single" in by_name:

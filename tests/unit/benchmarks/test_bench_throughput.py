@@ -18,9 +18,11 @@ from gridserve.benchmarks.throughput import (
     add_arguments,
     batches,
     compare_outputs,
+    format_profile,
     format_table,
     generated_tokens_batched,
     make_workload,
+    profile_ops,
     summarize,
 )
 
@@ -180,3 +182,36 @@ def test_timed_block_records_wall_cpu_and_timestamps():
     assert fields["started_at"] <= fields["finished_at"]
     result = SystemResult(name="x", num_requests=1, output_tokens=1, **fields)
     assert len(result.load_avg) == 2
+
+
+# ---- --profile --------------------------------------------------------------------------------
+
+
+def test_profile_ops_ranks_ops_by_self_time_with_their_share_of_the_wall():
+    """The op that does the work comes first, with its call count; a wait no op accounts for
+    (the sleep) leaves the shares summing to well under the wall."""
+    import time
+
+    import torch
+
+    a = torch.randn(256, 256)
+
+    def work():
+        for _ in range(20):
+            torch.mm(a, a)
+        time.sleep(0.2)
+
+    report = profile_ops(work, top=3)
+    first = report["ops"][0]
+    assert first["op"] == "aten::mm" and first["calls"] == 20
+    assert report["wall_s"] >= 0.2 and 0 < first["share"] < 1
+    assert sum(o["share"] for o in report["ops"]) < (report["wall_s"] - 0.2) / report["wall_s"] + 0.05
+    assert len(report["ops"]) <= 3
+    table = format_profile(report)
+    assert "| aten::mm | 20 |" in table
+
+
+def test_profile_flag_defaults_off():
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert parser.parse_args([]).profile == 0 and parser.parse_args(["--profile", "12"]).profile == 12
