@@ -574,8 +574,6 @@ void int8_gemm_pack(const at::Tensor& packed, const at::Tensor& weight) {
   });
 }
 
-// out [m, n] float32 = (x quantized to int16 per row, or with activation_group 32 to int8 per 32
-// columns) @ (packed int8 weight).T * scales (+ bias).
 #if defined(GS_X86)
 // The last block's epilogue for one row of a full 64-column group, 16 columns at a time:
 // ((src [+ running]) - off) * s * sw (+ bias), each operation rounded on its own, in the scalar
@@ -595,6 +593,8 @@ __attribute__((target("avx512f"))) void finish_row_avx512(const float* src, cons
 }
 #endif
 
+// out [m, n] float32 = (x quantized to int16 per row, or with activation_group 32 to int8 per 32
+// columns) @ (packed int8 weight).T * scales (+ bias).
 void int8_gemm(const at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
                const at::Tensor& scales, const c10::optional<at::Tensor>& bias, int64_t isa_cap,
                int64_t activation_group) {
